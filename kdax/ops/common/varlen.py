@@ -1,0 +1,91 @@
+"""Chunk layout for fixed-length batches and packed variable-length sequences.
+
+Every chunked backend works on a padded token axis of ``n_chunks * chunk_size`` slots
+in which each sequence starts on a chunk boundary, so no chunk mixes two sequences.
+Sequence boundaries (``cu_seqlens``) may be traced; only their number ``N`` is static,
+so the padded length is the static bound ``sum(ceil(L_n / C)) <= (T + N (C - 1)) // C``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class ChunkLayout(NamedTuple):
+    """Where tokens sit in the padded chunk axis. ``N`` sequences, ``NC`` chunks."""
+
+    slot_token: jax.Array | None  # [NC * C] int32 packed token index of each slot, or None (plain padding)
+    slot_valid: jax.Array | None  # [NC * C] bool, slot holds a real token
+    token_slot: jax.Array | None  # [T] int32 slot of each token
+    chunk_seq: jax.Array  # [NC] int32 sequence of each chunk
+    chunk_first: jax.Array  # [NC] bool, chunk starts its sequence (state resets to h0)
+    chunk_last: jax.Array  # [NC] bool, chunk ends its sequence (its end state is final)
+    seq_first: jax.Array  # [N] int32 first chunk of each sequence
+    seq_last: jax.Array  # [N] int32 last chunk of each sequence
+    seq_empty: jax.Array  # [N] bool, sequence has no tokens
+    chunk_size: int
+    num_tokens: int
+
+    @property
+    def n_chunks(self) -> int:
+        return self.chunk_seq.shape[0]
+
+    def pack(self, x: jax.Array) -> jax.Array:
+        """[B, T, ...] -> [B, NC * C, ...], zeros in padding slots."""
+        if self.slot_token is None:
+            pad = self.n_chunks * self.chunk_size - self.num_tokens
+            return jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        mask = self.slot_valid.reshape((1, -1) + (1,) * (x.ndim - 2))
+        return jnp.where(mask, jnp.take(x, self.slot_token, axis=1), jnp.zeros((), x.dtype))
+
+    def unpack(self, x: jax.Array) -> jax.Array:
+        """[B, NC * C, ...] -> [B, T, ...]."""
+        if self.token_slot is None:
+            return x[:, : self.num_tokens]
+        return jnp.take(x, self.token_slot, axis=1)
+
+
+def chunk_layout(num_tokens: int, chunk_size: int, cu_seqlens: jax.Array | None = None) -> ChunkLayout:
+    """Layout of ``num_tokens`` tokens in chunks of ``chunk_size``.
+
+    Without ``cu_seqlens``: one sequence per batch row, padded at the end.
+    With ``cu_seqlens`` [N + 1] (B must be 1): N packed sequences, each padded to chunks.
+    """
+    T, C = num_tokens, chunk_size
+    i32 = jnp.int32
+    if cu_seqlens is None:
+        NC = max(1, -(-T // C))
+        c = jnp.arange(NC, dtype=i32)
+        zero = jnp.zeros((1,), i32)
+        return ChunkLayout(
+            None, None, None, jnp.zeros((NC,), i32), c == 0, c == NC - 1,
+            zero, zero + (NC - 1), jnp.full((1,), T == 0), C, T,
+        )  # fmt: skip
+    cu = cu_seqlens.astype(i32)
+    N = cu.shape[0] - 1
+    NC = max(1, (T + N * (C - 1)) // C)
+    lengths = cu[1:] - cu[:-1]  # [N]
+    n_seq_chunks = (lengths + C - 1) // C  # [N]
+    chunk_end = jnp.cumsum(n_seq_chunks)  # [N] exclusive end chunk of each sequence
+    chunk_start = chunk_end - n_seq_chunks  # [N]
+    c = jnp.arange(NC, dtype=i32)
+    # Sequence of each chunk; chunks past the last sequence get N - 1 and hold no tokens.
+    chunk_seq = jnp.minimum(jnp.searchsorted(chunk_end, c, side="right"), N - 1).astype(i32)
+    used = c < chunk_end[-1]
+    chunk_first = used & (c == chunk_start[chunk_seq])
+    chunk_last = used & (c == chunk_end[chunk_seq] - 1)
+    s = jnp.arange(NC * C, dtype=i32)
+    seq_of_slot = chunk_seq[s // C]
+    pos = s - chunk_start[seq_of_slot] * C  # position of the slot inside its sequence
+    slot_valid = (pos < lengths[seq_of_slot]) & used[s // C]
+    slot_token = jnp.where(slot_valid, cu[seq_of_slot] + pos, 0)
+    t = jnp.arange(T, dtype=i32)
+    seq_of_token = jnp.searchsorted(cu[1:], t, side="right").astype(i32)
+    token_slot = chunk_start[seq_of_token] * C + t - cu[seq_of_token]
+    return ChunkLayout(
+        slot_token, slot_valid, token_slot, chunk_seq, chunk_first, chunk_last,
+        chunk_start, jnp.maximum(chunk_end - 1, 0), lengths == 0, C, T,
+    )  # fmt: skip

@@ -1,0 +1,1 @@
+"""Kimi Delta Attention: references, gate, XLA chunked and recurrent paths, public API."""

@@ -1,0 +1,56 @@
+"""The element-wise parts of KDA that run before the recurrence: gate, L2 norm, beta.
+
+All three are plain differentiable jnp; every backend applies them the same way, so
+gradients with respect to ``A_log`` and ``dt_bias`` come from ordinary autodiff.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+L2NORM_EPS = 1e-6
+
+
+def _f32(x: jax.Array) -> jax.Array:
+    """Promote to at least float32 (float64 stays float64)."""
+    return x.astype(jnp.promote_types(x.dtype, jnp.float32))
+
+
+def kda_gate(
+    g: jax.Array,
+    A_log: jax.Array | None = None,
+    dt_bias: jax.Array | None = None,
+    lower_bound: float | None = None,
+) -> jax.Array:
+    """Log-space KDA decay from raw gate logits, in float32 (or float64).
+
+    g: [..., HV, K] raw logits; A_log: [HV]; dt_bias: [HV * K].
+
+    Without ``lower_bound``: ``-exp(A_log)[h] * softplus(g + dt_bias)`` (needs A_log).
+    With ``lower_bound`` (< 0): ``lower_bound * sigmoid(exp(A_log)[h] * (g + dt_bias))``,
+    or ``lower_bound * sigmoid(g + dt_bias)`` when ``A_log`` is None.
+    """
+    HV, K = g.shape[-2:]
+    x = _f32(g)
+    if dt_bias is not None:
+        x = x + _f32(dt_bias).reshape(HV, K)
+    if lower_bound is None:
+        if A_log is None:
+            raise ValueError("kda_gate: A_log is required unless lower_bound is given")
+        return -jnp.exp(_f32(A_log)).reshape(HV, 1) * jax.nn.softplus(x)
+    if A_log is not None:
+        x = jnp.exp(_f32(A_log)).reshape(HV, 1) * x
+    return lower_bound * jax.nn.sigmoid(x)
+
+
+def l2norm(x: jax.Array, axis: int = -1) -> jax.Array:
+    """``x / sqrt(sum(x**2) + 1e-6)`` along ``axis``, computed in float32, returned in x's dtype."""
+    xf = _f32(x)
+    return (xf * jax.lax.rsqrt(jnp.sum(xf * xf, axis=axis, keepdims=True) + L2NORM_EPS)).astype(x.dtype)
+
+
+def beta_activation(beta: jax.Array, allow_neg_eigval: bool = False) -> jax.Array:
+    """``sigmoid(beta)``, or ``2 * sigmoid(beta)`` in [0, 2) when ``allow_neg_eigval``."""
+    b = jax.nn.sigmoid(_f32(beta))
+    return 2.0 * b if allow_neg_eigval else b

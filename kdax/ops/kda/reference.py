@@ -1,0 +1,149 @@
+"""Pure-jnp KDA references: the recurrence token by token, and the plain chunked form.
+
+These are the gold standard the fast paths are tested against. They compute in
+float32, or in float64 when given float64 inputs (enable ``jax_enable_x64``). With
+``cu_seqlens`` they run each sequence separately, so ``cu_seqlens`` must be concrete
+(a NumPy array or a committed jax array, not a tracer).
+
+Shapes: q, k [B, T, H, K]; v [B, T, HV, V]; g [B, T, HV, K] (log-space decay);
+beta [B, T, HV]; initial_state [N, HV, K, V]; o [B, T, HV, V]; state [N, HV, K, V].
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+_HI = lax.Precision.HIGHEST
+
+
+def _prepare(q, k, v, g, beta, scale):
+    """Cast to the compute dtype, repeat q/k over value-head groups, apply the scale."""
+    dt = jnp.promote_types(q.dtype, jnp.float32)
+    q, k, v, g, beta = (x.astype(dt) for x in (q, k, v, g, beta))
+    groups = v.shape[2] // q.shape[2]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    q = jnp.repeat(q, groups, axis=2) * scale
+    k = jnp.repeat(k, groups, axis=2)
+    return q, k, v, g, beta
+
+
+def _recurrent_one(q, k, v, g, beta, S):
+    """One batch of equal-length sequences. q, k, g: [B, T, HV, K]; S: [B, HV, K, V]."""
+
+    def step(S, xs):
+        q_t, k_t, v_t, g_t, b_t = xs  # [B, HV, K], [B, HV, K], [B, HV, V], [B, HV, K], [B, HV]
+        S = S * jnp.exp(g_t)[..., None]
+        pred = jnp.einsum("bhk,bhkv->bhv", k_t, S, precision=_HI)
+        S = S + jnp.einsum("bhk,bhv->bhkv", b_t[..., None] * k_t, v_t - pred, precision=_HI)
+        o_t = jnp.einsum("bhk,bhkv->bhv", q_t, S, precision=_HI)
+        return S, o_t
+
+    xs = tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, beta))
+    S, o = lax.scan(step, S, xs)
+    return jnp.moveaxis(o, 0, 1), S
+
+
+def _chunk_one(q, k, v, g, beta, S, chunk_size):
+    """Plain chunked form: WY representation, pairwise gate differences, triangular solve."""
+    B, T, HV, K = k.shape
+    C = chunk_size
+    pad = -T % C
+    widths = ((0, 0), (0, pad), (0, 0), (0, 0))
+    q, k, v, g = (jnp.pad(x, widths) for x in (q, k, v, g))
+    beta = jnp.pad(beta, widths[:3])
+    n = (T + pad) // C
+    # [n, B, HV, C, D]
+    q, k, v, g = (x.reshape(B, n, C, HV, -1).transpose(1, 0, 3, 2, 4) for x in (q, k, v, g))
+    beta = beta.reshape(B, n, C, HV).transpose(1, 0, 3, 2)
+    G = jnp.cumsum(g, axis=-2)
+    incl = jnp.tril(jnp.ones((C, C), bool))
+    # exp(G_i - G_j) for j <= i, exactly, as a [C, C, K] tensor per chunk.
+    diff = G[..., :, None, :] - G[..., None, :, :]
+    decay = jnp.exp(jnp.where(incl[:, :, None], diff, -jnp.inf))
+    Akk = jnp.einsum("...ik,...jk,...ijk->...ij", k, k, decay, precision=_HI)
+    Akk = beta[..., :, None] * jnp.where(jnp.tril(incl, -1), Akk, 0.0)
+    Aqk = jnp.einsum("...ik,...jk,...ijk->...ij", q, k, decay, precision=_HI)
+    eye = jnp.eye(C, dtype=k.dtype)
+    rhs = jnp.concatenate([beta[..., None] * k * jnp.exp(G), beta[..., None] * v], -1)
+    wu = jax.scipy.linalg.solve_triangular(eye + Akk, rhs, lower=True)
+    w, u = wu[..., :K], wu[..., K:]
+
+    def step(S, xs):
+        q_c, k_c, G_c, w_c, u_c, Aqk_c = xs
+        v_new = u_c - jnp.einsum("bhck,bhkv->bhcv", w_c, S, precision=_HI)
+        o_c = jnp.einsum("bhck,bhkv->bhcv", q_c * jnp.exp(G_c), S, precision=_HI)
+        o_c = o_c + jnp.einsum("bhij,bhjv->bhiv", Aqk_c, v_new, precision=_HI)
+        G_end = G_c[..., -1, :]
+        k_dec = k_c * jnp.exp(G_end[..., None, :] - G_c)
+        S = S * jnp.exp(G_end)[..., None] + jnp.einsum("bhck,bhcv->bhkv", k_dec, v_new, precision=_HI)
+        return S, o_c
+
+    S, o = lax.scan(step, S, (q, k, G, w, u, Aqk))
+    o = o.transpose(1, 0, 3, 2, 4).reshape(B, n * C, HV, -1)[:, :T]
+    return o, S
+
+
+def _run(one: Callable, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
+    out_dtype = q.dtype
+    q, k, v, g, beta = _prepare(q, k, v, g, beta, scale)
+    B, T, HV, K = k.shape
+    V = v.shape[-1]
+    if cu_seqlens is None:
+        S0 = jnp.zeros((B, HV, K, V), q.dtype) if initial_state is None else initial_state.astype(q.dtype)
+        o, S = one(q, k, v, g, beta, S0)
+    else:
+        bounds = np.asarray(cu_seqlens)  # the reference needs concrete sequence boundaries
+        outs, states = [], []
+        for n in range(len(bounds) - 1):
+            a, b = int(bounds[n]), int(bounds[n + 1])
+            S0 = (
+                jnp.zeros((1, HV, K, V), q.dtype)
+                if initial_state is None
+                else initial_state[n : n + 1].astype(q.dtype)
+            )
+            if b > a:
+                o_n, S0 = one(*(x[:, a:b] for x in (q, k, v, g, beta)), S0)
+                outs.append(o_n)
+            states.append(S0)
+        o = jnp.concatenate(outs, axis=1) if outs else jnp.zeros((1, 0, HV, V), q.dtype)
+        S = jnp.concatenate(states, axis=0)
+    return o.astype(out_dtype), (S if output_final_state else None)
+
+
+def naive_recurrent_kda(
+    q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None
+):
+    """KDA by the token-by-token recurrence of SPEC.md (``lax.scan`` over time).
+
+    Returns ``(o [B, T, HV, V] in q's dtype, final_state [N, HV, K, V] or None)``.
+    """
+    return _run(_recurrent_one, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
+
+
+def naive_chunk_kda(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    *,
+    scale=None,
+    initial_state=None,
+    output_final_state=False,
+    cu_seqlens=None,
+    chunk_size=64,
+):
+    """KDA by the plain chunked algorithm: pairwise ``exp(G_i - G_j)``, exact triangular solve.
+
+    Same contract as :func:`naive_recurrent_kda`; memory grows as ``C * C * K`` per chunk.
+    """
+
+    def one(q, k, v, g, beta, S):
+        return _chunk_one(q, k, v, g, beta, S, chunk_size)
+
+    return _run(one, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
