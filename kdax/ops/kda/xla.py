@@ -3,12 +3,12 @@
 Per chunk of C tokens (G = in-chunk cumulative log2 gate, r = reference rows):
   Aqk[i, j] = sum_d q_id k_jd 2^(G_id - G_jd)       (j <= i)
   Akk[i, j] = beta_i sum_d k_id k_jd 2^(G_id - G_jd)  (j < i)
-  (I + Akk) [w u] = [beta k 2^G, beta v]              (exact triangular solve)
+  [w u] = (I + Akk)^-1 [beta k 2^G, beta v]           (exact block inverse)
   v_new = u - w S;  o = (q 2^G) S + Aqk v_new;  S' = 2^G_C S + (k 2^(G_C - G))^T v_new
-The pairwise matrices come from matmuls: off-diagonal sub-blocks factor the decay as
-2^(G_i - G_r) 2^(G_r - G_j) around the first row r of the row's sub-block (both
-factors <= 1); diagonal sub-blocks use exact pairwise differences. No 2^(-G) is ever
-formed, so cumulative gates far below -88 (natural log) are safe. See docs/kda_xla.md.
+The pairwise matrices come from small matmuls over dyadic blocks: each pair (i, j)
+factors its decay as 2^(G_i - G_r) 2^(G_r - G_j) around the middle row r of the
+smallest dyadic block holding both, so every factor is <= 1. No 2^(-G) is ever formed
+and cumulative gates far below -88 (natural log) are safe. See docs/kda_xla.md.
 """
 
 from __future__ import annotations
@@ -18,69 +18,121 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
+from kdax.ops.common.triangular import unit_lower_inverse
 from kdax.ops.common.varlen import ChunkLayout
 
 LOG2E = 1.4426950408889634
-SUB_BLOCK = 16  # diagonal sub-block size of the pairwise matrices
 
 
 def _mm(eq: str, *xs: jax.Array) -> jax.Array:
     return jnp.einsum(eq, *xs, precision=lax.Precision.HIGHEST)
 
 
+def _cumsum(x: jax.Array, reverse: bool = False) -> jax.Array:
+    """Inclusive (or reverse) cumulative sum over axis -2 as a matmul with a triangular ones matrix."""
+    C = x.shape[-2]
+    ones = jnp.tril(jnp.ones((C, C), x.dtype))
+    return _mm("ji,...jk->...ik" if reverse else "ij,...jk->...ik", ones, x)
+
+
 class _PairFactors(NamedTuple):
-    """Decay factors for pairwise matrices of one chunk; n = C // c sub-blocks of c rows."""
+    """Decay factors of one chunk's pairwise matrices, one entry per dyadic level.
 
-    left: jax.Array  # [..., n, c, K] 2^(G_i - G_r(i)), <= 1
-    right: jax.Array  # [..., n, C, K] 2^(G_rI - G_j) for j < r_I (clamped to <= 1 elsewhere)
-    diag: jax.Array  # [..., n, c, c, K] 2^(G_i - G_j) for j <= i inside a sub-block, else 0
-    off_mask: jax.Array  # [n, c, C] j lies in an earlier sub-block than i
+    At level s (s = C, C/2, ..., 2) the chunk splits into C/s blocks of s rows; every
+    pair (i in the lower half, j in the upper half of a block) factors its decay around
+    the block's middle row r as 2^(G_i - G_r) 2^(G_r - G_j), both factors <= 1. Each
+    strictly-lower pair belongs to exactly one level, so the levels tile the triangle.
+    """
 
-
-def _pair_factors(G: jax.Array, c: int) -> _PairFactors:
-    C, K = G.shape[-2:]
-    n = C // c
-    Gb = G.reshape(G.shape[:-2] + (n, c, K))
-    Gr = Gb[..., :, :1, :]  # [..., n, 1, K] reference row of each sub-block
-    left = jnp.exp2(Gb - Gr)
-    right = jnp.exp2(jnp.minimum(Gr - G[..., None, :, :], 0.0))
-    tri = jnp.tril(jnp.ones((c, c), bool))[:, :, None]
-    diag = jnp.exp2(jnp.where(tri, Gb[..., :, :, None, :] - Gb[..., :, None, :, :], -jnp.inf))
-    rows = jnp.arange(C).reshape(n, c, 1)
-    off_mask = jnp.arange(C)[None, None, :] < (rows // c) * c
-    return _PairFactors(left, right, diag, off_mask)
+    lower: tuple[jax.Array, ...]  # per level: [..., C/s, s/2, K] 2^(G_i - G_r), lower-half rows
+    upper: tuple[jax.Array, ...]  # per level: [..., C/s, s/2, K] 2^(G_r - G_j), upper-half rows
 
 
-def _pairs(x: jax.Array, y: jax.Array, P: _PairFactors) -> jax.Array:
-    """M[i, j] = sum_d x_id y_jd 2^(G_id - G_jd) for j <= i, else 0. x, y: [..., C, K] -> [..., C, C]."""
-    n, c, K = P.left.shape[-3:]
-    C = n * c
-    xb = x.reshape(x.shape[:-2] + (n, c, K))
-    yb = y.reshape(y.shape[:-2] + (n, c, K))
-    off = _mm("...Iik,...Ijk->...Iij", xb * P.left, y[..., None, :, :] * P.right)  # [..., n, c, C]
-    off = jnp.where(P.off_mask, off, 0.0)
-    diag = _mm("...Iik,...Ijk,...Iijk->...Iij", xb, yb, P.diag)  # [..., n, c, c]
-    diag = diag[..., :, :, None, :] * jnp.eye(n, dtype=diag.dtype)[:, None, :, None]
-    return (off + diag.reshape(off.shape)).reshape(x.shape[:-2] + (C, C))
+def _levels(C: int) -> list[int]:
+    return [C >> i for i in range(C.bit_length() - 1)]  # C, C/2, ..., 2
 
 
-def _pairs_vjp(dM: jax.Array, x: jax.Array, y: jax.Array, P: _PairFactors):
-    """Cotangents (dx, dy) of :func:`_pairs` for a masked dM [..., C, C].
+def _halves(x: jax.Array, s: int) -> tuple[jax.Array, jax.Array]:
+    """[..., C, K] -> lower and upper halves of each s-block, both [..., C/s, s/2, K]."""
+    C, K = x.shape[-2:]
+    xb = x.reshape(x.shape[:-2] + (C // s, 2, s // 2, K))
+    return xb[..., 1, :, :], xb[..., 0, :, :]
 
-    The gate cotangent follows as x * dx - y * dy (natural-log units)."""
-    n, c, K = P.left.shape[-3:]
-    bshape = x.shape[:-2] + (n, c, K)
-    xb, yb = x.reshape(bshape), y.reshape(bshape)
-    dMo = jnp.where(P.off_mask, dM.reshape(dM.shape[:-2] + (n, c, n * c)), 0.0)  # [..., n, c, C]
-    dx = _mm("...Iij,...Ijk->...Iik", dMo, y[..., None, :, :] * P.right) * P.left
-    dy = jnp.sum(_mm("...Iij,...Iik->...Ijk", dMo, xb * P.left) * P.right, axis=-3)
-    dMd = dM.reshape(dM.shape[:-2] + (n, c, n, c))
-    dMd = jnp.moveaxis(jnp.diagonal(dMd, axis1=-4, axis2=-2), -1, -3)  # [..., n, c, c]
-    dx = dx + _mm("...Iij,...Ijk,...Iijk->...Iik", dMd, yb, P.diag)
-    dy = dy + _mm("...Iij,...Iik,...Iijk->...Ijk", dMd, xb, P.diag).reshape(y.shape)
-    return dx.reshape(x.shape), dy
+
+def _join(lo: jax.Array | None, up: jax.Array | None, like: jax.Array) -> jax.Array:
+    """Inverse of :func:`_halves` with a missing half filled by zeros -> [..., C, K]."""
+    z = jnp.zeros_like(lo if up is None else up)
+    return jnp.stack([z if up is None else up, z if lo is None else lo], axis=-3).reshape(like.shape)
+
+
+@functools.lru_cache(maxsize=None)
+def _tables(C: int) -> tuple[np.ndarray, np.ndarray]:
+    """Map between the concatenated level values and the C x C matrix.
+
+    Returns (gather [C, C]: index into the values, or P for entries on or above the
+    diagonal; flat [P]: row * C + col of each value), P = C (C - 1) / 2."""
+    rows, cols = [], []
+    for s in _levels(C):
+        b, i, j = np.meshgrid(np.arange(C // s), np.arange(s // 2), np.arange(s // 2), indexing="ij")
+        rows.append((b * s + s // 2 + i).ravel())
+        cols.append((b * s + j).ravel())
+    rows, cols = np.concatenate(rows), np.concatenate(cols)
+    P = rows.size
+    gather = np.full((C, C), P, np.int32)
+    gather[rows, cols] = np.arange(P, dtype=np.int32)
+    return gather, (rows * C + cols).astype(np.int32)
+
+
+def _pair_factors(G: jax.Array) -> _PairFactors:
+    lower, upper = [], []
+    for s in _levels(G.shape[-2]):
+        G_lo, G_up = _halves(G, s)
+        G_r = G_lo[..., :1, :]
+        lower.append(jnp.exp2(G_lo - G_r))
+        upper.append(jnp.exp2(G_r - G_up))
+    return _PairFactors(tuple(lower), tuple(upper))
+
+
+def _pairs(x: jax.Array, y: jax.Array, P: _PairFactors, inclusive: bool) -> jax.Array:
+    """M[i, j] = sum_d x_id y_jd 2^(G_id - G_jd) for j < i (j <= i if inclusive), else 0.
+
+    x, y: [..., C, K] -> [..., C, C]."""
+    C = x.shape[-2]
+    vals = []
+    for s, el, eu in zip(_levels(C), P.lower, P.upper):
+        x_lo, _ = _halves(x, s)
+        _, y_up = _halves(y, s)
+        vals.append(_mm("...bik,...bjk->...bij", x_lo * el, y_up * eu).reshape(x.shape[:-2] + (-1,)))
+    vals.append(jnp.zeros(x.shape[:-2] + (1,), x.dtype))
+    M = jnp.take(jnp.concatenate(vals, axis=-1), _tables(C)[0], axis=-1)
+    if inclusive:
+        M = M + _mm("...ck,...ck->...c", x, y)[..., None] * jnp.eye(C, dtype=x.dtype)
+    return M
+
+
+def _pairs_vjp(dM: jax.Array, x: jax.Array, y: jax.Array, P: _PairFactors, inclusive: bool):
+    """Cotangents (dx, dy) of :func:`_pairs` for a dM [..., C, C] masked like M.
+
+    The cotangent of the cumulative gate follows as x * dx - y * dy (natural-log units)."""
+    C = x.shape[-2]
+    dvals = jnp.take(dM.reshape(dM.shape[:-2] + (C * C,)), _tables(C)[1], axis=-1)
+    dx = dy = 0.0
+    start = 0
+    for s, el, eu in zip(_levels(C), P.lower, P.upper):
+        size = (C // s) * (s // 2) ** 2
+        dV = dvals[..., start : start + size].reshape(el.shape[:-1] + (s // 2,))  # [..., C/s, s/2, s/2]
+        start += size
+        x_lo, _ = _halves(x, s)
+        _, y_up = _halves(y, s)
+        dx = dx + _join(_mm("...bij,...bjk->...bik", dV, y_up * eu) * el, None, x)
+        dy = dy + _join(None, _mm("...bij,...bik->...bjk", dV, x_lo * el) * eu, y)
+    if inclusive:
+        d = jnp.diagonal(dM, axis1=-2, axis2=-1)[..., None]
+        dx, dy = dx + d * y, dy + d * x
+    return dx, dy
 
 
 class _Intra(NamedTuple):
@@ -90,6 +142,7 @@ class _Intra(NamedTuple):
     G: jax.Array  # [..., C, K] cumulative log2 gate
     Aqk: jax.Array  # [..., C, C] inclusive lower
     Kkk: jax.Array  # [..., C, C] strictly lower, before beta
+    T: jax.Array  # [..., C, C] (I + beta Kkk)^-1
     w: jax.Array  # [..., C, K]
     u: jax.Array  # [..., C, V]
     q_g: jax.Array  # [..., C, K] q 2^G
@@ -98,21 +151,21 @@ class _Intra(NamedTuple):
     decay: jax.Array  # [..., K] 2^G_C
 
 
-def _intra(q, k, v, g, beta, sub_block) -> _Intra:
+def _intra(q, k, v, g, beta) -> _Intra:
     """q, k, g: [..., C, K]; v: [..., C, V]; beta: [..., C]."""
     C, K = k.shape[-2:]
-    G = jnp.cumsum(g * LOG2E, axis=-2)
-    P = _pair_factors(G, min(sub_block, C))
-    Aqk = _pairs(q, k, P)
-    Kkk = jnp.where(jnp.tril(jnp.ones((C, C), bool), -1), _pairs(k, k, P), 0.0)
+    G = _cumsum(g * LOG2E)
+    P = _pair_factors(G)
+    Aqk = _pairs(q, k, P, inclusive=True)
+    Kkk = _pairs(k, k, P, inclusive=False)
     eG = jnp.exp2(G)
     k_g = k * eG
     rhs = jnp.concatenate([beta[..., None] * k_g, beta[..., None] * v], axis=-1)
-    Akk = beta[..., :, None] * Kkk
-    wu = lax.linalg.triangular_solve(Akk, rhs, left_side=True, lower=True, unit_diagonal=True)
+    T = unit_lower_inverse(beta[..., :, None] * Kkk)
+    wu = _mm("...ij,...je->...ie", T, rhs)
     G_end = G[..., -1:, :]
     return _Intra(
-        P, G, Aqk, Kkk, wu[..., :K], wu[..., K:], q * eG, k_g, k * jnp.exp2(G_end - G), jnp.exp2(G_end[..., 0, :])
+        P, G, Aqk, Kkk, T, wu[..., :K], wu[..., K:], q * eG, k_g, k * jnp.exp2(G_end - G), jnp.exp2(G_end[..., 0, :])
     )
 
 
@@ -138,10 +191,10 @@ def _final_states(S_in, I: _Intra, v_new, lay):
     return jnp.where(seq_empty[None, :, None, None, None], h0, S)
 
 
-def _forward(q, k, v, g, beta, lay, sub_block):
+def _forward(q, k, v, g, beta, lay):
     """Chunked inputs [NC, B, HV, C, *]; h0 in lay: [B, N, HV, K, V]."""
     chunk_seq, chunk_first, _, _, _, _, h0 = lay
-    I = _intra(q, k, v, g, beta, sub_block)
+    I = _intra(q, k, v, g, beta)
 
     def step(S, xs):
         w, u, k_d, decay, first, seq = xs  # [B, HV, C, K], ..., [B, HV, K], (), ()
@@ -156,10 +209,10 @@ def _forward(q, k, v, g, beta, lay, sub_block):
     return o, _final_states(S_in, I, v_new, lay), S_in
 
 
-def _backward(q, k, v, g, beta, lay, S_in, do, dfinal, sub_block):
+def _backward(q, k, v, g, beta, lay, S_in, do, dfinal):
     chunk_seq, _, chunk_last, seq_first, _, seq_empty, h0 = lay
     C = k.shape[-2]
-    I = _intra(q, k, v, g, beta, sub_block)
+    I = _intra(q, k, v, g, beta)
     v_new = I.u - _mm("...ck,...kv->...cv", I.w, S_in)
     dv_new_o = _mm("...ij,...iv->...jv", I.Aqk, do)  # [NC, B, HV, C, V]
     dS_o = _mm("...ck,...cv->...kv", I.q_g, do)  # [NC, B, HV, K, V]
@@ -186,49 +239,47 @@ def _backward(q, k, v, g, beta, lay, S_in, do, dfinal, sub_block):
     dAqk = jnp.where(jnp.tril(jnp.ones((C, C), bool)), _mm("...iv,...jv->...ij", do, v_new), 0.0)
     dk_d = _mm("...cv,...kv->...ck", v_new, dS_next)
     dw = -_mm("...cv,...kv->...ck", dv_new, S_in)
-    ddecay = I.decay * jnp.sum(S_in * dS_next, axis=-1)  # [..., K] natural-log units
+    ddecay = I.decay * _mm("...kv,...kv->...k", S_in, dS_next)  # [..., K] natural-log units
     # (I + Akk) [w u] = [beta k_g, beta v]  =>  d[beta k_g, beta v] = (I + Akk)^-T [dw du]
     dwu = jnp.concatenate([dw, dv_new], axis=-1)
-    drhs = lax.linalg.triangular_solve(
-        beta[..., :, None] * I.Kkk, dwu, left_side=True, lower=True, transpose_a=True, unit_diagonal=True
-    )
+    drhs = _mm("...ji,...je->...ie", I.T, dwu)
     K = k.shape[-1]
     dbk_g, dbv = drhs[..., :K], drhs[..., K:]
     wu = jnp.concatenate([I.w, I.u], axis=-1)
     dAkk = jnp.where(jnp.tril(jnp.ones((C, C), bool), -1), -_mm("...ie,...je->...ij", drhs, wu), 0.0)
-    dbeta = jnp.sum(v * dbv, -1) + jnp.sum(I.k_g * dbk_g, -1) + jnp.sum(dAkk * I.Kkk, -1)
+    dbeta = _mm("...cv,...cv->...c", v, dbv) + _mm("...ck,...ck->...c", I.k_g, dbk_g)
+    dbeta = dbeta + _mm("...ij,...ij->...i", dAkk, I.Kkk)
     dv = beta[..., None] * dbv
     dk_g = beta[..., None] * dbk_g
     dKkk = beta[..., :, None] * dAkk
 
-    dq_p, dk_p = _pairs_vjp(dAqk, q, k, I.P)
-    dk_x, dk_y = _pairs_vjp(dKkk, k, k, I.P)
+    dq_p, dk_p = _pairs_vjp(dAqk, q, k, I.P, inclusive=True)
+    dk_x, dk_y = _pairs_vjp(dKkk, k, k, I.P, inclusive=False)
     eG = jnp.exp2(I.G)
     dq = eG * dq_g + dq_p
     dk = eG * dk_g + jnp.exp2(I.G[..., -1:, :] - I.G) * dk_d + dk_p + dk_x + dk_y
     # Cotangent of the cumulative gate G (natural-log units), then of g by a reverse cumsum.
-    kd_dkd = I.k_d * dk_d
-    dG = I.q_g * dq_g + I.k_g * dk_g - kd_dkd + q * dq_p - k * dk_p + k * dk_x - k * dk_y
-    dG = dG.at[..., -1, :].add(jnp.sum(kd_dkd, axis=-2) + ddecay)
-    dg = jnp.flip(jnp.cumsum(jnp.flip(dG, -2), axis=-2), -2)
+    dG = I.q_g * dq_g + I.k_g * dk_g - I.k_d * dk_d + q * dq_p - k * dk_p + k * dk_x - k * dk_y
+    dG = dG.at[..., -1, :].add(_mm("...ck,...ck->...k", I.k_d, dk_d) + ddecay)
+    dg = _cumsum(dG, reverse=True)
     return dq, dk, dv, dg, dbeta, dh0
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _chunk_core(q, k, v, g, beta, lay, sub_block):
-    o, final, _ = _forward(q, k, v, g, beta, lay, sub_block)
+@jax.custom_vjp
+def _chunk_core(q, k, v, g, beta, lay):
+    o, final, _ = _forward(q, k, v, g, beta, lay)
     return o, final
 
 
-def _chunk_core_fwd(q, k, v, g, beta, lay, sub_block):
-    o, final, S_in = _forward(q, k, v, g, beta, lay, sub_block)
+def _chunk_core_fwd(q, k, v, g, beta, lay):
+    o, final, S_in = _forward(q, k, v, g, beta, lay)
     return (o, final), (q, k, v, g, beta, lay, S_in)
 
 
-def _chunk_core_bwd(sub_block, res, cts):
+def _chunk_core_bwd(res, cts):
     q, k, v, g, beta, lay, S_in = res
     do, dfinal = cts
-    dq, dk, dv, dg, dbeta, dh0 = _backward(q, k, v, g, beta, lay, S_in, do, dfinal, sub_block)
+    dq, dk, dv, dg, dbeta, dh0 = _backward(q, k, v, g, beta, lay, S_in, do, dfinal)
     dlay = tuple(None for _ in lay[:-1]) + (dh0,)
     return dq, dk, dv, dg, dbeta, dlay
 
@@ -236,7 +287,7 @@ def _chunk_core_bwd(sub_block, res, cts):
 _chunk_core.defvjp(_chunk_core_fwd, _chunk_core_bwd)
 
 
-def chunk_kda_xla(q, k, v, g, beta, h0, layout: ChunkLayout, sub_block: int = SUB_BLOCK):
+def chunk_kda_xla(q, k, v, g, beta, h0, layout: ChunkLayout):
     """Core chunked KDA on prepared inputs.
 
     q, k: [B, T, HV, K] (q already scaled, both repeated to HV heads); v: [B, T, HV, V];
@@ -246,5 +297,5 @@ def chunk_kda_xla(q, k, v, g, beta, h0, layout: ChunkLayout, sub_block: int = SU
     C = layout.chunk_size
     xs = tuple(_to_chunks(layout.pack(x), C) for x in (q, k, v, g, beta))
     lay = (*layout[3:9], h0)
-    o, final = _chunk_core(*xs, lay, sub_block)
+    o, final = _chunk_core(*xs, lay)
     return layout.unpack(_from_chunks(o)), final
