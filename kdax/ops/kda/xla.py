@@ -13,7 +13,6 @@ and cumulative gates far below -88 (natural log) are safe. See docs/kda_xla.md.
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import jax
@@ -68,24 +67,6 @@ def _join(lo: jax.Array | None, up: jax.Array | None, like: jax.Array) -> jax.Ar
     return jnp.stack([z if up is None else up, z if lo is None else lo], axis=-3).reshape(like.shape)
 
 
-@functools.lru_cache(maxsize=None)
-def _tables(C: int) -> tuple[np.ndarray, np.ndarray]:
-    """Map between the concatenated level values and the C x C matrix.
-
-    Returns (gather [C, C]: index into the values, or P for entries on or above the
-    diagonal; flat [P]: row * C + col of each value), P = C (C - 1) / 2."""
-    rows, cols = [], []
-    for s in _levels(C):
-        b, i, j = np.meshgrid(np.arange(C // s), np.arange(s // 2), np.arange(s // 2), indexing="ij")
-        rows.append((b * s + s // 2 + i).ravel())
-        cols.append((b * s + j).ravel())
-    rows, cols = np.concatenate(rows), np.concatenate(cols)
-    P = rows.size
-    gather = np.full((C, C), P, np.int32)
-    gather[rows, cols] = np.arange(P, dtype=np.int32)
-    return gather, (rows * C + cols).astype(np.int32)
-
-
 def _pair_factors(G: jax.Array) -> _PairFactors:
     lower, upper = [], []
     for s in _levels(G.shape[-2]):
@@ -99,15 +80,24 @@ def _pair_factors(G: jax.Array) -> _PairFactors:
 def _pairs(x: jax.Array, y: jax.Array, P: _PairFactors, inclusive: bool) -> jax.Array:
     """M[i, j] = sum_d x_id y_jd 2^(G_id - G_jd) for j < i (j <= i if inclusive), else 0.
 
-    x, y: [..., C, K] -> [..., C, C]."""
+    x: [..., C, K] (may carry extra leading axes, e.g. q and k stacked); y: [..., C, K].
+    Returns [..., C, C]. Built bottom-up: the diagonal blocks of size s are
+    [[M_s/2, 0], [Q_s, M_s/2]] with Q_s the level-s matmul."""
     C = x.shape[-2]
-    vals = []
-    for s, el, eu in zip(_levels(C), P.lower, P.upper):
+    M = None
+    for s, el, eu in reversed(list(zip(_levels(C), P.lower, P.upper))):
         x_lo, _ = _halves(x, s)
         _, y_up = _halves(y, s)
-        vals.append(_mm("...bik,...bjk->...bij", x_lo * el, y_up * eu).reshape(x.shape[:-2] + (-1,)))
-    vals.append(jnp.zeros(x.shape[:-2] + (1,), x.dtype))
-    M = jnp.take(jnp.concatenate(vals, axis=-1), _tables(C)[0], axis=-1)
+        # the right operand is built K-major ([..., K, s/2]) so the matmul needs no transpose
+        y_r = jnp.swapaxes(y_up, -1, -2) * jnp.swapaxes(eu, -1, -2)
+        Q = _mm("...bik,...bkj->...bij", x_lo * el, y_r)  # [..., C/s, s/2, s/2]
+        if M is None:  # the 1 x 1 diagonal blocks; the diagonal itself is added below when inclusive
+            M = jnp.zeros(Q.shape[:-3] + (C, 1, 1), Q.dtype)
+        M_up, M_lo = M[..., 0::2, :, :], M[..., 1::2, :, :]
+        M = jnp.concatenate(
+            [jnp.concatenate([M_up, jnp.zeros_like(Q)], -1), jnp.concatenate([Q, M_lo], -1)], -2
+        )
+    M = M.reshape(Q.shape[:-3] + (C, C))
     if inclusive:
         M = M + _mm("...ck,...ck->...c", x, y)[..., None] * jnp.eye(C, dtype=x.dtype)
     return M
@@ -118,17 +108,16 @@ def _pairs_vjp(dM: jax.Array, x: jax.Array, y: jax.Array, P: _PairFactors, inclu
 
     The cotangent of the cumulative gate follows as x * dx - y * dy (natural-log units)."""
     C = x.shape[-2]
-    dvals = jnp.take(dM.reshape(dM.shape[:-2] + (C * C,)), _tables(C)[1], axis=-1)
     dx = dy = 0.0
-    start = 0
+    D = dM[..., None, :, :]  # [..., 1, C, C] diagonal blocks of the current level
     for s, el, eu in zip(_levels(C), P.lower, P.upper):
-        size = (C // s) * (s // 2) ** 2
-        dV = dvals[..., start : start + size].reshape(el.shape[:-1] + (s // 2,))  # [..., C/s, s/2, s/2]
-        start += size
+        h = s // 2
+        dQ = D[..., h:, :h]  # [..., C/s, s/2, s/2]
+        D = jnp.stack([D[..., :h, :h], D[..., h:, h:]], axis=-3).reshape(D.shape[:-3] + (C // h, h, h))
         x_lo, _ = _halves(x, s)
         _, y_up = _halves(y, s)
-        dx = dx + _join(_mm("...bij,...bjk->...bik", dV, y_up * eu) * el, None, x)
-        dy = dy + _join(None, _mm("...bij,...bik->...bjk", dV, x_lo * el) * eu, y)
+        dx = dx + _join(_mm("...bij,...bjk->...bik", dQ, y_up * eu) * el, None, x)
+        dy = dy + _join(None, _mm("...bij,...bik->...bjk", dQ, x_lo * el) * eu, y)
     if inclusive:
         d = jnp.diagonal(dM, axis1=-2, axis2=-1)[..., None]
         dx, dy = dx + d * y, dy + d * x
