@@ -121,11 +121,11 @@ def _run(core, q, k, v, g, beta, scale, initial_state, N, cu_seqlens, output_fin
     dt = jnp.promote_types(q.dtype, jnp.float32)
     scale = K**-0.5 if scale is None else scale
     groups = HV // H
-    qc = jnp.repeat(q.astype(dt) * scale, groups, axis=2)
-    kc = jnp.repeat(k.astype(dt), groups, axis=2)
-    vc, gc, bc = v.astype(dt), g.astype(dt), beta.astype(dt)
+    qc = jnp.repeat(jnp.asarray(q, dt) * scale, groups, axis=2)
+    kc = jnp.repeat(jnp.asarray(k, dt), groups, axis=2)
+    vc, gc, bc = (jnp.asarray(x, dt) for x in (v, g, beta))
     n_per_row = N // B  # 1 without cu_seqlens, N with it (B = 1)
-    h0 = jnp.zeros((N, HV, K, V), dt) if initial_state is None else initial_state.astype(dt)
+    h0 = jnp.zeros((N, HV, K, V), dt) if initial_state is None else jnp.asarray(initial_state, dt)
     o, final = core(qc, kc, vc, gc, bc, h0.reshape(B, n_per_row, HV, K, V), cu_seqlens)
     final = final.reshape(N, HV, K, V).astype(jnp.promote_types(dt, jnp.float32))
     return o.astype(q.dtype), (final if output_final_state else None)

@@ -1,0 +1,59 @@
+"""The ``kdax`` command line: ``kdax bench`` times KDA backends and prints a table."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import platform
+import sys
+
+import jax
+
+from kdax.bench import kda
+
+
+def _bench(ns: argparse.Namespace) -> int:
+    meta = {
+        "date": datetime.date.today().isoformat(),
+        "jax": jax.__version__,
+        "device": f"{jax.devices()[0].device_kind} ({platform.processor() or platform.machine()})",
+        "command": "kdax " + " ".join(sys.argv[1:]),
+    }
+    if ns.memory:
+        result = {"meta": meta, "memory": kda.peak_memory(ns.B, ns.T, ns.H, ns.K, ns.V, ns.chunk_size)}
+        print(json.dumps(result, indent=2))
+        return 0
+    rows = kda.run(ns.B, ns.T, ns.H, ns.K, ns.V, ns.dtype, ns.chunk_size, ns.backends.split(","), ns.repeats,
+                   check_error=not ns.no_error, progress=not ns.json)  # fmt: skip
+    if ns.json:
+        print(json.dumps({"meta": meta, "rows": [dataclasses.asdict(r) for r in rows]}, indent=2))
+    else:
+        print(f"# {meta['device']}, jax {meta['jax']}, {meta['date']}")
+        print(kda.format_table(rows))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kdax", description="kdax: Kimi Delta Attention for JAX")
+    sub = parser.add_subparsers(dest="command", required=True)
+    b = sub.add_parser("bench", help="time KDA backends against the naive scan, with errors vs float64")
+    b.add_argument("--B", type=int, default=1)
+    b.add_argument("--T", type=int, default=1024)
+    b.add_argument("--H", type=int, default=4)
+    b.add_argument("--K", type=int, default=64)
+    b.add_argument("--V", type=int, default=64)
+    b.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    b.add_argument("--chunk-size", type=int, default=64)
+    b.add_argument("--backends", default="xla,naive", help="comma-separated, e.g. xla,naive")
+    b.add_argument("--repeats", type=int, default=5)
+    b.add_argument("--no-error", action="store_true", help="skip the float64 reference")
+    b.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    b.add_argument("--memory", action="store_true", help="peak memory of forward+backward (default T: use --T)")
+    ns = parser.parse_args(argv)
+    return _bench(ns)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,138 @@
+"""KDA benchmark: every available backend and the naive scan on the same inputs.
+
+Times forward and forward+backward (median over repeats, after a compile-and-warm-up
+call), and the relative RMS error of each against the float64 token-by-token reference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import resource
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+import kdax
+
+GRAD_ARGS = ("q", "k", "v", "g", "beta")
+
+
+@dataclasses.dataclass
+class Row:
+    shape: str
+    backend: str
+    mode: str  # "fwd" or "fwd+bwd"
+    median_ms: float
+    speedup_vs_naive: float | None
+    rel_err: float | None  # vs float64 reference: o for fwd, worst gradient for fwd+bwd
+
+
+def make_inputs(B, T, H, K, V, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((B, T, H, K))
+    k = rng.standard_normal((B, T, H, K))
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    v = rng.standard_normal((B, T, H, V))
+    g = rng.uniform(-1.0, -0.01, (B, T, H, K))
+    beta = rng.uniform(0.0, 1.0, (B, T, H))
+    return [jnp.asarray(x, dtype) for x in (q, k, v, g, beta)]
+
+
+def _fns(backend: str, chunk_size: int):
+    if backend == "naive":
+        op = lambda *a: kdax.naive_recurrent_kda(*a)[0]  # noqa: E731
+    else:
+        op = lambda *a: kdax.chunk_kda(*a, chunk_size=chunk_size, backend=backend)[0]  # noqa: E731
+    fwd = jax.jit(op)
+    w_key = jax.random.PRNGKey(1)
+
+    def loss(*a):
+        o = op(*a)
+        return jnp.sum(o.astype(jnp.float32) * jax.random.normal(w_key, o.shape, jnp.float32))
+
+    return fwd, jax.jit(jax.grad(loss, argnums=tuple(range(5))))
+
+
+def _time(f, args, repeats):
+    jax.block_until_ready(f(*args))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times)) * 1e3
+
+
+def _rel(x, ref):
+    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+    return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
+
+
+def run(B=1, T=1024, H=4, K=64, V=64, dtype="float32", chunk_size=64, backends=("xla", "naive"),
+        repeats=5, check_error=True, progress=True) -> list[Row]:  # fmt: skip
+    """Benchmark the given backends on one shape; returns one Row per backend and mode."""
+    args = make_inputs(B, T, H, K, V, jnp.dtype(dtype))
+    shape = f"B={B} T={T} H={H} K={K} V={V} {dtype}"
+    ref_o = ref_g = None
+    steps = len(backends) * 2 + (1 if check_error else 0)
+    bar = tqdm(total=steps, desc="kdax bench", disable=not progress, leave=False)
+    if check_error:
+        bar.set_postfix_str("float64 reference")
+        with jax.enable_x64(True):
+            a64 = [jnp.asarray(a, jnp.float64) for a in args]
+            fwd64, bwd64 = _fns("naive", chunk_size)
+            ref_o, ref_g = np.asarray(fwd64(*a64)), [np.asarray(x) for x in bwd64(*a64)]
+        bar.update()
+    timings, rows = {}, []
+    for backend in backends:
+        fwd, bwd = _fns(backend, chunk_size)
+        for mode, f in (("fwd", fwd), ("fwd+bwd", bwd)):
+            bar.set_postfix_str(f"{backend} {mode}")
+            ms = _time(f, args, repeats)
+            err = None
+            if check_error:
+                out = f(*args)
+                err = _rel(out, ref_o) if mode == "fwd" else max(_rel(a, b) for a, b in zip(out, ref_g))
+            timings[backend, mode] = ms
+            rows.append(Row(shape, backend, mode, ms, None, err))
+            bar.update()
+    bar.close()
+    for r in rows:
+        naive = timings.get(("naive", r.mode))
+        r.speedup_vs_naive = naive / r.median_ms if naive else None
+    return rows
+
+
+def peak_memory(B=1, T=65536, H=4, K=128, V=128, chunk_size=64, run_xla=True) -> dict:
+    """Peak device memory of forward+backward, from XLA's buffer assignment, for the xla
+    backend and jax.grad of the naive scan; optionally runs the xla one and reports the
+    process's peak resident set size."""
+    args = make_inputs(B, T, H, K, V, jnp.float32)
+    out = {"shape": f"B={B} T={T} H={H} K={K} V={V} float32"}
+    for backend in ("xla", "naive"):
+        _, bwd = _fns(backend, chunk_size)
+        m = bwd.lower(*args).compile().memory_analysis()
+        total = m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes
+        out[f"{backend}_peak_gb"] = total / 2**30
+    if run_xla:
+        _, bwd = _fns("xla", chunk_size)
+        jax.block_until_ready(bwd(*args))
+        out["xla_process_peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    return out
+
+
+def format_table(rows: list[Row]) -> str:
+    head = ("shape", "backend", "pass", "median ms", "vs naive", "rel. err vs fp64")
+    lines = [
+        (r.shape, r.backend, r.mode, f"{r.median_ms:.2f}",
+         "-" if r.speedup_vs_naive is None else f"{r.speedup_vs_naive:.2f}x",
+         "-" if r.rel_err is None else f"{r.rel_err:.2e}")
+        for r in rows
+    ]  # fmt: skip
+    widths = [max(len(h), *(len(x[i]) for x in lines)) for i, h in enumerate(head)]
+    fmt = lambda cols: "| " + " | ".join(c.ljust(w) for c, w in zip(cols, widths)) + " |"  # noqa: E731
+    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return "\n".join([fmt(head), sep] + [fmt(x) for x in lines])

@@ -1,0 +1,29 @@
+"""Property tests over shapes and sequence lengths against the float64 reference."""
+
+import functools
+
+import jax.numpy as jnp
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import kdax
+from tests.ops.kda.cases import Case, assert_close_to_reference
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    lengths=st.lists(st.integers(1, 90), min_size=1, max_size=4),
+    varlen=st.booleans(),
+    H=st.sampled_from([1, 2]),
+    groups=st.sampled_from([1, 2]),
+    K=st.sampled_from([8, 20, 60]),
+    V=st.sampled_from([8, 36, 100]),
+    chunk_size=st.sampled_from([16, 32, 64]),
+    h0=st.booleans(),
+)
+def test_chunk_kda_matches_reference(lengths, varlen, H, groups, K, V, chunk_size, h0):
+    if varlen:
+        case = Case("prop", lengths=tuple(lengths), H=H, HV=H * groups, K=K, V=V, chunk_size=chunk_size, initial_state=h0)
+    else:
+        case = Case("prop", T=lengths[0], B=2, H=H, HV=H * groups, K=K, V=V, chunk_size=chunk_size, initial_state=h0)
+    assert_close_to_reference(functools.partial(kdax.chunk_kda, backend="xla"), case, jnp.float32)

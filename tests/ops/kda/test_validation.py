@@ -1,0 +1,79 @@
+"""Every bad input raises ValueError naming the argument, what was expected and what came."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kdax
+
+B, T, H, HV, K, V = 1, 8, 2, 4, 16, 8
+
+
+def _args(**over):
+    z = lambda *s: jnp.zeros(s, jnp.float32)  # noqa: E731
+    a = {"q": z(B, T, H, K), "k": z(B, T, H, K), "v": z(B, T, HV, V), "g": z(B, T, HV, K), "beta": z(B, T, HV)}
+    a.update(over)
+    return a
+
+
+BAD = [
+    ("q", _args(q=jnp.zeros((B, T, H))), {}, "q: expected a 4-d array"),
+    ("k", _args(k=jnp.zeros((B, T, H, K + 1))), {}, "k: expected shape (1, 8, 2, 16)"),
+    ("v", _args(v=jnp.zeros((B, T + 1, HV, V))), {}, "v: expected shape"),
+    ("v heads", _args(v=jnp.zeros((B, T, 3, V)), g=jnp.zeros((B, T, 3, K)), beta=jnp.zeros((B, T, 3))), {},
+     "divisible by q's heads H=2"),
+    ("g", _args(g=jnp.zeros((B, T, H, K))), {}, "g: expected shape (1, 8, 4, 16)"),
+    ("beta", _args(beta=jnp.zeros((B, T, HV, 1))), {}, "beta: expected a 3-d array"),
+    ("dtype", _args(q=jnp.zeros((B, T, H, K), jnp.int32)), {}, "q: expected a floating dtype"),
+    ("mixed dtype", _args(v=jnp.zeros((B, T, HV, V), jnp.bfloat16)), {}, "k, v: expected the dtype of q"),
+    ("K too big", _args(q=jnp.zeros((B, T, H, 300)), k=jnp.zeros((B, T, H, 300)), g=jnp.zeros((B, T, HV, 300))), {},
+     "head dim K in [1, 256]"),
+    ("T zero", _args(q=jnp.zeros((B, 0, H, K)), k=jnp.zeros((B, 0, H, K)), v=jnp.zeros((B, 0, HV, V)),
+                     g=jnp.zeros((B, 0, HV, K)), beta=jnp.zeros((B, 0, HV))), {}, "T >= 1"),
+    ("chunk", _args(), {"chunk_size": 48}, "chunk_size: expected one of (16, 32, 64, 128)"),
+    ("backend", _args(), {"backend": "cuda"}, "backend: expected one of"),
+    ("h0 shape", _args(), {"initial_state": jnp.zeros((2, HV, K, V))}, "initial_state: expected shape (1, 4, 16, 8)"),
+    ("cu dtype", _args(), {"cu_seqlens": jnp.asarray([0.0, 8.0])}, "cu_seqlens: expected an integer dtype"),
+    ("cu shape", _args(), {"cu_seqlens": jnp.asarray([[0, 8]])}, "cu_seqlens: expected a 1-d array"),
+    ("cu short", _args(), {"cu_seqlens": jnp.asarray([0])}, "cu_seqlens: expected at least 2 entries"),
+    ("cu values", _args(), {"cu_seqlens": jnp.asarray([0, 5, 7])}, "non-decreasing offsets from 0 to T=8"),
+    ("cu batch", _args(q=jnp.zeros((2, T, H, K)), k=jnp.zeros((2, T, H, K)), v=jnp.zeros((2, T, HV, V)),
+                       g=jnp.zeros((2, T, HV, K)), beta=jnp.zeros((2, T, HV))),
+     {"cu_seqlens": jnp.asarray([0, 8])}, "batch size B=1 when cu_seqlens"),
+    ("cu h0", _args(), {"cu_seqlens": jnp.asarray([0, 3, 8]), "initial_state": jnp.zeros((1, HV, K, V))},
+     "initial_state: expected shape (2, 4, 16, 8)"),
+    ("A_log missing", _args(), {"use_gate_in_kernel": True}, "A_log: expected an array of shape (HV,)"),
+    ("A_log shape", _args(), {"use_gate_in_kernel": True, "A_log": jnp.zeros((H,))}, "A_log: expected shape (4,)"),
+    ("dt_bias shape", _args(), {"use_gate_in_kernel": True, "A_log": jnp.zeros((HV,)), "dt_bias": jnp.zeros((HV, K))},
+     "dt_bias: expected a 1-d array"),
+    ("A_log unused", _args(), {"A_log": jnp.zeros((HV,))}, "A_log: expected None unless use_gate_in_kernel"),
+    ("lower_bound unused", _args(), {"lower_bound": -5.0}, "lower_bound: expected None unless use_gate_in_kernel"),
+    ("lower_bound sign", _args(), {"use_gate_in_kernel": True, "lower_bound": 1.0}, "lower_bound: expected a negative"),
+    ("neg eigval", _args(), {"allow_neg_eigval": True}, "allow_neg_eigval: expected use_beta_sigmoid_in_kernel=True"),
+    ("scale", _args(), {"scale": jnp.ones((2,))}, "scale: expected a Python float"),
+    ("not an array", _args(q=[[1.0]]), {}, "q: expected an array, got list"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("fn", [kdax.chunk_kda, kdax.fused_recurrent_kda], ids=["chunk", "recurrent"])
+@pytest.mark.parametrize("name,args,kwargs,message", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_raises(fn, name, args, kwargs, message):
+    if fn is kdax.fused_recurrent_kda and "chunk_size" in kwargs:
+        pytest.skip("fused_recurrent_kda takes no chunk_size")
+    with pytest.raises(ValueError, match=None) as info:
+        fn(**args, **kwargs)
+    assert message in str(info.value)
+
+
+def test_pallas_backends_say_not_available():
+    with pytest.raises(NotImplementedError, match="pallas_gpu"):
+        kdax.chunk_kda(**_args(), backend="pallas_gpu")
+
+
+def test_naive_backend_needs_concrete_cu_seqlens():
+    import jax
+
+    a = _args()
+    f = jax.jit(lambda cu: kdax.chunk_kda(**a, cu_seqlens=cu, backend="naive")[0])
+    with pytest.raises(ValueError, match="cu_seqlens: expected a concrete array"):
+        f(jnp.asarray(np.array([0, 8]), jnp.int32))

@@ -1,0 +1,49 @@
+"""Packed variable-length batches equal running each sequence alone, values and gradients."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kdax
+from tests.ops.kda.cases import rel_rms
+
+
+@pytest.mark.parametrize("fn", [kdax.chunk_kda, kdax.fused_recurrent_kda], ids=["chunk", "recurrent"])
+def test_varlen_equals_separate_runs(fn):
+    lengths = [1, 17, 64, 70, 0, 5]
+    cu = np.concatenate([[0], np.cumsum(lengths)])
+    T, H, HV, K, V = int(cu[-1]), 1, 2, 16, 24
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.standard_normal((1, T, H, K)), jnp.float32)
+    k = kdax.l2norm(jnp.asarray(rng.standard_normal((1, T, H, K)), jnp.float32))
+    v = jnp.asarray(rng.standard_normal((1, T, HV, V)), jnp.float32)
+    g = jnp.asarray(rng.uniform(-3, -0.01, (1, T, HV, K)), jnp.float32)
+    b = jnp.asarray(rng.uniform(0, 1, (1, T, HV)), jnp.float32)
+    h0 = jnp.asarray(rng.standard_normal((len(lengths), HV, K, V)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((1, T, HV, V)), jnp.float32)
+
+    def packed(q, k, v, g, b, h0):
+        o, s = fn(q, k, v, g, b, initial_state=h0, output_final_state=True, cu_seqlens=jnp.asarray(cu, jnp.int32))
+        return jnp.sum(o * w) + jnp.sum(s), (o, s)
+
+    def separate(q, k, v, g, b, h0):
+        outs, states, total = [], [], 0.0
+        for n in range(len(lengths)):
+            a, e = int(cu[n]), int(cu[n + 1])
+            if e == a:  # an empty sequence keeps its state
+                states.append(h0[n])
+                total = total + jnp.sum(h0[n])
+                continue
+            o, s = fn(*(x[:, a:e] for x in (q, k, v, g, b)), initial_state=h0[n : n + 1], output_final_state=True)
+            outs.append(o)
+            states.append(s[0])
+            total = total + jnp.sum(o * w[:, a:e]) + jnp.sum(s)
+        return total, (jnp.concatenate(outs, 1), jnp.stack(states))
+
+    args = (q, k, v, g, b, h0)
+    (_, (o1, s1)), g1 = jax.jit(jax.value_and_grad(packed, argnums=range(6), has_aux=True))(*args)
+    (_, (o2, s2)), g2 = jax.jit(jax.value_and_grad(separate, argnums=range(6), has_aux=True))(*args)
+    assert rel_rms(o1, o2) < 1e-6 and rel_rms(s1, s2) < 1e-6
+    for a, e in zip(g1, g2):
+        assert rel_rms(a, e) < 1e-5

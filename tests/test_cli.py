@@ -1,0 +1,19 @@
+"""The ``kdax bench`` command runs end to end on a tiny shape and prints its table / JSON."""
+
+import json
+
+from kdax.bench.cli import main
+
+
+def test_bench_table(capsys):
+    assert main(["bench", "--T", "40", "--H", "1", "--K", "8", "--V", "8", "--repeats", "1", "--chunk-size", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "| shape" in out and "xla" in out and "naive" in out and "fwd+bwd" in out
+
+
+def test_bench_json(capsys):
+    main(["bench", "--T", "33", "--H", "1", "--K", "8", "--V", "8", "--repeats", "1", "--chunk-size", "16", "--json"])
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert {(r["backend"], r["mode"]) for r in rows} == {("xla", "fwd"), ("xla", "fwd+bwd"), ("naive", "fwd"),
+                                                          ("naive", "fwd+bwd")}  # fmt: skip
+    assert all(r["rel_err"] < 1e-4 for r in rows)
