@@ -145,18 +145,12 @@ def chunk_kda(
 
     Returns ``(o [B, T, HV, V] in q's dtype, final_state [N, HV, K, V] float32 or None)``.
     """
-    N = _validate(q, k, v, g, beta, scale, initial_state, use_gate_in_kernel, A_log, dt_bias, lower_bound,
-                  use_beta_sigmoid_in_kernel, allow_neg_eigval, cu_seqlens, chunk_size, backend)  # fmt: skip
-    backend = _resolve_backend(backend)
-    q, k, g, beta = _preprocess(q, k, g, beta, use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias,
-                                lower_bound, use_beta_sigmoid_in_kernel, allow_neg_eigval)  # fmt: skip
-    if backend == "naive":
-        return _naive(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
+    args = dict(locals())
 
     def core(q, k, v, g, beta, h0, cu_seqlens):
         return chunk_kda_xla(q, k, v, g, beta, h0, chunk_layout(q.shape[1], chunk_size, cu_seqlens))
 
-    return _run(core, q, k, v, g, beta, scale, initial_state, N, cu_seqlens, output_final_state)
+    return _dispatch(core, **args)
 
 
 def fused_recurrent_kda(
@@ -166,14 +160,23 @@ def fused_recurrent_kda(
     cu_seqlens=None, backend="auto",
 ):  # fmt: skip
     """Token-by-token Kimi Delta Attention (decoding, short T). Same contract as :func:`chunk_kda`."""
+    return _dispatch(fused_recurrent_kda_xla, chunk_size=None, **locals())
+
+
+def _dispatch(
+    core, *, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+    use_gate_in_kernel, A_log, dt_bias, lower_bound, use_beta_sigmoid_in_kernel, allow_neg_eigval, cu_seqlens,
+    chunk_size, backend,
+):  # fmt: skip
+    """Validate, apply the in-op options, and run ``core`` (or the naive reference)."""
     N = _validate(q, k, v, g, beta, scale, initial_state, use_gate_in_kernel, A_log, dt_bias, lower_bound,
-                  use_beta_sigmoid_in_kernel, allow_neg_eigval, cu_seqlens, None, backend)  # fmt: skip
+                  use_beta_sigmoid_in_kernel, allow_neg_eigval, cu_seqlens, chunk_size, backend)  # fmt: skip
     backend = _resolve_backend(backend)
     q, k, g, beta = _preprocess(q, k, g, beta, use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias,
                                 lower_bound, use_beta_sigmoid_in_kernel, allow_neg_eigval)  # fmt: skip
     if backend == "naive":
         return _naive(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
-    return _run(fused_recurrent_kda_xla, q, k, v, g, beta, scale, initial_state, N, cu_seqlens, output_final_state)
+    return _run(core, q, k, v, g, beta, scale, initial_state, N, cu_seqlens, output_final_state)
 
 
 def _naive(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
