@@ -7,7 +7,6 @@ scan (it stores one state per token: meant for short T, e.g. decode steps).
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 

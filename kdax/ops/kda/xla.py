@@ -17,7 +17,6 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from kdax.ops.common.triangular import unit_lower_inverse
@@ -199,7 +198,7 @@ def _forward(q, k, v, g, beta, lay):
 
 
 def _backward(q, k, v, g, beta, lay, S_in, do, dfinal):
-    chunk_seq, _, chunk_last, seq_first, _, seq_empty, h0 = lay
+    chunk_seq, _, chunk_last, seq_first, _, seq_empty, _ = lay
     C = k.shape[-2]
     I = _intra(q, k, v, g, beta)
     v_new = I.u - _mm("...ck,...kv->...cv", I.w, S_in)
