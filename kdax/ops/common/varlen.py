@@ -23,9 +23,6 @@ class ChunkLayout(NamedTuple):
     chunk_seq: jax.Array  # [NC] int32 sequence of each chunk
     chunk_first: jax.Array  # [NC] bool, chunk starts its sequence (state resets to h0)
     chunk_last: jax.Array  # [NC] bool, chunk ends its sequence (its end state is final)
-    seq_first: jax.Array  # [N] int32 first chunk of each sequence
-    seq_last: jax.Array  # [N] int32 last chunk of each sequence
-    seq_empty: jax.Array  # [N] bool, sequence has no tokens
     chunk_size: int
     num_tokens: int
 
@@ -59,11 +56,7 @@ def chunk_layout(num_tokens: int, chunk_size: int, cu_seqlens: jax.Array | None 
     if cu_seqlens is None:
         NC = max(1, -(-T // C))
         c = jnp.arange(NC, dtype=i32)
-        zero = jnp.zeros((1,), i32)
-        return ChunkLayout(
-            None, None, None, jnp.zeros((NC,), i32), c == 0, c == NC - 1,
-            zero, zero + (NC - 1), jnp.full((1,), T == 0), C, T,
-        )  # fmt: skip
+        return ChunkLayout(None, None, None, jnp.zeros((NC,), i32), c == 0, c == NC - 1, C, T)
     cu = cu_seqlens.astype(i32)
     N = cu.shape[0] - 1
     NC = max(1, (T + N * (C - 1)) // C)
@@ -85,7 +78,4 @@ def chunk_layout(num_tokens: int, chunk_size: int, cu_seqlens: jax.Array | None 
     t = jnp.arange(T, dtype=i32)
     seq_of_token = jnp.searchsorted(cu[1:], t, side="right").astype(i32)
     token_slot = chunk_start[seq_of_token] * C + t - cu[seq_of_token]
-    return ChunkLayout(
-        slot_token, slot_valid, token_slot, chunk_seq, chunk_first, chunk_last,
-        chunk_start, jnp.maximum(chunk_end - 1, 0), lengths == 0, C, T,
-    )  # fmt: skip
+    return ChunkLayout(slot_token, slot_valid, token_slot, chunk_seq, chunk_first, chunk_last, C, T)

@@ -116,7 +116,7 @@ def _resolve_backend(backend: str) -> str:
 
 def _run(core, q, k, v, g, beta, scale, initial_state, N, cu_seqlens, output_final_state):
     """Cast to the compute dtype, scale q, repeat q/k over value-head groups, call core."""
-    B, T, H, K = q.shape
+    B, _, H, K = q.shape
     HV, V = v.shape[2:]
     dt = jnp.promote_types(q.dtype, jnp.float32)
     scale = K**-0.5 if scale is None else scale

@@ -91,7 +91,7 @@ def _chunk_one(q, k, v, g, beta, S, chunk_size):
 def _run(one: Callable, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
     out_dtype = q.dtype
     q, k, v, g, beta = _prepare(q, k, v, g, beta, scale)
-    B, T, HV, K = k.shape
+    B, _, HV, K = k.shape
     V = v.shape[-1]
     if cu_seqlens is None:
         S0 = jnp.zeros((B, HV, K, V), q.dtype) if initial_state is None else initial_state.astype(q.dtype)
@@ -102,9 +102,7 @@ def _run(one: Callable, q, k, v, g, beta, scale, initial_state, output_final_sta
         for n in range(len(bounds) - 1):
             a, b = int(bounds[n]), int(bounds[n + 1])
             S0 = (
-                jnp.zeros((1, HV, K, V), q.dtype)
-                if initial_state is None
-                else initial_state[n : n + 1].astype(q.dtype)
+                jnp.zeros((1, HV, K, V), q.dtype) if initial_state is None else initial_state[n : n + 1].astype(q.dtype)
             )
             if b > a:
                 o_n, S0 = one(*(x[:, a:b] for x in (q, k, v, g, beta)), S0)
@@ -115,9 +113,7 @@ def _run(one: Callable, q, k, v, g, beta, scale, initial_state, output_final_sta
     return o.astype(out_dtype), (S if output_final_state else None)
 
 
-def naive_recurrent_kda(
-    q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None
-):
+def naive_recurrent_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None):
     """KDA by the token-by-token recurrence of SPEC.md (``lax.scan`` over time).
 
     Returns ``(o [B, T, HV, V] in q's dtype, final_state [N, HV, K, V] or None)``.

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import pytest
 
 import kdax
+from kdax.ops.kda import xla
 from tests.ops.kda.cases import CASES, Case, assert_close_to_reference
 
 BACKENDS = ["xla"]  # the Pallas backends join this list when they land
@@ -26,6 +27,14 @@ def test_chunk_fp32(backend, case):
 @pytest.mark.parametrize("case", BF16_CASES, ids=str)
 def test_chunk_bf16(backend, case):
     assert_close_to_reference(functools.partial(kdax.chunk_kda, backend=backend), case, jnp.bfloat16)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.name in ("T65_gva_h0", "varlen", "strong_decay_varlen",
+                                                                 "chunk32_varlen", "T1000")], ids=str)  # fmt: skip
+def test_chunk_xla_all_chunks_per_step(case, monkeypatch):
+    """The accelerator schedule of the xla backend (every chunk in one scan step), run here."""
+    monkeypatch.setattr(xla, "_chunks_per_step", lambda n_chunks: n_chunks)
+    assert_close_to_reference(functools.partial(kdax.chunk_kda, backend="xla"), case, jnp.float32)
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.name != "T1000"], ids=str)
