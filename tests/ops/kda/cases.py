@@ -56,17 +56,30 @@ CASES = [
         T=90,
         HV=4,
         initial_state=True,
-        options=(("use_qk_l2norm_in_kernel", True), ("use_gate_in_kernel", True), ("A_log", True),
-                 ("dt_bias", True), ("use_beta_sigmoid_in_kernel", True)),
-    ),  # fmt: skip
+        options=(
+            ("use_qk_l2norm_in_kernel", True),
+            ("use_gate_in_kernel", True),
+            ("A_log", True),
+            ("dt_bias", True),
+            ("use_beta_sigmoid_in_kernel", True),
+        ),
+    ),
     Case(
         "gate_lower_bound_neg_eigval",
         T=90,
         initial_state=True,
-        options=(("use_gate_in_kernel", True), ("lower_bound", -5.0), ("dt_bias", True),
-                 ("use_beta_sigmoid_in_kernel", True), ("allow_neg_eigval", True), ("scale", 0.3)),
-    ),  # fmt: skip
-    Case("gate_lower_bound_A_log", T=40, options=(("use_gate_in_kernel", True), ("lower_bound", -3.0), ("A_log", True))),
+        options=(
+            ("use_gate_in_kernel", True),
+            ("lower_bound", -5.0),
+            ("dt_bias", True),
+            ("use_beta_sigmoid_in_kernel", True),
+            ("allow_neg_eigval", True),
+            ("scale", 0.3),
+        ),
+    ),
+    Case(
+        "gate_lower_bound_A_log", T=40, options=(("use_gate_in_kernel", True), ("lower_bound", -3.0), ("A_log", True))
+    ),
     Case("chunk16", T=100, chunk_size=16, initial_state=True),
     Case("chunk32_varlen", lengths=(5, 33, 1, 40), chunk_size=32),
     Case("chunk128", T=300, B=1, chunk_size=128),
@@ -90,7 +103,7 @@ def make_inputs(case: Case, dtype=jnp.float32, seed: int = 0):
     else:
         g = rng.uniform(case.g_min, case.g_min / 100, (B, T, HV, K))
     beta = rng.standard_normal((B, T, HV)) if opts.get("use_beta_sigmoid_in_kernel") else rng.uniform(0, 1, (B, T, HV))
-    cast = lambda x: jnp.asarray(x, dtype)  # noqa: E731
+    cast = lambda x: jnp.asarray(x, dtype)
     args = [cast(x) for x in (q, k, v, g, beta)]
     kwargs = {"output_final_state": True, "chunk_size": case.chunk_size}
     if case.initial_state:
@@ -148,7 +161,9 @@ def run_with_grads(fn, args, kwargs, seed: int = 1):
 def reference(args, kwargs):
     """The float64 token-by-token reference on the same (upcast) inputs."""
     args64 = [jnp.asarray(a, jnp.float64) for a in args]
-    kw = {k: (jnp.asarray(v, jnp.float64) if k in ("initial_state", "A_log", "dt_bias") else v) for k, v in kwargs.items()}
+    kw = {
+        k: (jnp.asarray(v, jnp.float64) if k in ("initial_state", "A_log", "dt_bias") else v) for k, v in kwargs.items()
+    }
     return run_with_grads(lambda *a, **k: kdax.chunk_kda(*a, **{**k, "backend": "naive"}), args64, kw)
 
 

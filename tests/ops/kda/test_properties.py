@@ -23,7 +23,9 @@ from tests.ops.kda.cases import Case, assert_close_to_reference
 )
 def test_chunk_kda_matches_reference(lengths, varlen, H, groups, K, V, chunk_size, h0):
     if varlen:
-        case = Case("prop", lengths=tuple(lengths), H=H, HV=H * groups, K=K, V=V, chunk_size=chunk_size, initial_state=h0)
+        case = Case(
+            "prop", lengths=tuple(lengths), H=H, HV=H * groups, K=K, V=V, chunk_size=chunk_size, initial_state=h0
+        )
     else:
         case = Case("prop", T=lengths[0], B=2, H=H, HV=H * groups, K=K, V=V, chunk_size=chunk_size, initial_state=h0)
     assert_close_to_reference(functools.partial(kdax.chunk_kda, backend="xla"), case, jnp.float32)

@@ -36,7 +36,7 @@ def test_kda_gate_forms():
     x = g + dt.reshape(4, 8)
     np.testing.assert_allclose(kdax.kda_gate(jnp.asarray(g), jnp.asarray(A_log), jnp.asarray(dt)),
                                -np.exp(A_log)[:, None] * _softplus(x), rtol=1e-12)  # fmt: skip
-    sig = lambda z: 1 / (1 + np.exp(-z))  # noqa: E731
+    sig = lambda z: 1 / (1 + np.exp(-z))
     np.testing.assert_allclose(kdax.kda_gate(jnp.asarray(g), jnp.asarray(A_log), jnp.asarray(dt), lower_bound=-5.0),
                                -5.0 * sig(np.exp(A_log)[:, None] * x), rtol=1e-12)  # fmt: skip
     np.testing.assert_allclose(kdax.kda_gate(jnp.asarray(g), None, jnp.asarray(dt), lower_bound=-5.0),
@@ -49,7 +49,9 @@ def test_kda_gate_forms():
 
 def test_l2norm_and_beta():
     x = np.random.default_rng(1).standard_normal((3, 5, 16))
-    np.testing.assert_allclose(kdax.l2norm(jnp.asarray(x)), x / np.sqrt((x**2).sum(-1, keepdims=True) + 1e-6), rtol=1e-12)
+    np.testing.assert_allclose(
+        kdax.l2norm(jnp.asarray(x)), x / np.sqrt((x**2).sum(-1, keepdims=True) + 1e-6), rtol=1e-12
+    )
     b = np.linspace(-4, 4, 9)
     np.testing.assert_allclose(kdax.beta_activation(jnp.asarray(b)), 1 / (1 + np.exp(-b)), rtol=1e-12)
     np.testing.assert_allclose(kdax.beta_activation(jnp.asarray(b), True), 2 / (1 + np.exp(-b)), rtol=1e-12)

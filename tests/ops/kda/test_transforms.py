@@ -56,7 +56,7 @@ def test_jit_vmap_grad_and_no_recompilation():
 def test_traced_cu_seqlens_does_not_recompile():
     q, k, v, g, b, _ = (x.astype(jnp.float32) for x in _tiny(T=30))
     f = jax.jit(lambda cu: kdax.chunk_kda(q, k, v, g, b, cu_seqlens=cu, output_final_state=True, chunk_size=16))
-    o1, s1 = f(jnp.asarray([0, 10, 30], jnp.int32))
-    o2, s2 = f(jnp.asarray([0, 25, 30], jnp.int32))
+    _, s1 = f(jnp.asarray([0, 10, 30], jnp.int32))
+    _, s2 = f(jnp.asarray([0, 25, 30], jnp.int32))
     assert f._cache_size() == 1
     assert not np.allclose(s1, s2)

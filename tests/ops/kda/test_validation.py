@@ -10,7 +10,7 @@ B, T, H, HV, K, V = 1, 8, 2, 4, 16, 8
 
 
 def _args(**over):
-    z = lambda *s: jnp.zeros(s, jnp.float32)  # noqa: E731
+    z = lambda *s: jnp.zeros(s, jnp.float32)
     a = {"q": z(B, T, H, K), "k": z(B, T, H, K), "v": z(B, T, HV, V), "g": z(B, T, HV, K), "beta": z(B, T, HV)}
     a.update(over)
     return a
