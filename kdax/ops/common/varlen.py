@@ -23,6 +23,7 @@ class ChunkLayout(NamedTuple):
     chunk_seq: jax.Array  # [NC] int32 sequence of each chunk
     chunk_first: jax.Array  # [NC] bool, chunk starts its sequence (state resets to h0)
     chunk_last: jax.Array  # [NC] bool, chunk ends its sequence (its end state is final)
+    seq_empty: jax.Array  # [N] bool, sequence has no tokens (no chunk of its own)
     chunk_size: int
     num_tokens: int
 
@@ -56,7 +57,7 @@ def chunk_layout(num_tokens: int, chunk_size: int, cu_seqlens: jax.Array | None 
     if cu_seqlens is None:
         NC = max(1, -(-T // C))
         c = jnp.arange(NC, dtype=i32)
-        return ChunkLayout(None, None, None, jnp.zeros((NC,), i32), c == 0, c == NC - 1, C, T)
+        return ChunkLayout(None, None, None, jnp.zeros((NC,), i32), c == 0, c == NC - 1, jnp.zeros((1,), bool), C, T)
     cu = cu_seqlens.astype(i32)
     N = cu.shape[0] - 1
     NC = max(1, (T + N * (C - 1)) // C)
@@ -78,4 +79,4 @@ def chunk_layout(num_tokens: int, chunk_size: int, cu_seqlens: jax.Array | None 
     t = jnp.arange(T, dtype=i32)
     seq_of_token = jnp.searchsorted(cu[1:], t, side="right").astype(i32)
     token_slot = chunk_start[seq_of_token] * C + t - cu[seq_of_token]
-    return ChunkLayout(slot_token, slot_valid, token_slot, chunk_seq, chunk_first, chunk_last, C, T)
+    return ChunkLayout(slot_token, slot_valid, token_slot, chunk_seq, chunk_first, chunk_last, lengths == 0, C, T)

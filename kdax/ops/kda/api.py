@@ -8,6 +8,7 @@ import numpy as np
 
 from kdax.ops.common.varlen import chunk_layout
 from kdax.ops.kda.gate import beta_activation, kda_gate, l2norm
+from kdax.ops.kda.pallas_tpu import chunk_kda_pallas_tpu
 from kdax.ops.kda.recurrent import fused_recurrent_kda_xla
 from kdax.ops.kda.reference import naive_recurrent_kda
 from kdax.ops.kda.xla import chunk_kda_xla
@@ -59,6 +60,8 @@ def _validate(
         _fail("v", "value dim V >= 1", f"V={V}")
     if q.dtype != k.dtype or q.dtype != v.dtype:
         _fail("k, v", f"the dtype of q ({q.dtype})", f"k {k.dtype}, v {v.dtype}")
+    if backend.startswith("pallas") and q.dtype == jnp.float64:
+        _fail("q", f"float32 or bfloat16 inputs with backend={backend!r} (the kernels have no float64)", "float64")
     if scale is not None and not isinstance(scale, (int, float, np.floating, np.integer)):
         _fail("scale", "a Python float or None", type(scale).__name__)
     if chunk_size is not None and chunk_size not in CHUNK_SIZES:
@@ -106,24 +109,32 @@ def _preprocess(q, k, g, beta, use_qk_l2norm_in_kernel, use_gate_in_kernel, A_lo
     return q, k, g, beta
 
 
-def _resolve_backend(backend: str) -> str:
-    if backend == "auto":
-        return "xla"
-    if backend in ("pallas_tpu", "pallas_gpu"):
-        raise NotImplementedError(f"backend={backend!r}: the Pallas kernels are not part of this version yet")
+def _resolve_backend(backend: str, cores: dict) -> str:
+    if backend == "auto":  # the fastest core this op has for the default device
+        return "pallas_tpu" if jax.default_backend() == "tpu" and "pallas_tpu" in cores else "xla"
+    if backend != "naive" and backend not in cores:
+        raise NotImplementedError(f"backend={backend!r}: not available for this op in this version")
     return backend
 
 
+def _repeated_qk(core):
+    """Adapt a core that takes q and k repeated to the HV value heads."""
+
+    def run(q, k, v, *rest):
+        groups = v.shape[2] // q.shape[2]
+        return core(jnp.repeat(q, groups, axis=2), jnp.repeat(k, groups, axis=2), v, *rest)
+
+    return run
+
+
 def _run(core, q, k, v, g, beta, scale, initial_state, N, cu_seqlens, output_final_state):
-    """Cast to the compute dtype, scale q, repeat q/k over value-head groups, call core."""
-    B, _, H, K = q.shape
+    """Cast to the compute dtype, scale q, call core."""
+    B, _, _, K = q.shape
     HV, V = v.shape[2:]
     dt = jnp.promote_types(q.dtype, jnp.float32)
     scale = K**-0.5 if scale is None else scale
-    groups = HV // H
-    qc = jnp.repeat(jnp.asarray(q, dt) * scale, groups, axis=2)
-    kc = jnp.repeat(jnp.asarray(k, dt), groups, axis=2)
-    vc, gc, bc = (jnp.asarray(x, dt) for x in (v, g, beta))
+    qc = jnp.asarray(q, dt) * scale
+    kc, vc, gc, bc = (jnp.asarray(x, dt) for x in (k, v, g, beta))
     n_per_row = N // B  # 1 without cu_seqlens, N with it (B = 1)
     h0 = jnp.zeros((N, HV, K, V), dt) if initial_state is None else jnp.asarray(initial_state, dt)
     o, final = core(qc, kc, vc, gc, bc, h0.reshape(B, n_per_row, HV, K, V), cu_seqlens)
@@ -147,10 +158,11 @@ def chunk_kda(
     """
     args = dict(locals())
 
-    def core(q, k, v, g, beta, h0, cu_seqlens):
-        return chunk_kda_xla(q, k, v, g, beta, h0, chunk_layout(q.shape[1], chunk_size, cu_seqlens))
+    def layout_then(core):
+        return lambda q, k, v, g, beta, h0, cu: core(q, k, v, g, beta, h0, chunk_layout(q.shape[1], chunk_size, cu))
 
-    return _dispatch(core, **args)
+    cores = {"xla": _repeated_qk(layout_then(chunk_kda_xla)), "pallas_tpu": layout_then(chunk_kda_pallas_tpu)}
+    return _dispatch(cores, **args)
 
 
 def fused_recurrent_kda(
@@ -160,23 +172,23 @@ def fused_recurrent_kda(
     cu_seqlens=None, backend="auto",
 ):  # fmt: skip
     """Token-by-token Kimi Delta Attention (decoding, short T). Same contract as :func:`chunk_kda`."""
-    return _dispatch(fused_recurrent_kda_xla, chunk_size=None, **locals())
+    return _dispatch({"xla": _repeated_qk(fused_recurrent_kda_xla)}, chunk_size=None, **locals())
 
 
 def _dispatch(
-    core, *, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+    cores, *, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
     use_gate_in_kernel, A_log, dt_bias, lower_bound, use_beta_sigmoid_in_kernel, allow_neg_eigval, cu_seqlens,
     chunk_size, backend,
 ):  # fmt: skip
-    """Validate, apply the in-op options, and run ``core`` (or the naive reference)."""
+    """Validate, apply the in-op options, and run the backend's core (or the naive reference)."""
     N = _validate(q, k, v, g, beta, scale, initial_state, use_gate_in_kernel, A_log, dt_bias, lower_bound,
                   use_beta_sigmoid_in_kernel, allow_neg_eigval, cu_seqlens, chunk_size, backend)  # fmt: skip
-    backend = _resolve_backend(backend)
+    backend = _resolve_backend(backend, cores)
     q, k, g, beta = _preprocess(q, k, g, beta, use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias,
                                 lower_bound, use_beta_sigmoid_in_kernel, allow_neg_eigval)  # fmt: skip
     if backend == "naive":
         return _naive(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
-    return _run(core, q, k, v, g, beta, scale, initial_state, N, cu_seqlens, output_final_state)
+    return _run(cores[backend], q, k, v, g, beta, scale, initial_state, N, cu_seqlens, output_final_state)
 
 
 def _naive(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):

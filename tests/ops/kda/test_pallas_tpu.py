@@ -1,0 +1,99 @@
+"""Pallas TPU kernels, in the TPU interpreter on CPU, and their lowering for TPU."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax._src.pallas.mosaic.interpret import interpret_pallas_call
+
+import kdax
+from kdax.ops.kda import pallas_tpu, xla
+from tests.ops.kda.cases import CASES, Case, assert_close_to_reference, rel_rms
+
+PIPELINES = ["fused", "staged"]
+# The fused pipeline runs every shared case through tests/ops/kda/test_chunk.py; here the
+# staged one, the K = V = 256 case and what only these kernels have.
+STAGED_CASES = [c for c in CASES if c.name in ("T65_gva_h0", "K60_V100", "varlen", "strong_decay_varlen", "chunk16")]
+
+chunk_kda_tpu = functools.partial(kdax.chunk_kda, backend="pallas_tpu")
+
+
+def test_chunk_intra_matches_xla():
+    """The full-tile chunk math equals the xla backend's per-chunk stage (float64 there)."""
+    rng = np.random.default_rng(0)
+    C, K, V = 64, 128, 96
+    for g_min in (-1.0, -20.0):
+        q, k = rng.standard_normal((2, C, K))
+        k /= np.linalg.norm(k, axis=-1, keepdims=True)
+        v, g, beta = rng.standard_normal((C, V)), rng.uniform(g_min, g_min / 100, (C, K)), rng.uniform(0, 1, C)
+        ref = xla._intra(*(jnp.asarray(x) for x in (q, k, v, g, beta)))
+        f32 = functools.partial(jnp.asarray, dtype=jnp.float32)
+        got = jax.jit(pallas_tpu.chunk_intra)(f32(q), f32(k), f32(v), f32(g * xla.LOG2E), f32(beta[:, None]))
+        for name in ("Aqk", "w", "u", "q_g", "k_d"):
+            assert rel_rms(getattr(got, name), getattr(ref, name)) < 2e-6, (g_min, name)
+        np.testing.assert_allclose(got.decay[0], ref.decay, rtol=1e-5, atol=1e-30)
+
+
+@pytest.mark.parametrize("case", STAGED_CASES, ids=str)
+def test_staged_pipeline_fp32(case, monkeypatch):
+    monkeypatch.setattr(pallas_tpu, "CONFIG", pallas_tpu.Config(pipeline="staged"))
+    assert_close_to_reference(chunk_kda_tpu, case, jnp.float32)
+
+
+@pytest.mark.parametrize("pipeline", PIPELINES)
+def test_head_dim_256(pipeline, monkeypatch):
+    monkeypatch.setattr(pallas_tpu, "CONFIG", pallas_tpu.Config(pipeline=pipeline))
+    case = Case("K256_V256", T=70, B=1, H=1, HV=1, K=256, V=256, initial_state=True)
+    assert_close_to_reference(chunk_kda_tpu, case, jnp.float32)
+
+
+def test_state_carries_across_grid_steps_without_races(monkeypatch):
+    """Six chunks of one sequence, two V blocks: the state (and in the backward its
+    cotangent) lives in VMEM scratch across the sequential grid axis; the interpreter's
+    race detector watches every access."""
+    monkeypatch.setattr(pallas_tpu, "CONFIG", pallas_tpu.Config(detect_races=True))
+    case = Case("six_chunks", T=6 * 16 - 5, B=1, H=1, HV=1, K=32, V=200, initial_state=True, chunk_size=16)
+    errors = assert_close_to_reference(chunk_kda_tpu, case, jnp.float32)
+    assert errors["final_state"] < 1e-5 and errors["dinitial_state"] < 1e-4
+    assert interpret_pallas_call.races is not None and not interpret_pallas_call.races.races_found
+
+
+def test_float64_inputs_are_rejected():
+    x = jnp.zeros((1, 16, 1, 8), jnp.float64)
+    with pytest.raises(ValueError, match="q: expected float32 or bfloat16 inputs"):
+        chunk_kda_tpu(x, x, x, x, jnp.zeros((1, 16, 1), jnp.float64))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
+@pytest.mark.parametrize("pipeline", PIPELINES)
+def test_lowers_for_tpu(pipeline, dtype, dim, varlen, monkeypatch):
+    """Forward alone, and forward (storing states) + backward: every kernel lowers to Mosaic."""
+    monkeypatch.setattr(pallas_tpu, "CONFIG", pallas_tpu.Config(pipeline=pipeline, interpret=False))
+    B, T, H, HV = (1, 130, 2, 4) if varlen else (2, 130, 2, 4)
+    cu = jnp.asarray([0, 1, 100, 130], jnp.int32) if varlen else None
+    shapes = [(B, T, H, dim), (B, T, H, dim), (B, T, HV, dim), (B, T, HV, dim), (B, T, HV)]
+    args = [jax.ShapeDtypeStruct(s, dtype) for s in shapes]
+    fwd = jax.jit(lambda *a: chunk_kda_tpu(*a, cu_seqlens=cu, output_final_state=True))
+    n_fwd = 1 if pipeline == "fused" else 3
+    assert fwd.trace(*args).lower(lowering_platforms=("tpu",)).as_text().count("tpu_custom_call") == n_fwd
+
+    def loss(*a):
+        o, s = chunk_kda_tpu(*a, cu_seqlens=cu, output_final_state=True)
+        return o.astype(jnp.float32).sum() + s.sum()
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
+    assert grad.trace(*args).lower(lowering_platforms=("tpu",)).as_text().count("tpu_custom_call") == n_fwd + 1
+
+
+def test_auto_picks_the_tpu_kernels_on_tpu(monkeypatch):
+    from kdax.ops.kda import api
+
+    cores = {"xla": None, "pallas_tpu": None}
+    assert api._resolve_backend("auto", cores) == "xla"  # this machine has no TPU
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    assert api._resolve_backend("auto", cores) == "pallas_tpu"
+    assert api._resolve_backend("auto", {"xla": None}) == "xla"  # fused_recurrent_kda has no TPU kernel
