@@ -427,22 +427,28 @@ def _backward(q, k, v, g, beta, sched, S_in, do, dfinal_t, groups: int, cfg: Con
     return dq, dk, dv, dg, dbeta, dh0t
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
-def _core(q, k, v, g, beta, h0t, sched, groups, cfg):
+def _if_empty(empty, x, y):
+    """Per sequence: x where the sequence has no tokens (no chunk of its own, so the kernels
+    never write its final state or dh0), else y. empty: [N]; x, y: [B, N, ...]."""
+    return jnp.where(empty.reshape((1, -1) + (1,) * (x.ndim - 2)), x, y)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9))
+def _core(q, k, v, g, beta, h0t, sched, empty, groups, cfg):
     o, final, _ = _forward(q, k, v, g, beta, h0t, sched, groups, cfg, save_states=False)
-    return o, final
+    return o, _if_empty(empty, h0t, final)
 
 
-def _core_fwd(q, k, v, g, beta, h0t, sched, groups, cfg):
+def _core_fwd(q, k, v, g, beta, h0t, sched, empty, groups, cfg):
     o, final, S_in = _forward(q, k, v, g, beta, h0t, sched, groups, cfg, save_states=True)
-    return (o, final), (q, k, v, g, beta, sched, S_in)
+    return (o, _if_empty(empty, h0t, final)), (q, k, v, g, beta, sched, empty, S_in)
 
 
 def _core_bwd(groups, cfg, res, cts):
-    q, k, v, g, beta, sched, S_in = res
+    q, k, v, g, beta, sched, empty, S_in = res
     do, dfinal_t = cts
     dq, dk, dv, dg, dbeta, dh0t = _backward(q, k, v, g, beta, sched, S_in, do, dfinal_t, groups, cfg)
-    return dq, dk, dv, dg, dbeta, dh0t, (None, None, None)
+    return dq, dk, dv, dg, dbeta, _if_empty(empty, dfinal_t, dh0t), (None, None, None), None
 
 
 _core.defvjp(_core_fwd, _core_bwd)
@@ -480,9 +486,6 @@ def chunk_kda_pallas_tpu(q, k, v, g, beta, h0, layout: ChunkLayout, cfg: Config 
     h0t = _pad_last(jnp.swapaxes(_pad_last(h0, Vp), -1, -2), Kp)  # [B, N, HV, Vp, Kp]
     i32 = jnp.int32
     sched = (layout.chunk_first.astype(i32), layout.chunk_last.astype(i32), layout.chunk_seq)
-    o, final = _core(qh, kh, vh, gh, bh, h0t, sched, HV // H, cfg)
+    o, final = _core(qh, kh, vh, gh, bh, h0t, sched, layout.seq_empty, HV // H, cfg)
     o = layout.unpack(jnp.moveaxis(o[..., :V], 1, 2))
-    final = jnp.swapaxes(final, -1, -2)[..., :K, :V]
-    # a sequence without tokens has no chunk, its final-state block is never written: h0
-    final = jnp.where(layout.seq_empty[None, :, None, None, None], h0, final)
-    return o, final
+    return o, jnp.swapaxes(final, -1, -2)[..., :K, :V]

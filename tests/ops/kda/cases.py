@@ -50,6 +50,7 @@ CASES = [
     Case("T1000", T=1000, B=1, H=1, HV=2, K=32, V=32, initial_state=True),
     Case("varlen", lengths=(1, 17, 64, 300), H=1, HV=2, initial_state=True),
     Case("strong_decay", T=200, B=1, g_min=-20.0, initial_state=True),
+    Case("varlen_empty", lengths=(0, 5, 0, 40, 0), H=1, HV=2, initial_state=True, chunk_size=16),
     Case("strong_decay_varlen", lengths=(1, 17, 64, 118), H=1, HV=2, g_min=-20.0, initial_state=True),
     Case(
         "gate_softplus_l2_sigmoid",
