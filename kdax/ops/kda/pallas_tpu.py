@@ -31,8 +31,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from kdax.ops.common.varlen import ChunkLayout
+from kdax.ops.kda.xla import LOG2E, dyadic_levels
 
-LOG2E = 1.4426950408889634
 LANE = 128
 _HIGHEST = lax.Precision.HIGHEST
 
@@ -70,12 +70,12 @@ def _iota(shape, axis):
     return lax.broadcasted_iota(jnp.int32, shape, axis)
 
 
+def _rowsum(x):  # [C, D] -> [C, 1], as a matmul with ones
+    return _dot_t(x, jnp.ones((1, x.shape[1]), jnp.float32))
+
+
 def _ones_where(cond):  # float32 0/1 matrix (explicit dtype: no float64 under jax_enable_x64)
     return jnp.where(cond, jnp.float32(1), jnp.float32(0))
-
-
-def _levels(C: int) -> list[int]:
-    return [C >> i for i in range(C.bit_length() - 1)]  # C, C/2, ..., 2
 
 
 def _block(x, s: int):  # x // s for a power of two s (shifts: integer division lowers through sign on TPU)
@@ -139,7 +139,7 @@ def _level(G: jax.Array, s: int):
 
 def _diag(x, y):  # [C, C] with the row dot products x_i . y_i on the diagonal
     C = x.shape[0]
-    return jnp.where(_iota((C, C), 0) == _iota((C, C), 1), _dot_t(x * y, jnp.ones((1, x.shape[1]), jnp.float32)), 0.0)
+    return jnp.where(_iota((C, C), 0) == _iota((C, C), 1), _rowsum(x * y), 0.0)
 
 
 def _last_row(x):  # [C, D] -> [1, D]
@@ -156,7 +156,7 @@ def chunk_intra(q, k, v, g, beta) -> Intra:
     G = _dot(_ones_where(i >= j), g)  # [C, K] inclusive cumsum
     Aqk = _diag(q, k)
     Kkk = jnp.zeros((C, C), jnp.float32)
-    for s in _levels(C):
+    for s in dyadic_levels(C):
         el, eu, block = _level(G, s)
         k_u = k * eu
         Aqk = Aqk + jnp.where(block, _dot_t(q * el, k_u), 0.0)
@@ -196,13 +196,10 @@ def chunk_grads(q, k, v, g, beta, St, do, dSt) -> Grads:
     ddecay = I.decay * jnp.sum(St * dSt, axis=0, keepdims=True)  # [1, K]
     dbk_g, dbv = _t_dot(I.T, dw), _t_dot(I.T, dv_new)  # (I + Akk)^-T [dw du]
     dAkk = jnp.where(i > j, -(_dot_t(dbk_g, I.w) + _dot_t(dbv, I.u)), 0.0)
-    ones_k, ones_v = jnp.ones((1, k.shape[1]), jnp.float32), jnp.ones((1, v.shape[1]), jnp.float32)
-    dbeta = (
-        _dot_t(v * dbv, ones_v) + _dot_t(I.k_g * dbk_g, ones_k) + _dot_t(dAkk * I.Kkk, jnp.ones((1, C), jnp.float32))
-    )
-    dKkk = beta * dAkk
+    dbeta = _rowsum(v * dbv) + _rowsum(I.k_g * dbk_g) + _rowsum(dAkk * I.Kkk)
+    dk_g, dKkk = beta * dbk_g, beta * dAkk
     dq_p = dk_p = dk_x = dk_y = jnp.zeros_like(k)
-    for s in _levels(C):
+    for s in dyadic_levels(C):
         el, eu, block = _level(I.G, s)
         dQ, dK = jnp.where(block, dAqk, 0.0), jnp.where(block, dKkk, 0.0)
         k_u = k * eu
@@ -210,11 +207,11 @@ def chunk_grads(q, k, v, g, beta, St, do, dSt) -> Grads:
         dk_p = dk_p + _t_dot(dQ, q * el) * eu
         dk_x = dk_x + _dot(dK, k_u) * el
         dk_y = dk_y + _t_dot(dK, k * el) * eu
-    d = _dot_t(jnp.where(i == j, dAqk, 0.0), jnp.ones((1, C), jnp.float32))  # [C, 1] diagonal of dAqk
+    d = _rowsum(jnp.where(i == j, dAqk, 0.0))  # [C, 1] diagonal of dAqk
     eG = jnp.exp2(I.G)
     dq = eG * dq_g + dq_p + d * k
-    dk = eG * (beta * dbk_g) + jnp.exp2(_last_row(I.G) - I.G) * dk_d + dk_p + d * q + dk_x + dk_y
-    dG = I.q_g * dq_g + I.k_g * (beta * dbk_g) - I.k_d * dk_d + q * dq_p - k * dk_p + k * dk_x - k * dk_y
+    dk = eG * dk_g + jnp.exp2(_last_row(I.G) - I.G) * dk_d + dk_p + d * q + dk_x + dk_y
+    dG = I.q_g * dq_g + I.k_g * dk_g - I.k_d * dk_d + q * dq_p - k * dk_p + k * dk_x - k * dk_y
     dG_end = jnp.sum(I.k_d * dk_d, axis=0, keepdims=True) + ddecay  # [1, K]
     dg = _dot(_ones_where(i <= j), dG) + dG_end  # reverse cumsum
     return Grads(dq, dk, beta * dbv, dg, dbeta, dS_in)
@@ -224,28 +221,37 @@ def chunk_grads(q, k, v, g, beta, St, do, dSt) -> Grads:
 # Scalar-prefetch refs, per chunk: first (starts its sequence), last (ends it), seq (its id).
 
 
-def _fused_kernel(first, last, seq, q_ref, k_ref, v_ref, g_ref, b_ref, h0_ref, o_ref, fin_ref, *rest):
-    """Grid (B, HV, V-blocks, chunks). Blocks: q, k, g [C, K]; v, o [C, BV]; beta [C, 1];
-    h0, final (and S_in if stored) [BV, K]; scratch St [BV, K] carried across chunks."""
-    *s_in_ref, St = rest
+def _state_step(first, last, h0_ref, fin_ref, St, w, u, k_d, decay):
+    """One chunk of the sequential state pass: reset St to h0 at a sequence start,
+    v_new = u - w S, St <- St decay + v_new^T k_d, write the final state at a sequence end.
+    Returns (S entering the chunk [BV, K], v_new [C, BV])."""
     c = pl.program_id(3)
 
     @pl.when(first[c] == 1)
     def _():
         St[...] = h0_ref[0, 0, 0]
 
-    I = chunk_intra(q_ref[0, 0], k_ref[0, 0], v_ref[0, 0], g_ref[0, 0] * LOG2E, b_ref[0, 0])
-    S = St[...]  # [BV, K] state entering this chunk, transposed
-    if s_in_ref:
-        s_in_ref[0][0, 0, 0] = S
-    v_new = I.u - _dot_t(I.w, S)  # [C, BV]
-    o_ref[0, 0] = (_dot_t(I.q_g, S) + _dot(I.Aqk, v_new)).astype(o_ref.dtype)
-    S = S * I.decay + _t_dot(v_new, I.k_d)
-    St[...] = S
+    S = St[...]
+    v_new = u - _dot_t(w, S)
+    S_next = S * decay + _t_dot(v_new, k_d)
+    St[...] = S_next
 
     @pl.when(last[c] == 1)
     def _():
-        fin_ref[0, 0, 0] = S
+        fin_ref[0, 0, 0] = S_next
+
+    return S, v_new
+
+
+def _fused_kernel(first, last, seq, q_ref, k_ref, v_ref, g_ref, b_ref, h0_ref, o_ref, fin_ref, *rest):
+    """Grid (B, HV, V-blocks, chunks). Blocks: q, k, g [C, K]; v, o [C, BV]; beta [C, 1];
+    h0, final (and S_in if stored) [BV, K]; scratch St [BV, K] carried across chunks."""
+    *s_in_ref, St = rest
+    I = chunk_intra(q_ref[0, 0], k_ref[0, 0], v_ref[0, 0], g_ref[0, 0] * LOG2E, b_ref[0, 0])
+    S, v_new = _state_step(first, last, h0_ref, fin_ref, St, I.w, I.u, I.k_d, I.decay)
+    if s_in_ref:
+        s_in_ref[0][0, 0, 0] = S
+    o_ref[0, 0] = (_dot_t(I.q_g, S) + _dot(I.Aqk, v_new)).astype(o_ref.dtype)
 
 
 def _intra_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, aqk_ref, w_ref, u_ref, qg_ref, kd_ref, dec_ref):
@@ -257,23 +263,10 @@ def _intra_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, aqk_ref, w_ref, u_ref, qg_r
 
 
 def _state_kernel(first, last, seq, w_ref, u_ref, kd_ref, dec_ref, h0_ref, vn_ref, sin_ref, fin_ref, St):
-    """Grid (B, HV, V-blocks, chunks): v_new = u - w S, S <- decay S + k_d^T v_new."""
-    c = pl.program_id(3)
-
-    @pl.when(first[c] == 1)
-    def _():
-        St[...] = h0_ref[0, 0, 0]
-
-    S = St[...]
+    """Grid (B, HV, V-blocks, chunks): the state pass alone, storing S_in and v_new."""
+    S, v_new = _state_step(first, last, h0_ref, fin_ref, St, w_ref[0, 0], u_ref[0, 0], kd_ref[0, 0], dec_ref[0, 0][:1])
     sin_ref[0, 0, 0] = S
-    v_new = u_ref[0, 0] - _dot_t(w_ref[0, 0], S)
     vn_ref[0, 0] = v_new
-    S = S * dec_ref[0, 0][:1] + _t_dot(v_new, kd_ref[0, 0])
-    St[...] = S
-
-    @pl.when(last[c] == 1)
-    def _():
-        fin_ref[0, 0, 0] = S
 
 
 def _output_kernel(aqk_ref, qg_ref, vn_ref, sin_ref, o_ref):

@@ -52,7 +52,7 @@ class _PairFactors(NamedTuple):
     upper: tuple[jax.Array, ...]  # per level: [..., C/s, s/2, K] 2^(G_r - G_j), upper-half rows
 
 
-def _levels(C: int) -> list[int]:
+def dyadic_levels(C: int) -> list[int]:
     return [C >> i for i in range(C.bit_length() - 1)]  # C, C/2, ..., 2
 
 
@@ -71,7 +71,7 @@ def _join(lo: jax.Array | None, up: jax.Array | None, like: jax.Array) -> jax.Ar
 
 def _pair_factors(G: jax.Array) -> _PairFactors:
     lower, upper = [], []
-    for s in _levels(G.shape[-2]):
+    for s in dyadic_levels(G.shape[-2]):
         G_lo, G_up = _halves(G, s)
         G_r = G_lo[..., :1, :]
         lower.append(jnp.exp2(G_lo - G_r))
@@ -87,7 +87,7 @@ def _pairs(x: jax.Array, y: jax.Array, P: _PairFactors, inclusive: bool) -> jax.
     [[M_s/2, 0], [Q_s, M_s/2]] with Q_s the level-s matmul."""
     C = x.shape[-2]
     M = None
-    for s, el, eu in reversed(list(zip(_levels(C), P.lower, P.upper))):
+    for s, el, eu in reversed(list(zip(dyadic_levels(C), P.lower, P.upper))):
         x_lo, _ = _halves(x, s)
         _, y_up = _halves(y, s)
         # the right operand is built K-major ([..., K, s/2]) so the matmul needs no transpose
@@ -110,7 +110,7 @@ def _pairs_vjp(dM: jax.Array, x: jax.Array, y: jax.Array, P: _PairFactors, inclu
     C = x.shape[-2]
     dx = dy = 0.0
     D = dM[..., None, :, :]  # [..., 1, C, C] diagonal blocks of the current level
-    for s, el, eu in zip(_levels(C), P.lower, P.upper):
+    for s, el, eu in zip(dyadic_levels(C), P.lower, P.upper):
         h = s // 2
         dQ = D[..., h:, :h]  # [..., C/s, s/2, s/2]
         D = jnp.stack([D[..., :h, :h], D[..., h:, h:]], axis=-3).reshape(D.shape[:-3] + (C // h, h, h))

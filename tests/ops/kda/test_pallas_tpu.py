@@ -9,7 +9,7 @@ import pytest
 from jax._src.pallas.mosaic.interpret import interpret_pallas_call
 
 import kdax
-from kdax.ops.kda import pallas_tpu, xla
+from kdax.ops.kda import api, pallas_tpu, xla
 from tests.ops.kda.cases import CASES, Case, assert_close_to_reference, rel_rms
 
 PIPELINES = ["fused", "staged"]
@@ -90,8 +90,6 @@ def test_lowers_for_tpu(pipeline, dtype, dim, varlen, monkeypatch):
 
 
 def test_auto_picks_the_tpu_kernels_on_tpu(monkeypatch):
-    from kdax.ops.kda import api
-
     cores = {"xla": None, "pallas_tpu": None}
     assert api._resolve_backend("auto", cores) == "xla"  # this machine has no TPU
     monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
