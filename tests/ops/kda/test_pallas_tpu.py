@@ -30,7 +30,7 @@ def test_chunk_intra_matches_xla():
         v, g, beta = rng.standard_normal((C, V)), rng.uniform(g_min, g_min / 100, (C, K)), rng.uniform(0, 1, C)
         ref = xla._intra(*(jnp.asarray(x) for x in (q, k, v, g, beta)))
         f32 = functools.partial(jnp.asarray, dtype=jnp.float32)
-        got = jax.jit(pallas_tpu.chunk_intra)(f32(q), f32(k), f32(v), f32(g * xla.LOG2E), f32(beta[:, None]))
+        got = jax.jit(pallas_tpu._TILES.intra)(f32(q), f32(k), f32(v), f32(g * xla.LOG2E), f32(beta[:, None]))
         for name in ("Aqk", "w", "u", "q_g", "k_d"):
             assert rel_rms(getattr(got, name), getattr(ref, name)) < 2e-6, (g_min, name)
         np.testing.assert_allclose(got.decay[0], ref.decay, rtol=1e-5, atol=1e-30)
