@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from kdax.ops.common.varlen import chunk_layout
 from kdax.ops.kda.gate import beta_activation, kda_gate, l2norm
+from kdax.ops.kda.pallas_gpu import chunk_kda_pallas_gpu
 from kdax.ops.kda.pallas_tpu import chunk_kda_pallas_tpu
 from kdax.ops.kda.recurrent import fused_recurrent_kda_xla
 from kdax.ops.kda.reference import naive_recurrent_kda
@@ -111,7 +114,8 @@ def _preprocess(q, k, g, beta, use_qk_l2norm_in_kernel, use_gate_in_kernel, A_lo
 
 def _resolve_backend(backend: str, cores: dict) -> str:
     if backend == "auto":  # the fastest core this op has for the default device
-        return "pallas_tpu" if jax.default_backend() == "tpu" and "pallas_tpu" in cores else "xla"
+        kernels = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(jax.default_backend())
+        return kernels if kernels in cores else "xla"
     if backend != "naive" and backend not in cores:
         raise NotImplementedError(f"backend={backend!r}: not available for this op in this version")
     return backend
@@ -161,7 +165,12 @@ def chunk_kda(
     def layout_then(core):
         return lambda q, k, v, g, beta, h0, cu: core(q, k, v, g, beta, h0, chunk_layout(q.shape[1], chunk_size, cu))
 
-    cores = {"xla": _repeated_qk(layout_then(chunk_kda_xla)), "pallas_tpu": layout_then(chunk_kda_pallas_tpu)}
+    gpu = functools.partial(chunk_kda_pallas_gpu, input_dtype=jnp.dtype(q.dtype))
+    cores = {
+        "xla": _repeated_qk(layout_then(chunk_kda_xla)),
+        "pallas_tpu": layout_then(chunk_kda_pallas_tpu),
+        "pallas_gpu": layout_then(gpu),
+    }
     return _dispatch(cores, **args)
 
 

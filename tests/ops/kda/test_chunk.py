@@ -9,7 +9,7 @@ import kdax
 from kdax.ops.kda import xla
 from tests.ops.kda.cases import CASES, Case, assert_close_to_reference
 
-BACKENDS = ["xla", "pallas_tpu"]  # pallas_tpu runs in the TPU interpreter off TPU
+BACKENDS = ["xla", "pallas_tpu", "pallas_gpu"]  # the Pallas backends run in their interpreters off device
 BF16_CASES = [c for c in CASES if c.name in ("T65_gva_h0", "varlen", "strong_decay", "gate_softplus_l2_sigmoid")]
 
 

@@ -1,0 +1,294 @@
+"""Chunked KDA as Pallas kernels lowered through Triton (``backend="pallas_gpu"``).
+
+Same layout as the TPU kernels (head-major ``[B, heads, slots, D]``, states transposed
+``St = S^T`` ``[V, K]``) and the same full-tile chunk math (:mod:`kdax.ops.kda.tiles`),
+in the staged form that suits a GPU (docs/kda_gpu.md):
+
+forward   intra (B, HV, chunks) -> state (B, N, HV, V-blocks) -> output (B, HV, chunks, V-blocks)
+backward  intra again -> state cotangent (B, N, HV, V-blocks) -> gradients (B, HV, chunks)
+
+The two sequential kernels give one program to each (sequence, head, V-block), which
+walks that sequence's chunks with ``lax.fori_loop``, the state in registers. K and V are
+padded to powers of two >= 16 (Triton's tile rule). Off GPU the kernels run in the
+Pallas interpreter (for tests; slow).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from kdax.ops.common.varlen import ChunkLayout
+from kdax.ops.kda.tiles import Tiles, head_major, pad_last
+from kdax.ops.kda.xla import LOG2E
+
+PRECISIONS = {"ieee": lax.Precision.HIGHEST, "tf32": lax.Precision.DEFAULT}
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """``block_v``: V block of the state and output kernels (a power of two >= 16).
+    ``precision``: of the bulk matmuls, "ieee" (float32), "tf32", or "auto" (ieee for
+    float32 inputs, tf32 for bfloat16). ``launch``: {kernel: (num_warps, num_stages)}
+    overriding :data:`LAUNCH`. ``interpret``: None = interpret unless on GPU."""
+
+    block_v: int = 64
+    precision: str = "auto"
+    launch: tuple[tuple[str, tuple[int, int]], ...] = ()
+    interpret: bool | None = None
+
+
+CONFIG = Config()  # what chunk_kda(backend="pallas_gpu") uses; replace it to choose another
+
+# (num_warps, num_stages) per kernel at C = 64, K = V = 128. Starting values: not yet
+# measured on a GPU (docs/kda_gpu.md lists the sweep that is to replace them).
+LAUNCH = {"intra": (8, 1), "state": (4, 2), "output": (4, 2), "dstate": (4, 2), "grads": (8, 1)}
+
+
+def _params(cfg: Config, kernel: str) -> pltriton.CompilerParams:
+    num_warps, num_stages = dict(cfg.launch).get(kernel, LAUNCH[kernel])
+    return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+def _intra_kernel(tiles, q_ref, k_ref, v_ref, g_ref, b_ref, aqk_ref, w_ref, u_ref, qg_ref, kd_ref, dec_ref):
+    """Grid (B, HV, chunks). Writes Aqk [C, C], w, q_g, k_d [C, K], u [C, V], decay [1, K]."""
+    I = tiles.intra(q_ref[...], k_ref[...], v_ref[...], g_ref[...] * LOG2E, b_ref[...])
+    aqk_ref[...], w_ref[...], u_ref[...], qg_ref[...], kd_ref[...], dec_ref[...] = (
+        I.Aqk,
+        I.w,
+        I.u,
+        I.q_g,
+        I.k_d,
+        I.decay,
+    )
+
+
+def _chunk(ref, c, C):  # rows of chunk c of a [slots, D] ref
+    return ref[pl.ds(c * C, C), :]
+
+
+def _state_kernel(tiles, C, start_ref, end_ref, w_ref, u_ref, kd_ref, dec_ref, h0_ref, vn_ref, sin_ref, fin_ref):
+    """Grid (B, N, HV, V-blocks): walk sequence n's chunks; per chunk store S_in and
+    v_new = u - w S, then S <- S decay + v_new^T k_d. Refs span the whole slot axis."""
+    n = pl.program_id(1)
+
+    def step(c, St):
+        w, k_d = _chunk(w_ref, c, C), _chunk(kd_ref, c, C)
+        sin_ref[c] = St
+        v_new = _chunk(u_ref, c, C) - tiles.dot_t(w, St)
+        vn_ref[pl.ds(c * C, C), :] = v_new
+        return St * dec_ref[pl.ds(c, 1), :] + tiles.t_dot(v_new, k_d)
+
+    fin_ref[...] = lax.fori_loop(start_ref[n], end_ref[n], step, h0_ref[...])
+
+
+def _output_kernel(tiles, aqk_ref, qg_ref, vn_ref, sin_ref, o_ref):
+    """Grid (B, HV, chunks, V-blocks): o = q_g S_in + Aqk v_new."""
+    o_ref[...] = tiles.dot_t(qg_ref[...], sin_ref[...]) + tiles.dot(aqk_ref[...], vn_ref[...])
+
+
+def _dstate_kernel(tiles, C, start_ref, end_ref, aqk_ref, qg_ref, kd_ref, w_ref, dec_ref, do_ref, df_ref, dso_ref,
+                   dh0_ref):  # fmt: skip
+    """Grid (B, N, HV, V-blocks): walk sequence n's chunks last to first with the state
+    cotangent dSt [BV, K]; store, per chunk, the cotangent of the state leaving it."""
+    n = pl.program_id(1)
+    start, end = start_ref[n], end_ref[n]
+
+    def step(i, dSt):
+        c = end - 1 - i
+        dso_ref[c] = dSt
+        do = _chunk(do_ref, c, C)
+        dv_new = tiles.t_dot(_chunk(aqk_ref, c, C), do) + tiles.dot_t(_chunk(kd_ref, c, C), dSt)
+        return (
+            tiles.t_dot(do, _chunk(qg_ref, c, C))
+            + dSt * dec_ref[pl.ds(c, 1), :]
+            - tiles.t_dot(dv_new, _chunk(w_ref, c, C))
+        )
+
+    dh0_ref[...] = lax.fori_loop(0, end - start, step, df_ref[...])
+
+
+def _grads_kernel(tiles, q_ref, k_ref, v_ref, g_ref, b_ref, sin_ref, do_ref, dso_ref, dq_ref, dk_ref, dv_ref, dg_ref,
+                  db_ref):  # fmt: skip
+    """Grid (B, HV, chunks): every input gradient of one chunk (dq, dk per value head)."""
+    r = tiles.grads(q_ref[...], k_ref[...], v_ref[...], g_ref[...] * LOG2E, b_ref[...], sin_ref[...], do_ref[...],
+                    dso_ref[...])  # fmt: skip
+    dq_ref[...], dk_ref[...], dv_ref[...], dg_ref[...], db_ref[...] = r.dq, r.dk, r.dv, r.dg, r.dbeta
+
+
+# ----------------------------------------------------------------------------- wrapper
+
+
+def _interpret(cfg: Config) -> bool:
+    return jax.default_backend() != "gpu" if cfg.interpret is None else cfg.interpret
+
+
+def _tiles(cfg: Config, input_dtype) -> Tiles:
+    name = cfg.precision
+    if name == "auto":
+        name = "ieee" if input_dtype == jnp.float32 else "tf32"
+    return Tiles(precision=PRECISIONS[name], matmul_rowsum=False)
+
+
+def _whole(shape_tail):
+    """Block over the whole slot axis of [B, HV, L, D] (sequential kernels, grid (b, n, h, vb))."""
+    return pl.BlockSpec((None, None, *shape_tail), lambda b, n, h, vb: (b, h, 0, 0))
+
+
+def _run_intra(q, k, v, g, beta, C, groups, tiles, cfg):
+    """Intra-chunk kernel: (Aqk [B, HV, L, C], w [.., Kp], u [.., Vp], q_g, k_d [.., Kp], decay [B, HV, NC, Kp])."""
+    B, HV, L, Vp = v.shape
+    Kp, NC, f32 = k.shape[-1], L // C, jnp.float32
+    spec = lambda d, head=lambda h: h: pl.BlockSpec((None, None, C, d), lambda b, h, c: (b, head(h), c, 0))
+    qk = spec(Kp, lambda h: lax.div(h, jnp.int32(groups)))
+    return pl.pallas_call(
+        functools.partial(_intra_kernel, tiles),
+        grid=(B, HV, NC),
+        in_specs=[qk, qk, spec(Vp), spec(Kp), spec(1)],
+        out_specs=[spec(C), spec(Kp), spec(Vp), spec(Kp), spec(Kp), pl.BlockSpec((None, None, 1, Kp), lambda b, h, c: (b, h, c, 0))],
+        out_shape=[jax.ShapeDtypeStruct((B, HV, L, d), f32) for d in (C, Kp, Vp, Kp, Kp)]
+        + [jax.ShapeDtypeStruct((B, HV, NC, Kp), f32)],
+        compiler_params=_params(cfg, "intra"), interpret=_interpret(cfg),
+    )(q, k, v, g, beta)  # fmt: skip
+
+
+def _forward(q, k, v, g, beta, h0t, ranges, C, groups, tiles, cfg):
+    """Head-major padded inputs: q, k [B, H, L, Kp]; v [B, HV, L, Vp]; g [B, HV, L, Kp] (natural log);
+    beta [B, HV, L, 1]; h0t [B, N, HV, Vp, Kp]; ranges (start, end) int32 [N] chunk range of each sequence.
+    Returns o [B, HV, L, Vp], final [B, N, HV, Vp, Kp], S_in [B, HV, NC, Vp, Kp]."""
+    B, HV, L, Vp = v.shape
+    Kp, NC, N, BV, f32 = k.shape[-1], L // C, h0t.shape[1], cfg.block_v, jnp.float32
+    aqk, w, u, q_g, k_d, dec = _run_intra(q, k, v, g, beta, C, groups, tiles, cfg)
+    seq = pl.BlockSpec((N,), lambda *_: (0,))
+    state = pl.BlockSpec((None, None, None, BV, Kp), lambda b, n, h, vb: (b, n, h, vb, 0))
+    v_new, s_in, final = pl.pallas_call(
+        functools.partial(_state_kernel, tiles, C),
+        grid=(B, N, HV, Vp // BV),
+        in_specs=[seq, seq, _whole((L, Kp)), pl.BlockSpec((None, None, L, BV), lambda b, n, h, vb: (b, h, 0, vb)),
+                  _whole((L, Kp)), _whole((NC, Kp)), state],
+        out_specs=[pl.BlockSpec((None, None, L, BV), lambda b, n, h, vb: (b, h, 0, vb)),
+                   pl.BlockSpec((None, None, NC, BV, Kp), lambda b, n, h, vb: (b, h, 0, vb, 0)), state],
+        out_shape=[jax.ShapeDtypeStruct((B, HV, L, Vp), f32), jax.ShapeDtypeStruct((B, HV, NC, Vp, Kp), f32),
+                   jax.ShapeDtypeStruct(h0t.shape, f32)],
+        compiler_params=_params(cfg, "state"), interpret=_interpret(cfg),
+    )(*ranges, w, u, k_d, dec, h0t)  # fmt: skip
+    o = pl.pallas_call(
+        functools.partial(_output_kernel, tiles),
+        grid=(B, HV, NC, Vp // BV),
+        in_specs=[
+            pl.BlockSpec((None, None, C, C), lambda b, h, c, vb: (b, h, c, 0)),
+            pl.BlockSpec((None, None, C, Kp), lambda b, h, c, vb: (b, h, c, 0)),
+            pl.BlockSpec((None, None, C, BV), lambda b, h, c, vb: (b, h, c, vb)),
+            pl.BlockSpec((None, None, None, BV, Kp), lambda b, h, c, vb: (b, h, c, vb, 0)),
+        ],
+        out_specs=pl.BlockSpec((None, None, C, BV), lambda b, h, c, vb: (b, h, c, vb)),
+        out_shape=jax.ShapeDtypeStruct((B, HV, L, Vp), f32),
+        compiler_params=_params(cfg, "output"), interpret=_interpret(cfg),
+    )(aqk, q_g, v_new, s_in)  # fmt: skip
+    return o, final, s_in
+
+
+def _backward(q, k, v, g, beta, ranges, S_in, do, dfinal_t, C, groups, tiles, cfg):
+    """Cotangents of the inputs of :func:`_forward` (dq, dk summed over each group's value heads)."""
+    B, HV, L, Vp = v.shape
+    H, Kp, NC, N, BV, f32 = k.shape[1], k.shape[-1], L // C, dfinal_t.shape[1], cfg.block_v, jnp.float32
+    aqk, w, _, q_g, k_d, dec = _run_intra(q, k, v, g, beta, C, groups, tiles, cfg)
+    seq = pl.BlockSpec((N,), lambda *_: (0,))
+    state = pl.BlockSpec((None, None, None, BV, Kp), lambda b, n, h, vb: (b, n, h, vb, 0))
+    dS_out, dh0t = pl.pallas_call(
+        functools.partial(_dstate_kernel, tiles, C),
+        grid=(B, N, HV, Vp // BV),
+        in_specs=[seq, seq, _whole((L, C)), _whole((L, Kp)), _whole((L, Kp)), _whole((L, Kp)), _whole((NC, Kp)),
+                  pl.BlockSpec((None, None, L, BV), lambda b, n, h, vb: (b, h, 0, vb)), state],
+        out_specs=[pl.BlockSpec((None, None, NC, BV, Kp), lambda b, n, h, vb: (b, h, 0, vb, 0)), state],
+        out_shape=[jax.ShapeDtypeStruct((B, HV, NC, Vp, Kp), f32), jax.ShapeDtypeStruct(dfinal_t.shape, f32)],
+        compiler_params=_params(cfg, "dstate"), interpret=_interpret(cfg),
+    )(*ranges, aqk, q_g, k_d, w, dec, do, dfinal_t)  # fmt: skip
+    spec = lambda d, head=lambda h: h: pl.BlockSpec((None, None, C, d), lambda b, h, c: (b, head(h), c, 0))
+    qk = spec(Kp, lambda h: lax.div(h, jnp.int32(groups)))
+    st = pl.BlockSpec((None, None, None, Vp, Kp), lambda b, h, c: (b, h, c, 0, 0))
+    dq, dk, dv, dg, dbeta = pl.pallas_call(
+        functools.partial(_grads_kernel, tiles),
+        grid=(B, HV, NC),
+        in_specs=[qk, qk, spec(Vp), spec(Kp), spec(1), st, spec(Vp), st],
+        out_specs=[spec(Kp), spec(Kp), spec(Vp), spec(Kp), spec(1)],
+        out_shape=[jax.ShapeDtypeStruct((B, HV, L, d), f32) for d in (Kp, Kp, Vp, Kp, 1)],
+        compiler_params=_params(cfg, "grads"), interpret=_interpret(cfg),
+    )(q, k, v, g, beta, S_in, do, dS_out)  # fmt: skip
+    dq, dk = (x.reshape(B, H, groups, L, Kp).sum(2) for x in (dq, dk))
+    return dq, dk, dv, dg, dbeta, dh0t
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
+def _core(q, k, v, g, beta, h0t, ranges, C, groups, tiles, cfg):
+    o, final, _ = _forward(q, k, v, g, beta, h0t, ranges, C, groups, tiles, cfg)
+    return o, final
+
+
+def _core_fwd(q, k, v, g, beta, h0t, ranges, C, groups, tiles, cfg):
+    o, final, S_in = _forward(q, k, v, g, beta, h0t, ranges, C, groups, tiles, cfg)
+    return (o, final), (q, k, v, g, beta, ranges, S_in)
+
+
+def _core_bwd(C, groups, tiles, cfg, res, cts):
+    q, k, v, g, beta, ranges, S_in = res
+    do, dfinal_t = cts
+    grads = _backward(q, k, v, g, beta, ranges, S_in, do, dfinal_t, C, groups, tiles, cfg)
+    return grads + ((None, None),)
+
+
+_core.defvjp(_core_fwd, _core_bwd)
+
+
+def _pow2(n: int) -> int:  # smallest power of two >= max(n, 16)
+    return max(16, 1 << (n - 1).bit_length())
+
+
+def _sequence_chunks(layout: ChunkLayout, N: int):
+    """(start, end) int32 [N]: the chunk range of each sequence (empty: start = end)."""
+    c = jnp.arange(layout.n_chunks, dtype=jnp.int32)
+    start = (
+        jnp.full((N,), layout.n_chunks, jnp.int32)
+        .at[layout.chunk_seq]
+        .min(jnp.where(layout.chunk_first, c, layout.n_chunks))
+    )
+    end = jnp.zeros((N,), jnp.int32).at[layout.chunk_seq].max(jnp.where(layout.chunk_last, c + 1, 0))
+    return jnp.minimum(start, end), end
+
+
+def chunk_kda_pallas_gpu(q, k, v, g, beta, h0, layout: ChunkLayout, input_dtype=jnp.float32, cfg: Config | None = None):
+    """Core chunked KDA with the GPU kernels, on prepared float32 inputs.
+
+    q, k: [B, T, H, K] (q scaled, not repeated over value heads); v: [B, T, HV, V];
+    g: [B, T, HV, K] natural-log decay; beta: [B, T, HV]; h0: [B, N, HV, K, V];
+    input_dtype: the caller's dtype (chooses the matmul precision under "auto").
+    Returns (o [B, T, HV, V], final [B, N, HV, K, V])."""
+    cfg = CONFIG if cfg is None else cfg
+    if cfg.precision not in ("auto", *PRECISIONS):
+        raise ValueError(f"cfg.precision: expected 'auto' or one of {tuple(PRECISIONS)}, got {cfg.precision!r}")
+    if cfg.block_v < 16 or cfg.block_v & (cfg.block_v - 1):
+        raise ValueError(f"cfg.block_v: expected a power of two >= 16, got {cfg.block_v}")
+    if unknown := set(dict(cfg.launch)) - set(LAUNCH):
+        raise ValueError(f"cfg.launch: expected kernels among {tuple(LAUNCH)}, got {sorted(unknown)}")
+    H, K = q.shape[2:]
+    HV, V = v.shape[2:]
+    Kp, Vp = _pow2(K), _pow2(V)
+    cfg = dataclasses.replace(cfg, block_v=min(cfg.block_v, Vp))
+    qh, kh, gh = (head_major(layout, x, Kp) for x in (q, k, g))
+    vh = head_major(layout, v, Vp)
+    bh = head_major(layout, beta[..., None], None)
+    h0t = pad_last(jnp.swapaxes(pad_last(h0, Vp), -1, -2), Kp)  # [B, N, HV, Vp, Kp]
+    ranges = _sequence_chunks(layout, h0.shape[1])
+    tiles = _tiles(cfg, input_dtype)
+    o, final = _core(qh, kh, vh, gh, bh, h0t, ranges, layout.chunk_size, HV // H, tiles, cfg)
+    o = layout.unpack(jnp.moveaxis(o[..., :V], 1, 2))
+    return o, jnp.swapaxes(final, -1, -2)[..., :K, :V]

@@ -1,0 +1,107 @@
+"""Pallas GPU (Triton) kernels, in the Pallas interpreter on CPU, and their lowering for CUDA.
+
+Every shared case of test_chunk.py runs for pallas_gpu there (fp32 and bf16); here what
+only these kernels have."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kdax
+from kdax.ops.kda import api, pallas_gpu, tiles
+from tests.ops.kda.cases import CASES, Case, assert_close_to_reference
+
+chunk_kda_gpu = functools.partial(kdax.chunk_kda, backend="pallas_gpu")
+
+
+def test_head_dim_256_and_small_v_block(monkeypatch):
+    monkeypatch.setattr(pallas_gpu, "CONFIG", pallas_gpu.Config(block_v=16))
+    case = Case("K256_V256", T=70, B=1, H=1, HV=1, K=256, V=256, initial_state=True)
+    assert_close_to_reference(chunk_kda_gpu, case, jnp.float32)
+
+
+def _tf32(x):  # round float32 to TF32 (10 explicit mantissa bits, to nearest even)
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    bits = (bits + jnp.uint32(0xFFF) + ((bits >> 13) & 1)) & jnp.uint32(0xFFFFE000)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+class _TF32Tiles(tiles.Tiles):
+    """The GPU's TF32 matmuls on CPU: operands rounded to TF32, products in float32."""
+
+    def dot(self, a, b):
+        return super().dot(_tf32(a), _tf32(b))
+
+    def dot_t(self, a, b):
+        return super().dot_t(_tf32(a), _tf32(b))
+
+    def t_dot(self, a, b):
+        return super().t_dot(_tf32(a), _tf32(b))
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.name in ("T65_gva_h0", "strong_decay_varlen")], ids=str)
+def test_bf16_inputs_within_bars_with_tf32_matmuls(case, monkeypatch):
+    """What precision="auto" picks for bfloat16 inputs, its rounding emulated here."""
+    assert pallas_gpu._tiles(pallas_gpu.CONFIG, jnp.bfloat16).precision == jax.lax.Precision.DEFAULT
+    monkeypatch.setattr(pallas_gpu, "_tiles", lambda cfg, dtype: _TF32Tiles(matmul_rowsum=False))
+    assert_close_to_reference(chunk_kda_gpu, case, jnp.bfloat16)
+
+
+def test_tf32_rounding_helper():
+    x = jnp.asarray([1.0, 1 + 2.0**-10, 1 + 2.0**-11, 1 + 3 * 2.0**-11, 1 + 2.0**-12], jnp.float32)
+    np.testing.assert_array_equal(_tf32(x), [1.0, 1 + 2.0**-10, 1.0, 1 + 2 * 2.0**-10, 1.0])
+
+
+def test_bad_config_raises():
+    x = jnp.zeros((1, 16, 1, 8), jnp.float32)
+    b = jnp.zeros((1, 16, 1), jnp.float32)
+    for cfg, field in [
+        (pallas_gpu.Config(precision="fp8"), "cfg.precision"),
+        (pallas_gpu.Config(block_v=48), "cfg.block_v"),
+        (pallas_gpu.Config(launch=(("attention", (4, 1)),)), "cfg.launch"),
+    ]:
+        with pytest.raises(ValueError, match=field):
+            pallas_gpu.chunk_kda_pallas_gpu(x, x, x, x, b, jnp.zeros((1, 1, 1, 8, 8)), None, cfg=cfg)
+
+
+def test_float64_inputs_are_rejected():
+    x = jnp.zeros((1, 16, 1, 8), jnp.float64)
+    with pytest.raises(ValueError, match="q: expected float32 or bfloat16 inputs"):
+        chunk_kda_gpu(x, x, x, x, jnp.zeros((1, 16, 1), jnp.float64))
+
+
+N_FWD, N_BWD = 3, 3  # kernels: intra, state, output; intra, state cotangent, gradients
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
+def test_lowers_for_cuda(dtype, dim, varlen, monkeypatch):
+    """Forward alone, and forward + backward: every kernel lowers through Triton."""
+    monkeypatch.setattr(pallas_gpu, "CONFIG", pallas_gpu.Config(interpret=False))
+    B, T, H, HV = (1, 130, 2, 4) if varlen else (2, 130, 2, 4)
+    cu = jnp.asarray([0, 1, 100, 130], jnp.int32) if varlen else None
+    shapes = [(B, T, H, dim), (B, T, H, dim), (B, T, HV, dim), (B, T, HV, dim), (B, T, HV)]
+    args = [jax.ShapeDtypeStruct(s, dtype) for s in shapes]
+    fwd = jax.jit(lambda *a: chunk_kda_gpu(*a, cu_seqlens=cu, output_final_state=True))
+    triton = "__gpu$xla.gpu.triton"
+    assert fwd.trace(*args).lower(lowering_platforms=("cuda",)).as_text().count(triton) == N_FWD
+
+    def loss(*a):
+        o, s = chunk_kda_gpu(*a, cu_seqlens=cu, output_final_state=True)
+        return o.astype(jnp.float32).sum() + s.sum()
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
+    assert grad.trace(*args).lower(lowering_platforms=("cuda",)).as_text().count(triton) == N_FWD + N_BWD
+
+
+def test_auto_picks_the_gpu_kernels_on_gpu(monkeypatch):
+    cores = {"xla": None, "pallas_tpu": None, "pallas_gpu": None}
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    assert api._resolve_backend("auto", cores) == "xla"
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert api._resolve_backend("auto", cores) == "pallas_gpu"
+    assert api._resolve_backend("auto", {"xla": None}) == "xla"  # fused_recurrent_kda has no GPU kernel
