@@ -21,6 +21,19 @@ def _bench(ns: argparse.Namespace) -> int:
         "device": f"{jax.devices()[0].device_kind} ({platform.processor() or platform.machine()})",
         "command": "kdax " + " ".join(sys.argv[1:]),
     }
+    if ns.gpu_tune:
+        from kdax.bench import gpu_tune
+
+        result = gpu_tune.tune(ns.B, ns.T, ns.H, ns.K, ns.V, ns.repeats)
+        print(json.dumps({"meta": meta, "tuned": result}, indent=2))
+        return 0
+    if ns.gpu_compare_fla:
+        from kdax.bench import fla_compare
+
+        result = fla_compare.compare(repeats=ns.repeats, python=ns.fla_python)
+        result["meta"].update(date=meta["date"], command=meta["command"])
+        print(json.dumps(result, indent=2) if ns.json else fla_compare.format_compare(result))
+        return 0
     if ns.memory:
         result = {"meta": meta, "memory": kda.peak_memory(ns.B, ns.T, ns.H, ns.K, ns.V, ns.chunk_size)}
         print(json.dumps(result, indent=2))
@@ -51,6 +64,10 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--no-error", action="store_true", help="skip the float64 reference")
     b.add_argument("--json", action="store_true", help="print JSON instead of the table")
     b.add_argument("--memory", action="store_true", help="peak memory of forward+backward (default T: use --T)")
+    b.add_argument("--gpu-compare-fla", action="store_true",
+                   help="on a CUDA GPU: kdax pallas_gpu and xla against FLA's chunk_kda (separate processes)")  # fmt: skip
+    b.add_argument("--gpu-tune", action="store_true", help="on a CUDA GPU: measure the pallas_gpu launch table")
+    b.add_argument("--fla-python", default=sys.executable, help="python that runs the workers (FLA and kdax)")
     ns = parser.parse_args(argv)
     return _bench(ns)
 

@@ -1,0 +1,264 @@
+"""``kdax bench --gpu-compare-fla``: kdax (pallas_gpu, xla) against FLA's Triton ``chunk_kda``.
+
+The two run in separate processes (``python -m kdax.bench.fla_compare worker ...``) on
+the same inputs: each draws them from the same seeded NumPy generator and rounds to
+bfloat16 the same way. Both use the in-op options of a Kimi Linear layer (q/k L2 norm,
+the gate ``-exp(A_log) softplus(g + dt_bias)``, beta = sigmoid) and the loss
+0.5 sum(o^2) for the backward. FLA is timed with CUDA events, JAX with
+``block_until_ready`` around each call (median of ``repeats``, after warm-up).
+
+TFLOP/s and GB/s use the algorithmic counts of :func:`flops` and :func:`min_bytes`
+(the same for every implementation), against a bf16 matmul peak and a device-to-device
+copy bandwidth measured in the FLA process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+SHAPES = [(1, 2048), (1, 8192), (1, 32768), (8, 2048), (8, 8192), (8, 32768)]  # (B, T)
+H, K, V, CHUNK = 16, 128, 128, 64
+SMALL = (1, 512, 4)  # (B, T, H) of the error check
+
+
+def flops(B, T, H, K, V, C=CHUNK, backward=False):
+    """Algorithmic FLOPs of chunked KDA: per chunk and head, Aqk and Akk (2 x 2 C^2 K),
+    w and u (2 C^2 (K + V)), the state pass and output (3 x 2 C K V, 2 C^2 V); the
+    backward counted as twice the forward."""
+    per_chunk = 4 * C * C * K + 2 * C * C * (K + V) + 6 * C * K * V + 2 * C * C * V
+    fwd = B * H * -(-T // C) * per_chunk
+    return 3 * fwd if backward else fwd
+
+
+def min_bytes(B, T, H, K, V, elem=2, backward=False):
+    """Fewest bytes through HBM: read q, k, v, g, beta, write o; the backward also reads
+    them and do, and writes dq, dk, dv, dg, dbeta."""
+    fwd = B * T * H * elem * (3 * K + 2 * V + 1)
+    return fwd + B * T * H * elem * ((3 * K + 2 * V + 1) + (3 * K + V + 1)) if backward else fwd
+
+
+def inputs(B, T, H, K, V, seed=0):
+    """float32 NumPy arrays (rounded to bf16 by each side): q, k, v, g (raw), beta (raw), A_log, dt_bias."""
+    rng = np.random.default_rng(seed)
+    n = lambda *s: rng.standard_normal(s, dtype=np.float32)
+    A_log = np.log(rng.uniform(1, 16, H)).astype(np.float32)
+    return n(B, T, H, K), n(B, T, H, K), n(B, T, H, V), n(B, T, H, K), n(B, T, H), A_log, 0.1 * n(H * K)
+
+
+# ----------------------------------------------------------------------------- workers
+
+
+def _fla_worker(shapes, repeats, small_out):
+    import torch
+    from fla.ops.kda import chunk_kda
+
+    dev = "cuda"
+
+    def event_ms(fn):
+        for _ in range(3):
+            fn()
+        times = []
+        for _ in range(repeats):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            fn()
+            e.record()
+            torch.cuda.synchronize()
+            times.append(s.elapsed_time(e))
+        return float(np.median(times))
+
+    def peaks():  # bf16 matmul TFLOP/s on random data, device-to-device copy GB/s (read + write)
+        a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+        x = torch.randint(0, 255, (2**30,), device=dev, dtype=torch.uint8)
+        y = torch.empty_like(x)
+        return 2 * 8192**3 / event_ms(lambda: a @ a) / 1e9, 2 * x.numel() / event_ms(lambda: y.copy_(x)) / 1e6
+
+    peak_tflops, copy_gbs = peaks()
+
+    def make(B, T, Hh):
+        q, k, v, g, beta, A_log, dt_bias = inputs(B, T, Hh, K, V)
+        t = [torch.tensor(z, device=dev).to(torch.bfloat16).requires_grad_() for z in (q, k, v, g, beta)]
+        return t, torch.tensor(A_log, device=dev), torch.tensor(dt_bias, device=dev)
+
+    def run(t, A_log, dt_bias):
+        o, _ = chunk_kda(*t, A_log=A_log, dt_bias=dt_bias, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                         use_beta_sigmoid_in_kernel=True)  # fmt: skip
+        return o
+
+    def fwd_bwd(t, A_log, dt_bias):
+        o = run(t, A_log, dt_bias)
+        (0.5 * o.float().square().sum()).backward()
+        return o
+
+    rows = []
+    for B, T in shapes:
+        t, A_log, dt_bias = make(B, T, H)
+        with torch.no_grad():
+            ms = event_ms(lambda t=t, A_log=A_log, dt_bias=dt_bias: run(t, A_log, dt_bias))
+        rows.append({"B": B, "T": T, "impl": "fla", "mode": "fwd", "ms": ms})
+        ms = event_ms(lambda t=t, A_log=A_log, dt_bias=dt_bias: fwd_bwd(t, A_log, dt_bias))
+        rows.append({"B": B, "T": T, "impl": "fla", "mode": "fwd+bwd", "ms": ms})
+        del t
+        torch.cuda.empty_cache()
+    t, A_log, dt_bias = make(*SMALL)
+    o = fwd_bwd(t, A_log, dt_bias)
+    small = [o.detach()] + [x.grad for x in t]
+    np.savez(small_out, **{f"fla_{i}": x.float().cpu().numpy() for i, x in enumerate(small)})
+    return {"rows": rows, "peak_tflops": peak_tflops, "copy_gbs": copy_gbs, "device": torch.cuda.get_device_name()}
+
+
+def _kdax_worker(shapes, repeats, small_out, backends=("pallas_gpu", "xla")):
+    import jax
+    import jax.numpy as jnp
+
+    import kdax
+
+    def make(B, T, Hh, dtype=jnp.bfloat16):
+        q, k, v, g, beta, A_log, dt_bias = inputs(B, T, Hh, K, V)
+        return [jnp.asarray(z, dtype) for z in (q, k, v, g, beta)], jnp.asarray(A_log), jnp.asarray(dt_bias)
+
+    def fns(backend, A_log, dt_bias):
+        def op(*a):
+            o, _ = kdax.chunk_kda(*a, A_log=A_log, dt_bias=dt_bias, use_qk_l2norm_in_kernel=True,
+                                  use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, backend=backend)  # fmt: skip
+            return o
+
+        loss = lambda *a: 0.5 * jnp.sum(jnp.square(op(*a).astype(jnp.float32)))
+        return jax.jit(op), jax.jit(jax.value_and_grad(loss, argnums=tuple(range(5))))
+
+    def wall_ms(f, args):
+        for _ in range(3):
+            jax.block_until_ready(f(*args))
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            jax.block_until_ready(f(*args))
+            times.append((time.perf_counter() - t0) * 1e3)
+        return float(np.median(times))
+
+    rows = []
+    for B, T in shapes:
+        args, A_log, dt_bias = make(B, T, H)
+        for backend in backends:
+            fwd, bwd = fns(backend, A_log, dt_bias)
+            for mode, f in (("fwd", fwd), ("fwd+bwd", bwd)):
+                try:
+                    ms = wall_ms(f, args)
+                except jax.errors.JaxRuntimeError as e:  # e.g. out of memory: reported, not hidden
+                    ms, err = None, f"{type(e).__name__}: {str(e)[:200]}"
+                else:
+                    err = None
+                rows.append({"B": B, "T": T, "impl": f"kdax {backend}", "mode": mode, "ms": ms, "error": err})
+            del fwd, bwd
+    args, A_log, dt_bias = make(*SMALL)
+    small = {}
+    for backend in backends:
+        fwd, bwd = fns(backend, A_log, dt_bias)
+        small[backend] = [np.asarray(x, np.float32) for x in (fwd(*args), *bwd(*args)[1])]
+    with jax.enable_x64(True):
+        a64 = [jnp.asarray(np.asarray(x, np.float32), jnp.float64) for x in args]
+        fwd64, bwd64 = fns("naive", jnp.asarray(A_log, jnp.float64), jnp.asarray(dt_bias, jnp.float64))
+        small["fp64"] = [np.asarray(fwd64(*a64))] + [np.asarray(x) for x in bwd64(*a64)[1]]
+    np.savez(small_out, **{f"{b}_{i}": x for b, xs in small.items() for i, x in enumerate(xs)})
+    return {"rows": rows, "device": str(jax.devices()[0].device_kind), "jax": jax.__version__}
+
+
+# ----------------------------------------------------------------------------- orchestration
+
+
+def _worker(impl, shapes, repeats, out, python):
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    cmd = [python, "-m", "kdax.bench.fla_compare", "worker", impl, out, str(repeats), json.dumps(shapes)]
+    proc = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"the {impl} worker failed ({' '.join(cmd[:5])}):\n{proc.stderr[-3000:]}")
+    with open(out + ".json") as f:
+        return json.load(f)
+
+
+def _rel(x, ref):
+    return float(np.linalg.norm(np.float64(x) - ref) / np.linalg.norm(np.float64(ref)))
+
+
+def compare(shapes=SHAPES, repeats=20, python=sys.executable) -> dict:
+    """Run both workers; return rows with TFLOP/s, GB/s and the ratio to FLA, and the errors."""
+    with tempfile.TemporaryDirectory() as d:
+        fla = _worker("fla", shapes, repeats, os.path.join(d, "fla"), python)
+        kd = _worker("kdax", shapes, repeats, os.path.join(d, "kdax"), python)
+        f_small, k_small = np.load(os.path.join(d, "fla.npz")), np.load(os.path.join(d, "kdax.npz"))
+        names = ("o", "dq", "dk", "dv", "dg", "dbeta")
+        fla_small = [f_small[f"fla_{i}"] for i in range(6)]
+        errors = {}
+        for backend in ("pallas_gpu", "xla"):
+            mine = [k_small[f"{backend}_{i}"] for i in range(6)]
+            errors[backend] = {
+                "vs_fla": max(_rel(a, b) for a, b in zip(mine, fla_small)),
+                "vs_fp64": max(_rel(a, k_small[f"fp64_{i}"]) for i, a in enumerate(mine)),
+                "per_output_vs_fp64": {n: _rel(a, k_small[f"fp64_{i}"]) for i, (n, a) in enumerate(zip(names, mine))},
+            }
+        errors["fla"] = {"vs_fp64": max(_rel(a, k_small[f"fp64_{i}"]) for i, a in enumerate(fla_small))}
+    fla_ms = {(r["B"], r["T"], r["mode"]): r["ms"] for r in fla["rows"]}
+    rows = []
+    for r in fla["rows"] + kd["rows"]:
+        bwd = r["mode"] == "fwd+bwd"
+        ms = r["ms"]
+        fl, by = flops(r["B"], r["T"], H, K, V, backward=bwd), min_bytes(r["B"], r["T"], H, K, V, backward=bwd)
+        r.update(
+            tflops=fl / ms / 1e9 if ms else None,
+            gbs=by / ms / 1e6 if ms else None,
+            vs_fla=ms / fla_ms[r["B"], r["T"], r["mode"]] if ms else None,
+        )
+        rows.append(r)
+    rows.sort(key=lambda r: (r["B"], r["T"], r["mode"], r["impl"]))
+    meta = {"device": fla["device"], "jax": kd["jax"], "peak_tflops": fla["peak_tflops"], "copy_gbs": fla["copy_gbs"]}
+    return {"meta": meta, "rows": rows, "errors": errors, "small_case": dict(zip(("B", "T", "H"), SMALL))}
+
+
+def format_compare(res: dict) -> str:
+    m = res["meta"]
+    pk, bw = m["peak_tflops"], m["copy_gbs"]
+    out = [f"# {m['device']}: measured bf16 matmul {pk:.0f} TFLOP/s, copy {bw:.0f} GB/s; H={H} K=V={K} bf16"]
+    out.append("| B | T | pass | impl | median ms | TFLOP/s (% peak) | GB/s (% copy) | time / FLA |")
+    out.append("|---|---|---|---|---|---|---|---|")
+    for r in res["rows"]:
+        if r["ms"] is None:
+            out.append(f"| {r['B']} | {r['T']} | {r['mode']} | {r['impl']} | failed: {r.get('error')} | | | |")
+            continue
+        out.append(
+            f"| {r['B']} | {r['T']} | {r['mode']} | {r['impl']} | {r['ms']:.3f} | {r['tflops']:.1f} "
+            f"({100 * r['tflops'] / pk:.0f}%) | {r['gbs']:.0f} ({100 * r['gbs'] / bw:.0f}%) | {r['vs_fla']:.2f} |"
+        )
+    s = res["small_case"]
+    out.append(f"\nmax rel. error over o and every gradient, B={s['B']} T={s['T']} H={s['H']} bf16:")
+    for name, e in res["errors"].items():
+        fla = f"vs FLA {e['vs_fla']:.2e}, " if "vs_fla" in e else ""
+        out.append(f"  {name}: {fla}vs fp64 reference {e['vs_fp64']:.2e}")
+    return "\n".join(out)
+
+
+def main(argv):
+    p = argparse.ArgumentParser(prog="python -m kdax.bench.fla_compare")
+    p.add_argument("worker")
+    p.add_argument("impl", choices=["fla", "kdax"])
+    p.add_argument("out")
+    p.add_argument("repeats", type=int)
+    p.add_argument("shapes")
+    ns = p.parse_args(argv)
+    shapes = [tuple(s) for s in json.loads(ns.shapes)]
+    run = _fla_worker if ns.impl == "fla" else _kdax_worker
+    result = run(shapes, ns.repeats, ns.out + ".npz")
+    with open(ns.out + ".json", "w") as f:
+        json.dump(result, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

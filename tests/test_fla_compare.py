@@ -1,0 +1,72 @@
+"""``kdax bench --gpu-compare-fla`` and ``--gpu-tune`` off GPU: the kdax worker on a tiny shape (pallas_gpu in the
+interpreter), and the comparison and table with the FLA worker stood in for by a copy of
+the kdax xla results (FLA itself needs a CUDA GPU)."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from kdax.bench import fla_compare
+
+
+@pytest.fixture
+def tiny(monkeypatch):
+    monkeypatch.setattr(fla_compare, "H", 1)
+    monkeypatch.setattr(fla_compare, "K", 16)
+    monkeypatch.setattr(fla_compare, "V", 32)
+    monkeypatch.setattr(fla_compare, "SMALL", (1, 40, 2))
+
+
+def test_counts_scale():
+    f = fla_compare.flops(1, 8192, 16, 128, 128)
+    assert fla_compare.flops(2, 8192, 16, 128, 128) == 2 * f == fla_compare.flops(1, 16384, 16, 128, 128)
+    assert fla_compare.flops(1, 8192, 16, 128, 128, backward=True) == 3 * f
+    # 128 chunks x 16 heads x (4 C^2 K + 2 C^2 (K + V) + 6 C K V + 2 C^2 V) at C = 64
+    assert f == 128 * 16 * (4 * 64 * 64 * 128 + 2 * 64 * 64 * 256 + 6 * 64 * 128 * 128 + 2 * 64 * 64 * 128)
+    assert fla_compare.min_bytes(1, 8192, 16, 128, 128) == 8192 * 16 * 2 * (3 * 128 + 2 * 128 + 1)
+
+
+def test_kdax_worker_and_comparison(tiny, tmp_path, monkeypatch, capsys):
+    kd = fla_compare._kdax_worker([(1, 40)], 1, str(tmp_path / "kd.npz"))
+    assert {(r["impl"], r["mode"]) for r in kd["rows"]} == {
+        (f"kdax {b}", m) for b in ("pallas_gpu", "xla") for m in ("fwd", "fwd+bwd")
+    }
+    assert all(r["ms"] > 0 and r["error"] is None for r in kd["rows"])
+
+    def worker(impl, shapes, repeats, out, python):
+        if impl == "kdax":
+            os.replace(tmp_path / "kd.npz", out + ".npz")
+            return kd
+        small = np.load(tmp_path / "kd.npz")  # stand-in for FLA: the xla backend's results
+        np.savez(out + ".npz", **{f"fla_{i}": small[f"xla_{i}"] for i in range(6)})
+        rows = [dict(r, impl="fla") for r in kd["rows"] if r["impl"] == "kdax xla"]
+        return {"rows": rows, "peak_tflops": 900.0, "copy_gbs": 3000.0, "device": "stand-in"}
+
+    monkeypatch.setattr(fla_compare, "_worker", worker)
+    res = fla_compare.compare(shapes=[(1, 40)], repeats=1)
+    json.dumps(res)
+    assert res["errors"]["xla"]["vs_fla"] == 0.0
+    for name in ("pallas_gpu", "xla", "fla"):  # bf16 inputs against the float64 reference
+        assert res["errors"][name]["vs_fp64"] < 2e-2, name
+    assert res["errors"]["pallas_gpu"]["vs_fla"] < 2e-2
+    assert {r["vs_fla"] for r in res["rows"] if r["impl"] == "fla"} == {1.0}
+    table = fla_compare.format_compare(res)
+    assert "kdax pallas_gpu" in table and "time / FLA" in table and "vs fp64 reference" in table
+
+
+def test_gpu_tune_runs_its_sweep(monkeypatch):
+    """The launch-table sweep off GPU, cut to one value per axis: it runs, and leaves CONFIG alone."""
+    from kdax.bench import gpu_tune
+    from kdax.ops.kda import pallas_gpu
+
+    monkeypatch.setattr(gpu_tune, "BLOCK_V", (16,))
+    monkeypatch.setattr(gpu_tune, "WARPS", (2,))
+    monkeypatch.setattr(gpu_tune, "STAGES", (3,))
+    before = pallas_gpu.CONFIG
+    lines = []
+    res = gpu_tune.tune(B=1, T=20, H=1, K=16, V=16, repeats=1, log=lines.append)
+    assert res["block_v"] == 16 and res["launch"] == dict.fromkeys(pallas_gpu.LAUNCH, (2, 3))
+    assert res["fwd_bwd_ms"] > 0 and len(lines) == 1 + len(pallas_gpu.LAUNCH) + 1
+    assert pallas_gpu.CONFIG is before
