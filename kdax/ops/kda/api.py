@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -165,7 +163,7 @@ def chunk_kda(
     def layout_then(core):
         return lambda q, k, v, g, beta, h0, cu: core(q, k, v, g, beta, h0, chunk_layout(q.shape[1], chunk_size, cu))
 
-    gpu = functools.partial(chunk_kda_pallas_gpu, input_dtype=jnp.dtype(q.dtype))
+    gpu = lambda *a: chunk_kda_pallas_gpu(*a, input_dtype=q.dtype)  # called after validation
     cores = {
         "xla": _repeated_qk(layout_then(chunk_kda_xla)),
         "pallas_tpu": layout_then(chunk_kda_pallas_tpu),

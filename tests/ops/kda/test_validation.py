@@ -65,9 +65,10 @@ def test_bad_input_raises(fn, name, args, kwargs, message):
     assert message in str(info.value)
 
 
-def test_pallas_backends_say_not_available():
-    with pytest.raises(NotImplementedError, match="pallas_gpu"):
-        kdax.chunk_kda(**_args(), backend="pallas_gpu")
+def test_backends_an_op_lacks_say_not_available():
+    for backend in ("pallas_gpu", "pallas_tpu"):  # fused_recurrent_kda has only the xla core
+        with pytest.raises(NotImplementedError, match=backend):
+            kdax.fused_recurrent_kda(**_args(), backend=backend)
 
 
 def test_naive_backend_needs_concrete_cu_seqlens():
