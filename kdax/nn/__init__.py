@@ -1,0 +1,7 @@
+"""Flax NNX layers for KDA models (FLA's parameter structure, so checkpoints convert)."""
+
+from kdax.nn.conv import ShortConvolution
+from kdax.nn.mlp import GatedMLP
+from kdax.nn.norm import GatedRMSNorm, RMSNorm
+
+__all__ = ["GatedMLP", "GatedRMSNorm", "RMSNorm", "ShortConvolution"]

@@ -1,0 +1,68 @@
+"""FLA's ``ShortConvolution``: a depthwise causal convolution over time, optional SiLU, and a
+cache of each sequence's last ``kernel_size`` inputs for decoding."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+class ShortConvolution(nnx.Module):
+    """weight [D, 1, W] (torch ``Conv1d`` depthwise layout, as in FLA checkpoints), bias [D].
+
+    y_t = act(sum_j weight[:, 0, W - 1 - j] x_{t - j} + bias), the inputs before a
+    sequence's start taken from ``cache`` (or zero)."""
+
+    def __init__(self, hidden_size: int, kernel_size: int, bias: bool = False, activation: str | None = "silu", *,
+                 rngs: nnx.Rngs):  # fmt: skip
+        if activation not in (None, "silu", "swish"):
+            raise ValueError(f"activation: expected None, 'silu' or 'swish', got {activation!r}")
+        if kernel_size < 1 or hidden_size < 1:
+            raise ValueError(f"kernel_size, hidden_size: expected positive ints, got {kernel_size}, {hidden_size}")
+        bound = kernel_size**-0.5  # torch Conv1d's default init: fan_in = kernel_size for a depthwise conv
+        uniform = lambda shape: jax.random.uniform(rngs.params(), shape, jnp.float32, -bound, bound)
+        self.hidden_size, self.kernel_size, self.activation = hidden_size, kernel_size, activation
+        self.weight = nnx.Param(uniform((hidden_size, 1, kernel_size)))
+        self.bias = nnx.Param(uniform((hidden_size,))) if bias else None
+
+    def __call__(self, x, cache=None, output_final_state=False, cu_seqlens=None):
+        """x: [B, T, D]; cache: [N, D, W], each sequence's last W inputs (newest last);
+        cu_seqlens: [N + 1] offsets of packed sequences (B = 1).
+        Returns (y [B, T, D] in x's dtype, the updated cache [N, D, W] or None)."""
+        B, T, D = x.shape
+        W = self.kernel_size
+        if D != self.hidden_size:
+            raise ValueError(f"x: expected last dim {self.hidden_size}, got shape {tuple(x.shape)}")
+        if cu_seqlens is None:
+            cu = jnp.arange(B + 1, dtype=jnp.int32) * T
+        elif B != 1:
+            raise ValueError(f"x: expected batch size 1 with cu_seqlens, got shape {tuple(x.shape)}")
+        else:
+            cu = jnp.asarray(cu_seqlens, jnp.int32)
+        N = cu.shape[0] - 1
+        if cache is not None and tuple(cache.shape) != (N, D, W):
+            raise ValueError(f"cache: expected shape {(N, D, W)}, got {tuple(cache.shape)}")
+        flat = x.reshape(B * T, D).astype(jnp.float32)
+        past = jnp.zeros((N, W, D), jnp.float32) if cache is None else jnp.swapaxes(cache, 1, 2).astype(jnp.float32)
+
+        def at(n, p):  # input at position p of sequence n (p < 0: from the cache)
+            return jnp.where((p >= 0)[..., None], flat[jnp.clip(cu[n] + p, 0, B * T - 1)],
+                             past[n, jnp.clip(W + p, 0, W - 1)])  # fmt: skip
+
+        t = jnp.arange(B * T, dtype=jnp.int32)
+        seq = jnp.searchsorted(cu[1:], t, side="right").astype(jnp.int32)
+        pos = t - cu[seq]
+        w = self.weight[:, 0, :].astype(jnp.float32)  # [D, W]
+        y = sum(w[:, W - 1 - j] * at(seq, pos - j) for j in range(W))
+        if self.bias is not None:
+            y = y + self.bias[...]
+        if self.activation is not None:
+            y = jax.nn.silu(y)
+        final = None
+        if output_final_state:
+            n = jnp.arange(N, dtype=jnp.int32)[:, None]
+            lengths = (cu[1:] - cu[:-1])[:, None]
+            final = jnp.swapaxes(at(n, lengths - W + jnp.arange(W, dtype=jnp.int32)), 1, 2)  # [N, D, W]
+            final = final.astype(x.dtype if cache is None else cache.dtype)
+        return y.reshape(B, T, D).astype(x.dtype), final

@@ -1,0 +1,27 @@
+"""FLA's ``GatedMLP`` (SwiGLU): down(silu(gate(x)) * up(x))."""
+
+from __future__ import annotations
+
+import jax
+from flax import nnx
+
+
+class GatedMLP(nnx.Module):
+    """x: [..., hidden_size] -> [..., hidden_size]. ``intermediate_size`` defaults as in FLA:
+    2/3 * hidden_size * hidden_ratio rounded up to a multiple of 256."""
+
+    def __init__(self, hidden_size: int, hidden_ratio: int | None = None, intermediate_size: int | None = None,
+                 hidden_act: str = "swish", *, rngs: nnx.Rngs):  # fmt: skip
+        if hidden_act != "swish":
+            raise ValueError(f"hidden_act: expected 'swish', got {hidden_act!r}")
+        hidden_ratio = 4 if hidden_ratio is None else hidden_ratio
+        if intermediate_size is None:
+            intermediate_size = 256 * -(-int(hidden_size * hidden_ratio * 2 / 3) // 256)
+        self.intermediate_size = intermediate_size
+        linear = lambda i, o: nnx.Linear(i, o, use_bias=False, rngs=rngs)
+        self.gate_proj = linear(hidden_size, intermediate_size)
+        self.up_proj = linear(hidden_size, intermediate_size)
+        self.down_proj = linear(intermediate_size, hidden_size)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
