@@ -68,5 +68,5 @@ def test_gpu_tune_runs_its_sweep(monkeypatch):
     lines = []
     res = gpu_tune.tune(B=1, T=20, H=1, K=16, V=16, repeats=1, log=lines.append)
     assert res["block_v"] == 16 and res["launch"] == dict.fromkeys(pallas_gpu.LAUNCH, (2, 3))
-    assert res["fwd_bwd_ms"] > 0 and len(lines) == 1 + len(pallas_gpu.LAUNCH) + 1
+    assert res["fwd_bwd_ms"] > 0 and len(lines) == 1 + len(pallas_gpu.LAUNCH)  # each config timed once
     assert pallas_gpu.CONFIG is before

@@ -121,9 +121,9 @@ def _kdax_worker(shapes, repeats, small_out, backends=("pallas_gpu", "xla")):
 
     import kdax
 
-    def make(B, T, Hh, dtype=jnp.bfloat16):
+    def make(B, T, Hh):
         q, k, v, g, beta, A_log, dt_bias = inputs(B, T, Hh, K, V)
-        return [jnp.asarray(z, dtype) for z in (q, k, v, g, beta)], jnp.asarray(A_log), jnp.asarray(dt_bias)
+        return [jnp.asarray(z, jnp.bfloat16) for z in (q, k, v, g, beta)], jnp.asarray(A_log), jnp.asarray(dt_bias)
 
     def fns(backend, A_log, dt_bias):
         def op(*a):

@@ -51,17 +51,21 @@ def tune(B=1, T=8192, H=16, K=128, V=128, repeats=10, log=print) -> dict:
         log(f"  block_v={cfg.block_v} launch={dict(cfg.launch)}: {ms:.3f} ms")
         return ms
 
-    default = pallas_gpu.CONFIG
+    default, timed = pallas_gpu.CONFIG, {}
+
+    def time_of(cfg) -> float:  # each configuration measured once
+        if cfg not in timed:
+            timed[cfg] = measure(cfg)
+        return timed[cfg]
+
     try:
-        best = min((pallas_gpu.Config(block_v=bv) for bv in BLOCK_V), key=measure)
-        launch = dict(pallas_gpu.LAUNCH)
-        for kernel in launch:
+        best = min((pallas_gpu.Config(block_v=bv) for bv in BLOCK_V), key=time_of)
+        for kernel in pallas_gpu.LAUNCH:
+            launch = {**pallas_gpu.LAUNCH, **dict(best.launch)}
             trials = [dataclasses.replace(best, launch=tuple({**launch, kernel: ws}.items()))
                       for ws in itertools.product(WARPS, STAGES)]  # fmt: skip
-            best = min(trials, key=measure)
-            launch = dict(best.launch)
+            best = min(trials, key=time_of)
     finally:
         pallas_gpu.CONFIG = default
-    ms = measure(best)
-    pallas_gpu.CONFIG = default
-    return {"shape": f"B={B} T={T} H={H} K={K} V={V} bf16", "block_v": best.block_v, "launch": launch, "fwd_bwd_ms": ms}
+    shape = f"B={B} T={T} H={H} K={K} V={V} bf16"
+    return {"shape": shape, "block_v": best.block_v, "launch": dict(best.launch), "fwd_bwd_ms": timed[best]}

@@ -23,13 +23,19 @@ class ChunkLayout(NamedTuple):
     chunk_seq: jax.Array  # [NC] int32 sequence of each chunk
     chunk_first: jax.Array  # [NC] bool, chunk starts its sequence (state resets to h0)
     chunk_last: jax.Array  # [NC] bool, chunk ends its sequence (its end state is final)
-    seq_empty: jax.Array  # [N] bool, sequence has no tokens (no chunk of its own)
+    seq_chunk_start: jax.Array  # [N] int32 first chunk of each sequence
+    seq_chunk_end: jax.Array  # [N] int32 one past its last chunk (= start for a sequence with no tokens)
     chunk_size: int
     num_tokens: int
 
     @property
     def n_chunks(self) -> int:
         return self.chunk_seq.shape[0]
+
+    @property
+    def seq_empty(self) -> jax.Array:
+        """[N] bool, sequence has no tokens (no chunk of its own)."""
+        return self.seq_chunk_start == self.seq_chunk_end
 
     def pack(self, x: jax.Array) -> jax.Array:
         """[B, T, ...] -> [B, NC * C, ...], zeros in padding slots."""
@@ -57,7 +63,8 @@ def chunk_layout(num_tokens: int, chunk_size: int, cu_seqlens: jax.Array | None 
     if cu_seqlens is None:
         NC = max(1, -(-T // C))
         c = jnp.arange(NC, dtype=i32)
-        return ChunkLayout(None, None, None, jnp.zeros((NC,), i32), c == 0, c == NC - 1, jnp.zeros((1,), bool), C, T)
+        first, ends = jnp.zeros((1,), i32), jnp.full((1,), NC, i32)
+        return ChunkLayout(None, None, None, jnp.zeros((NC,), i32), c == 0, c == NC - 1, first, ends, C, T)
     cu = cu_seqlens.astype(i32)
     N = cu.shape[0] - 1
     NC = max(1, (T + N * (C - 1)) // C)
@@ -79,4 +86,5 @@ def chunk_layout(num_tokens: int, chunk_size: int, cu_seqlens: jax.Array | None 
     t = jnp.arange(T, dtype=i32)
     seq_of_token = jnp.searchsorted(cu[1:], t, side="right").astype(i32)
     token_slot = chunk_start[seq_of_token] * C + t - cu[seq_of_token]
-    return ChunkLayout(slot_token, slot_valid, token_slot, chunk_seq, chunk_first, chunk_last, lengths == 0, C, T)
+    return ChunkLayout(slot_token, slot_valid, token_slot, chunk_seq, chunk_first, chunk_last, chunk_start.astype(i32),
+                       chunk_end.astype(i32), C, T)  # fmt: skip

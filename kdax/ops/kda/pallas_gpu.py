@@ -62,14 +62,8 @@ def _params(cfg: Config, kernel: str) -> pltriton.CompilerParams:
 def _intra_kernel(tiles, q_ref, k_ref, v_ref, g_ref, b_ref, aqk_ref, w_ref, u_ref, qg_ref, kd_ref, dec_ref):
     """Grid (B, HV, chunks). Writes Aqk [C, C], w, q_g, k_d [C, K], u [C, V], decay [1, K]."""
     I = tiles.intra(q_ref[...], k_ref[...], v_ref[...], g_ref[...] * LOG2E, b_ref[...])
-    aqk_ref[...], w_ref[...], u_ref[...], qg_ref[...], kd_ref[...], dec_ref[...] = (
-        I.Aqk,
-        I.w,
-        I.u,
-        I.q_g,
-        I.k_d,
-        I.decay,
-    )
+    for ref, x in zip((aqk_ref, w_ref, u_ref, qg_ref, kd_ref, dec_ref), (I.Aqk, I.w, I.u, I.q_g, I.k_d, I.decay)):
+        ref[...] = x
 
 
 def _chunk(ref, c, C):  # rows of chunk c of a [slots, D] ref
@@ -139,17 +133,42 @@ def _tiles(cfg: Config, input_dtype) -> Tiles:
     return Tiles(precision=PRECISIONS[name], matmul_rowsum=False)
 
 
-def _whole(shape_tail):
-    """Block over the whole slot axis of [B, HV, L, D] (sequential kernels, grid (b, n, h, vb))."""
-    return pl.BlockSpec((None, None, *shape_tail), lambda b, n, h, vb: (b, h, 0, 0))
+def _per_chunk(C: int, d: int, groups: int | None = None):
+    """Chunk c of [B, heads, L, d] on grid (b, h, c); q and k (``groups`` given) read head h // groups."""
+    if groups is None:
+        return pl.BlockSpec((None, None, C, d), lambda b, h, c: (b, h, c, 0))
+    return pl.BlockSpec((None, None, C, d), lambda b, h, c: (b, lax.div(h, jnp.int32(groups)), c, 0))
+
+
+# Specs of the sequential kernels, grid (b, n, h, vb): they see the whole slot (or chunk) axis.
+
+
+def _whole(*tail):  # [B, HV, rows, D] -> [rows, D]
+    return pl.BlockSpec((None, None, *tail), lambda b, n, h, vb: (b, h, 0, 0))
+
+
+def _whole_vblock(rows: int, BV: int):  # [B, HV, rows, Vp] -> [rows, BV]
+    return pl.BlockSpec((None, None, rows, BV), lambda b, n, h, vb: (b, h, 0, vb))
+
+
+def _chunk_states(NC: int, BV: int, Kp: int):  # [B, HV, NC, Vp, Kp] -> [NC, BV, Kp]
+    return pl.BlockSpec((None, None, NC, BV, Kp), lambda b, n, h, vb: (b, h, 0, vb, 0))
+
+
+def _seq_state(BV: int, Kp: int):  # [B, N, HV, Vp, Kp] -> [BV, Kp] of sequence n
+    return pl.BlockSpec((None, None, None, BV, Kp), lambda b, n, h, vb: (b, n, h, vb, 0))
+
+
+def _seq_range(N: int):  # [N] int32, whole
+    return pl.BlockSpec((N,), lambda *_: (0,))
 
 
 def _run_intra(q, k, v, g, beta, C, groups, tiles, cfg):
     """Intra-chunk kernel: (Aqk [B, HV, L, C], w [.., Kp], u [.., Vp], q_g, k_d [.., Kp], decay [B, HV, NC, Kp])."""
     B, HV, L, Vp = v.shape
     Kp, NC, f32 = k.shape[-1], L // C, jnp.float32
-    spec = lambda d, head=lambda h: h: pl.BlockSpec((None, None, C, d), lambda b, h, c: (b, head(h), c, 0))
-    qk = spec(Kp, lambda h: lax.div(h, jnp.int32(groups)))
+    spec = functools.partial(_per_chunk, C)
+    qk = spec(Kp, groups)
     return pl.pallas_call(
         functools.partial(_intra_kernel, tiles),
         grid=(B, HV, NC),
@@ -168,15 +187,12 @@ def _forward(q, k, v, g, beta, h0t, ranges, C, groups, tiles, cfg):
     B, HV, L, Vp = v.shape
     Kp, NC, N, BV, f32 = k.shape[-1], L // C, h0t.shape[1], cfg.block_v, jnp.float32
     aqk, w, u, q_g, k_d, dec = _run_intra(q, k, v, g, beta, C, groups, tiles, cfg)
-    seq = pl.BlockSpec((N,), lambda *_: (0,))
-    state = pl.BlockSpec((None, None, None, BV, Kp), lambda b, n, h, vb: (b, n, h, vb, 0))
+    seq, state = _seq_range(N), _seq_state(BV, Kp)
     v_new, s_in, final = pl.pallas_call(
         functools.partial(_state_kernel, tiles, C),
         grid=(B, N, HV, Vp // BV),
-        in_specs=[seq, seq, _whole((L, Kp)), pl.BlockSpec((None, None, L, BV), lambda b, n, h, vb: (b, h, 0, vb)),
-                  _whole((L, Kp)), _whole((NC, Kp)), state],
-        out_specs=[pl.BlockSpec((None, None, L, BV), lambda b, n, h, vb: (b, h, 0, vb)),
-                   pl.BlockSpec((None, None, NC, BV, Kp), lambda b, n, h, vb: (b, h, 0, vb, 0)), state],
+        in_specs=[seq, seq, _whole(L, Kp), _whole_vblock(L, BV), _whole(L, Kp), _whole(NC, Kp), state],
+        out_specs=[_whole_vblock(L, BV), _chunk_states(NC, BV, Kp), state],
         out_shape=[jax.ShapeDtypeStruct((B, HV, L, Vp), f32), jax.ShapeDtypeStruct((B, HV, NC, Vp, Kp), f32),
                    jax.ShapeDtypeStruct(h0t.shape, f32)],
         compiler_params=_params(cfg, "state"), interpret=_interpret(cfg),
@@ -202,19 +218,18 @@ def _backward(q, k, v, g, beta, ranges, S_in, do, dfinal_t, C, groups, tiles, cf
     B, HV, L, Vp = v.shape
     H, Kp, NC, N, BV, f32 = k.shape[1], k.shape[-1], L // C, dfinal_t.shape[1], cfg.block_v, jnp.float32
     aqk, w, _, q_g, k_d, dec = _run_intra(q, k, v, g, beta, C, groups, tiles, cfg)
-    seq = pl.BlockSpec((N,), lambda *_: (0,))
-    state = pl.BlockSpec((None, None, None, BV, Kp), lambda b, n, h, vb: (b, n, h, vb, 0))
+    seq, state = _seq_range(N), _seq_state(BV, Kp)
     dS_out, dh0t = pl.pallas_call(
         functools.partial(_dstate_kernel, tiles, C),
         grid=(B, N, HV, Vp // BV),
-        in_specs=[seq, seq, _whole((L, C)), _whole((L, Kp)), _whole((L, Kp)), _whole((L, Kp)), _whole((NC, Kp)),
-                  pl.BlockSpec((None, None, L, BV), lambda b, n, h, vb: (b, h, 0, vb)), state],
-        out_specs=[pl.BlockSpec((None, None, NC, BV, Kp), lambda b, n, h, vb: (b, h, 0, vb, 0)), state],
+        in_specs=[seq, seq, _whole(L, C), _whole(L, Kp), _whole(L, Kp), _whole(L, Kp), _whole(NC, Kp),
+                  _whole_vblock(L, BV), state],
+        out_specs=[_chunk_states(NC, BV, Kp), state],
         out_shape=[jax.ShapeDtypeStruct((B, HV, NC, Vp, Kp), f32), jax.ShapeDtypeStruct(dfinal_t.shape, f32)],
         compiler_params=_params(cfg, "dstate"), interpret=_interpret(cfg),
     )(*ranges, aqk, q_g, k_d, w, dec, do, dfinal_t)  # fmt: skip
-    spec = lambda d, head=lambda h: h: pl.BlockSpec((None, None, C, d), lambda b, h, c: (b, head(h), c, 0))
-    qk = spec(Kp, lambda h: lax.div(h, jnp.int32(groups)))
+    spec = functools.partial(_per_chunk, C)
+    qk = spec(Kp, groups)
     st = pl.BlockSpec((None, None, None, Vp, Kp), lambda b, h, c: (b, h, c, 0, 0))
     dq, dk, dv, dg, dbeta = pl.pallas_call(
         functools.partial(_grads_kernel, tiles),
@@ -253,18 +268,6 @@ def _pow2(n: int) -> int:  # smallest power of two >= max(n, 16)
     return max(16, 1 << (n - 1).bit_length())
 
 
-def _sequence_chunks(layout: ChunkLayout, N: int):
-    """(start, end) int32 [N]: the chunk range of each sequence (empty: start = end)."""
-    c = jnp.arange(layout.n_chunks, dtype=jnp.int32)
-    start = (
-        jnp.full((N,), layout.n_chunks, jnp.int32)
-        .at[layout.chunk_seq]
-        .min(jnp.where(layout.chunk_first, c, layout.n_chunks))
-    )
-    end = jnp.zeros((N,), jnp.int32).at[layout.chunk_seq].max(jnp.where(layout.chunk_last, c + 1, 0))
-    return jnp.minimum(start, end), end
-
-
 def chunk_kda_pallas_gpu(q, k, v, g, beta, h0, layout: ChunkLayout, input_dtype=jnp.float32, cfg: Config | None = None):
     """Core chunked KDA with the GPU kernels, on prepared float32 inputs.
 
@@ -287,7 +290,7 @@ def chunk_kda_pallas_gpu(q, k, v, g, beta, h0, layout: ChunkLayout, input_dtype=
     vh = head_major(layout, v, Vp)
     bh = head_major(layout, beta[..., None], None)
     h0t = pad_last(jnp.swapaxes(pad_last(h0, Vp), -1, -2), Kp)  # [B, N, HV, Vp, Kp]
-    ranges = _sequence_chunks(layout, h0.shape[1])
+    ranges = (layout.seq_chunk_start, layout.seq_chunk_end)
     tiles = _tiles(cfg, input_dtype)
     o, final = _core(qh, kh, vh, gh, bh, h0t, ranges, layout.chunk_size, HV // H, tiles, cfg)
     o = layout.unpack(jnp.moveaxis(o[..., :V], 1, 2))
