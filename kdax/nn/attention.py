@@ -1,0 +1,86 @@
+"""Softmax attention for the hybrid's full-attention layers (FLA's ``Attention``): GQA, RoPE,
+causal, optional sliding window, a preallocated KV cache for decoding."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotary embedding, halves layout (FLA's non-interleaved default).
+    x: [B, T, H, D] (D even); positions: [B, T] ints -> [B, T, H, D] in x's dtype."""
+    D = x.shape[-1]
+    inv_freq = 1.0 / theta ** (jnp.arange(0, D, 2, dtype=jnp.float32) / D)
+    angle = positions.astype(jnp.float32)[..., None, None] * inv_freq  # [B, T, 1, D/2]
+    cos, sin = jnp.cos(angle), jnp.sin(angle)
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    """Causal softmax attention with ``num_kv_heads`` shared key/value heads (GQA),
+    head_dim = hidden_size // num_heads, RoPE on q and k, keys within ``window_size``
+    tokens (i - j < window_size) when set."""
+
+    def __init__(self, hidden_size: int = 2048, num_heads: int = 32, num_kv_heads: int | None = None,
+                 qkv_bias: bool = False, window_size: int | None = None, rope_theta: float = 10000.0,
+                 max_position_embeddings: int | None = None, layer_idx: int | None = None, *, rngs: nnx.Rngs):  # fmt: skip
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if num_heads < 1 or hidden_size % num_heads or (hidden_size // num_heads) % 2:
+            raise ValueError(f"num_heads: expected a divisor of hidden_size={hidden_size} giving an even head dim, "
+                             f"got {num_heads}")  # fmt: skip
+        if num_kv_heads < 1 or num_heads % num_kv_heads:
+            raise ValueError(f"num_kv_heads: expected a divisor of num_heads={num_heads}, got {num_kv_heads}")
+        if window_size is not None and window_size < 1:
+            raise ValueError(f"window_size: expected None or a positive int, got {window_size}")
+        if not rope_theta > 0:
+            raise ValueError(f"rope_theta: expected a positive float, got {rope_theta}")
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        self.head_dim = hidden_size // num_heads
+        self.window_size, self.rope_theta = window_size, rope_theta
+        self.max_position_embeddings, self.layer_idx = max_position_embeddings, layer_idx
+        kv_dim = num_kv_heads * self.head_dim
+        self.q_proj = nnx.Linear(hidden_size, hidden_size, use_bias=qkv_bias, rngs=rngs)
+        self.k_proj = nnx.Linear(hidden_size, kv_dim, use_bias=qkv_bias, rngs=rngs)
+        self.v_proj = nnx.Linear(hidden_size, kv_dim, use_bias=qkv_bias, rngs=rngs)
+        self.o_proj = nnx.Linear(hidden_size, hidden_size, use_bias=False, rngs=rngs)
+
+    def init_cache(self, batch_size: int, max_length: int, dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
+        """Zeroed (k, v) cache, each [batch_size, max_length, num_kv_heads, head_dim]."""
+        shape = (batch_size, max_length, self.num_kv_heads, self.head_dim)
+        return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+
+    def __call__(self, x, *, positions=None, segment_ids=None, cache=None):
+        """x: [B, T, hidden]; positions: [B, T] RoPE positions (default 0..T-1); segment_ids:
+        [B, T], tokens attend only within their segment (packed sequences, padding).
+        With ``cache`` (k, v from :meth:`init_cache`), row b's tokens are written at cache
+        slots positions[b, 0] + t and attend to every slot <= their position (segment_ids unused).
+        Returns (y [B, T, hidden] in x's dtype, the updated cache or None)."""
+        B, T, _ = x.shape
+        H, G, Dh = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        q = rope(self.q_proj(x).reshape(B, T, H * G, Dh), positions, self.rope_theta)
+        k = rope(self.k_proj(x).reshape(B, T, H, Dh), positions, self.rope_theta)
+        v = self.v_proj(x).reshape(B, T, H, Dh)
+        if cache is None:
+            i = jnp.arange(T)[:, None]
+            dist = jnp.broadcast_to(i - jnp.arange(T)[None, :], (B, T, T))
+            allowed = dist >= 0
+            if segment_ids is not None:
+                allowed &= segment_ids[:, :, None] == segment_ids[:, None, :]
+        else:
+            write = lambda c, new, p: jax.lax.dynamic_update_slice(c, new.astype(c.dtype), (p, p * 0, p * 0))
+            cache = tuple(jax.vmap(write)(c, new, positions[:, 0]) for c, new in zip(cache, (k, v)))
+            k, v = cache
+            dist = positions[:, :, None] - jnp.arange(k.shape[1])[None, None, :]
+            allowed = dist >= 0
+        if self.window_size is not None:
+            allowed &= dist < self.window_size
+        qg = q.reshape(B, T, H, G, Dh).astype(jnp.float32)
+        scores = jnp.einsum("btkgd,bskd->bkgts", qg, k.astype(jnp.float32)) * Dh**-0.5
+        scores = jnp.where(allowed[:, None, None], scores, -jnp.inf)
+        o = jnp.einsum("bkgts,bskd->btkgd", jax.nn.softmax(scores, axis=-1), v.astype(jnp.float32))
+        return self.o_proj(o.reshape(B, T, H * G * Dh).astype(x.dtype)), cache

@@ -1,0 +1,133 @@
+"""FLA's ``KimiDeltaAttention`` layer in Flax NNX (same parameters and initialisation)."""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from kdax.nn.conv import ShortConvolution
+from kdax.nn.norm import GatedRMSNorm
+from kdax.ops.kda.api import chunk_kda, fused_recurrent_kda
+
+MODES = ("chunk", "fused_recurrent")
+RECURRENT_MAX_TOKENS = 64  # FLA's rule: inference on <= 64 new tokens uses the recurrent kernel
+
+
+class KDACache(NamedTuple):
+    """Per-sequence decoding state. recurrent: [N, HV, K, V] float32; conv: the q, k and v
+    convolution caches [N, D, conv_size] (None without short convolutions)."""
+
+    recurrent: jax.Array
+    conv: tuple[jax.Array, jax.Array, jax.Array] | None
+
+
+class KimiDeltaAttention(nnx.Module):
+    """Kimi Delta Attention: x [B, T, hidden_size] -> [B, T, hidden_size].
+
+    Heads: num_heads query/key heads of dim head_dim (K), num_v_heads value heads (HV,
+    default num_heads) of dim head_dim * expand_v (V). ``deterministic`` (set by
+    ``model.eval()`` / ``model.train()``) selects FLA's rule: in inference, inputs of
+    <= 64 tokens run the recurrent kernel, longer ones ``mode``; training always chunks.
+    ``backend`` and ``chunk_size`` are passed to :func:`kdax.chunk_kda`."""
+
+    def __init__(self, hidden_size: int = 2048, expand_v: float = 1.0, head_dim: int = 128, num_heads: int = 16,
+                 num_v_heads: int | None = None, mode: str = "chunk", use_short_conv: bool = True,
+                 allow_neg_eigval: bool = False, safe_gate: bool = False, lower_bound: float | None = None,
+                 conv_size: int = 4, conv_bias: bool = False, layer_idx: int | None = None, norm_eps: float = 1e-5,
+                 *, backend: str = "auto", chunk_size: int = 64, rngs: nnx.Rngs):  # fmt: skip
+        num_v_heads = num_heads if num_v_heads is None else num_v_heads
+        head_v_dim = round(head_dim * expand_v)
+        if mode not in MODES:
+            raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
+        if num_heads < 1 or head_dim < 1:
+            raise ValueError(f"num_heads, head_dim: expected positive ints, got {num_heads}, {head_dim}")
+        if num_v_heads < 1 or num_v_heads % num_heads:
+            raise ValueError(f"num_v_heads: expected a multiple of num_heads={num_heads}, got {num_v_heads}")
+        if head_v_dim < 1 or not math.isclose(head_dim * expand_v, head_v_dim, rel_tol=1e-5):
+            raise ValueError(f"expand_v: expected head_dim * expand_v to be a positive int, got {head_dim * expand_v}")
+        if lower_bound is not None and not lower_bound < 0:
+            raise ValueError(f"lower_bound: expected None or a negative float, got {lower_bound}")
+        if safe_gate and lower_bound is None:
+            raise ValueError("lower_bound: required (e.g. -5.0) when safe_gate=True")
+        self.hidden_size, self.mode, self.layer_idx = hidden_size, mode, layer_idx
+        self.num_heads, self.num_v_heads = num_heads, num_v_heads
+        self.head_k_dim, self.head_v_dim = head_dim, head_v_dim
+        self.use_short_conv, self.conv_size = use_short_conv, conv_size
+        self.allow_neg_eigval, self.safe_gate, self.lower_bound = allow_neg_eigval, safe_gate, lower_bound
+        self.backend, self.chunk_size, self.deterministic = backend, chunk_size, False
+        key_dim, value_dim, gate_dim = num_heads * head_dim, num_v_heads * head_v_dim, num_v_heads * head_dim
+        linear = lambda i, o, bias=False: nnx.Linear(i, o, use_bias=bias, rngs=rngs)
+        self.q_proj, self.k_proj = linear(hidden_size, key_dim), linear(hidden_size, key_dim)
+        self.v_proj = linear(hidden_size, value_dim)
+        if use_short_conv:
+            conv = lambda d: ShortConvolution(d, conv_size, bias=conv_bias, activation="silu", rngs=rngs)
+            self.q_conv1d, self.k_conv1d, self.v_conv1d = conv(key_dim), conv(key_dim), conv(value_dim)
+        self.f_proj = nnx.Sequential(linear(hidden_size, head_v_dim), linear(head_v_dim, gate_dim))
+        self.b_proj = linear(hidden_size, num_v_heads)
+        a = jax.random.uniform(rngs.params(), (num_v_heads,), jnp.float32, 1.0, 16.0)
+        self.A_log = nnx.Param(jnp.zeros((num_v_heads,)) if safe_gate else jnp.log(a))
+        u = jax.random.uniform(rngs.params(), (gate_dim,), jnp.float32)
+        dt = jnp.maximum(jnp.exp(u * (math.log(0.1) - math.log(0.001)) + math.log(0.001)), 1e-4)
+        self.dt_bias = nnx.Param(dt + jnp.log(-jnp.expm1(-dt)))  # softplus(dt_bias) = dt
+        self.g_proj = nnx.Sequential(linear(hidden_size, head_v_dim), linear(head_v_dim, value_dim, bias=True))
+        self.o_norm = GatedRMSNorm(head_v_dim, activation="sigmoid", eps=norm_eps)
+        self.o_proj = linear(value_dim, hidden_size)
+
+    def init_cache(self, num_seqs: int, dtype=jnp.float32) -> KDACache:
+        """Zero state for ``num_seqs`` sequences (conv caches in ``dtype``)."""
+        K, V, HV = self.head_k_dim, self.head_v_dim, self.num_v_heads
+        conv = None
+        if self.use_short_conv:
+            conv = tuple(jnp.zeros((num_seqs, c.hidden_size, self.conv_size), dtype)
+                         for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d))  # fmt: skip
+        return KDACache(jnp.zeros((num_seqs, HV, K, V), jnp.float32), conv)
+
+    def pick_mode(self, num_tokens: int) -> str:
+        """FLA's kernel choice for an input of ``num_tokens`` tokens."""
+        return "fused_recurrent" if self.deterministic and num_tokens <= RECURRENT_MAX_TOKENS else "chunk"
+
+    def __call__(self, x, *, cu_seqlens=None, cache: KDACache | None = None, output_cache: bool = False,
+                 mode: str | None = None):  # fmt: skip
+        """x: [B, T, hidden_size]; cu_seqlens: [N + 1] offsets of packed sequences (B = 1);
+        cache: the state each sequence starts from (N = B, or len(cu_seqlens) - 1).
+        Returns (y [B, T, hidden_size], the final :class:`KDACache` if output_cache else None)."""
+        B, T, D = x.shape
+        if D != self.hidden_size:
+            raise ValueError(f"x: expected last dim {self.hidden_size}, got shape {tuple(x.shape)}")
+        mode = self.pick_mode(T) if mode is None else mode
+        if mode not in MODES:
+            raise ValueError(f"mode: expected None or one of {MODES}, got {mode!r}")
+        if self.use_short_conv:
+            conv_in = (None,) * 3 if cache is None else cache.conv
+            convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
+            outs = [conv(proj(x), c, output_cache, cu_seqlens)
+                    for conv, proj, c in zip(convs, (self.q_proj, self.k_proj, self.v_proj), conv_in)]  # fmt: skip
+            (q, _), (k, _), (v, _) = outs
+            conv_out = tuple(o[1] for o in outs)
+        else:
+            q, k, v = (jax.nn.silu(p(x)) for p in (self.q_proj, self.k_proj, self.v_proj))
+            conv_out = None
+        K, HV = self.head_k_dim, self.num_v_heads
+        q, k = q.reshape(B, T, self.num_heads, K), k.reshape(B, T, self.num_heads, K)
+        v = v.reshape(B, T, HV, self.head_v_dim)
+        g = self.f_proj(x).reshape(B, T, HV, K)
+        options = {
+            "A_log": self.A_log[...], "dt_bias": self.dt_bias[...], "lower_bound": self.lower_bound,
+            "initial_state": None if cache is None else cache.recurrent, "output_final_state": output_cache,
+            "use_qk_l2norm_in_kernel": True, "use_gate_in_kernel": True, "use_beta_sigmoid_in_kernel": True,
+            "allow_neg_eigval": self.allow_neg_eigval, "cu_seqlens": cu_seqlens,
+        }  # fmt: skip
+        if mode == "chunk":
+            o, final = chunk_kda(
+                q, k, v, g, self.b_proj(x), chunk_size=self.chunk_size, backend=self.backend, **options
+            )
+        else:  # the recurrent op has one core (xla); 'naive' stays the reference
+            backend = "naive" if self.backend == "naive" else "auto"
+            o, final = fused_recurrent_kda(q, k, v, g, self.b_proj(x), backend=backend, **options)
+        gate = self.g_proj(x).reshape(B, T, HV, self.head_v_dim)
+        y = self.o_proj(self.o_norm(o, gate).reshape(B, T, HV * self.head_v_dim))
+        return y, (KDACache(final, conv_out) if output_cache else None)
