@@ -1,0 +1,216 @@
+"""The hybrid KDA causal language model (FLA's ``KDAModel`` / ``KDAForCausalLM``) in Flax NNX."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from kdax.models.config import KDAConfig
+from kdax.nn import Attention, GatedMLP, KimiDeltaAttention, RMSNorm, ShortConvolution
+
+
+class ModelCache(NamedTuple):
+    """Decoding caches of a batch of B rows: per layer a :class:`KDACache` (KDA layers) or
+    the (k, v) cache [B, max_length, kv_heads, head_dim] (attention layers); lengths [B]
+    int32, the tokens stored so far in each row (the next token's position)."""
+
+    layers: tuple
+    lengths: jax.Array
+
+
+class Segments(NamedTuple):
+    """How the tokens of a [B, T] batch group into sequences. kda_cu: offsets [N + 1] over
+    the B * T flattened tokens (None: one sequence per row); positions: [B, T] RoPE
+    positions; segment_ids: [B, T] attention groups (None: one per row)."""
+
+    kda_cu: jax.Array | None
+    positions: jax.Array
+    segment_ids: jax.Array | None
+
+
+def _arange(B: int, T: int) -> jax.Array:
+    return jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+
+
+def row_segments(B: int, T: int, lengths: jax.Array) -> Segments:
+    """Rows holding lengths[b] tokens followed by padding. Each row's tokens and its padding
+    become two KDA sequences (2B in all; row b's tokens are sequence 2b)."""
+    starts = jnp.arange(B, dtype=jnp.int32) * T
+    cu = jnp.concatenate([jnp.stack([starts, starts + lengths], 1).reshape(-1), jnp.array([B * T], jnp.int32)])
+    return Segments(cu, _arange(B, T), (_arange(B, T) >= lengths[:, None]).astype(jnp.int32))
+
+
+def packed_segments(T: int, cu_seqlens: jax.Array) -> Segments:
+    """One row (B = 1) of sequences packed back to back at offsets cu_seqlens [N + 1]."""
+    t = jnp.arange(T, dtype=jnp.int32)
+    seq = jnp.searchsorted(cu_seqlens[1:], t, side="right").astype(jnp.int32)
+    return Segments(cu_seqlens, (t - cu_seqlens[seq])[None], seq[None])
+
+
+class KDABlock(nnx.Module):
+    """Pre-norm block: x + mixer(norm(x)), then + GatedMLP(norm(.)). The mixer is softmax
+    Attention on the layers ``config.attn`` lists, else KimiDeltaAttention."""
+
+    def __init__(self, config: KDAConfig, layer_idx: int, *, backend: str = "auto", rngs: nnx.Rngs):
+        c = config
+        self.attn_norm = RMSNorm(c.hidden_size, eps=c.norm_eps)
+        spec = c.attention_spec(layer_idx)
+        if spec is not None:
+            self.attn = Attention(c.hidden_size, spec["num_heads"], spec["num_kv_heads"], spec["qkv_bias"],
+                                  spec["window_size"], spec["rope_theta"], c.max_position_embeddings, layer_idx,
+                                  rngs=rngs)  # fmt: skip
+        else:
+            self.attn = KimiDeltaAttention(c.hidden_size, c.expand_v, c.head_dim, c.num_heads, c.num_v_heads,
+                                           c.attn_mode, c.use_short_conv, c.allow_neg_eigval, c.safe_gate,
+                                           c.lower_bound, c.conv_size, layer_idx=layer_idx, norm_eps=c.norm_eps,
+                                           backend=backend, rngs=rngs)  # fmt: skip
+        self.mlp_norm = RMSNorm(c.hidden_size, eps=c.norm_eps)
+        self.mlp = GatedMLP(c.hidden_size, c.hidden_ratio, c.intermediate_size, c.hidden_act, rngs=rngs)
+
+    def __call__(self, x, seg: Segments, cache=None, output_cache=False, mode=None):
+        """x: [B, T, hidden] -> (x, new cache or None). KDA caches hold one state per row:
+        with ``seg.kda_cu`` from :func:`row_segments` the rows' states are sequences 0, 2, ..."""
+        h = self.attn_norm(x)
+        if isinstance(self.attn, Attention):
+            h, cache = self.attn(h, positions=seg.positions, segment_ids=seg.segment_ids, cache=cache)
+        else:
+            B, T, D = h.shape
+            flat = h if seg.kda_cu is None else h.reshape(1, B * T, D)
+            flat, cache = self.attn(flat, cu_seqlens=seg.kda_cu, cache=cache, output_cache=output_cache, mode=mode)
+            h = flat.reshape(B, T, D)
+            if cache is not None and seg.kda_cu is not None and cache.recurrent.shape[0] == 2 * B:
+                cache = jax.tree.map(lambda c: c[::2], cache)  # drop the padding sequences' states
+        x = x + h
+        return x + self.mlp(self.mlp_norm(x)), cache
+
+
+class KDAModel(nnx.Module):
+    """Embeddings, ``num_hidden_layers`` :class:`KDABlock`, final RMSNorm."""
+
+    def __init__(self, config: KDAConfig, *, backend: str = "auto", rngs: nnx.Rngs):
+        self.embeddings = nnx.Embed(config.vocab_size, config.hidden_size, rngs=rngs)
+        self.layers = nnx.List(
+            [KDABlock(config, i, backend=backend, rngs=rngs) for i in range(config.num_hidden_layers)]
+        )
+        self.norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
+
+    def __call__(self, input_ids, seg: Segments, caches=None, output_cache=False, mode=None):
+        """input_ids: [B, T] -> (hidden [B, T, hidden_size], per-layer caches or None)."""
+        x = self.embeddings(input_ids)
+        caches = (None,) * len(self.layers) if caches is None else caches
+        new = []
+        for layer, cache in zip(self.layers, caches):
+            x, cache = layer(x, seg, cache, output_cache, mode)
+            new.append(cache)
+        return self.norm(x), tuple(new)
+
+
+class KDAForCausalLM(nnx.Module):
+    """``model(input_ids) -> logits [B, T, vocab_size]`` (float32), FLA's parameter layout and
+    initialisation (normal(initializer_range) linears, convolutions and embeddings).
+    ``backend`` selects the chunk_kda backend of every KDA layer."""
+
+    def __init__(self, config: KDAConfig, *, backend: str = "auto", rngs: nnx.Rngs):
+        if not isinstance(config, KDAConfig):
+            raise ValueError(f"config: expected a KDAConfig, got {type(config).__name__}")
+        self.config = config
+        self.model = KDAModel(config, backend=backend, rngs=rngs)
+        if not config.tie_word_embeddings:
+            self.lm_head = nnx.Linear(config.hidden_size, config.vocab_size, use_bias=False, rngs=rngs)
+        _init_weights(self, config.initializer_range, rngs)
+
+    def _logits(self, h):
+        if self.config.tie_word_embeddings:
+            return self.model.embeddings.attend(h).astype(jnp.float32)
+        return self.lm_head(h).astype(jnp.float32)
+
+    def __call__(self, input_ids, *, attention_mask=None, cu_seqlens=None):
+        """input_ids: [B, T] ints. attention_mask: [B, T], 1 on tokens and 0 on padding (each
+        row's tokens form one sequence, positions counted from its first token; padded
+        positions' logits are 0). cu_seqlens: [N + 1] offsets of sequences packed in one
+        row (B = 1). Returns logits [B, T, vocab_size] float32."""
+        B, T = _check_ids(input_ids, self.config.vocab_size)
+        if attention_mask is not None and cu_seqlens is not None:
+            raise ValueError("attention_mask: expected None when cu_seqlens is given (pass one of them)")
+        if cu_seqlens is not None:
+            if B != 1:
+                raise ValueError(f"input_ids: expected batch size 1 with cu_seqlens, got {B}")
+            return self._logits(self.model(input_ids, packed_segments(T, jnp.asarray(cu_seqlens, jnp.int32)))[0])
+        if attention_mask is None:
+            return self._logits(self.model(input_ids, Segments(None, _arange(B, T), None))[0])
+        mask, order, lengths = align_rows(attention_mask, (B, T))
+        ids = jnp.take_along_axis(input_ids, order, axis=1)
+        logits = self._logits(self.model(ids, row_segments(B, T, lengths))[0])
+        out = jnp.zeros_like(logits).at[jnp.arange(B)[:, None], order].set(logits)
+        return jnp.where(mask[..., None], out, 0.0)
+
+    def init_cache(self, batch_size: int, max_length: int) -> ModelCache:
+        """Empty caches for ``batch_size`` rows of up to ``max_length`` tokens (float32)."""
+        layers = tuple(
+            b.attn.init_cache(batch_size, max_length)
+            if isinstance(b.attn, Attention)
+            else b.attn.init_cache(batch_size)
+            for b in self.model.layers
+        )
+        return ModelCache(layers, jnp.zeros((batch_size,), jnp.int32))
+
+    def prefill(self, input_ids, cache: ModelCache, lengths=None):
+        """Run a prompt through the chunk path into an empty cache. input_ids: [B, T], row b's
+        tokens first and padding after (lengths [B], default T). Returns (logits [B, T, vocab],
+        cache with lengths set)."""
+        B, T = input_ids.shape
+        lengths = jnp.full((B,), T, jnp.int32) if lengths is None else jnp.asarray(lengths, jnp.int32)
+        fresh = tuple(c if isinstance(b.attn, Attention) else None for b, c in zip(self.model.layers, cache.layers))
+        h, layers = self.model(input_ids, row_segments(B, T, lengths), fresh, True, "chunk")
+        return self._logits(h), ModelCache(layers, lengths)
+
+    def decode(self, tokens, cache: ModelCache):
+        """One token per row through the recurrent path. tokens: [B] ints.
+        Returns (logits [B, vocab_size], cache advanced by one token)."""
+        seg = Segments(None, cache.lengths[:, None], None)
+        h, layers = self.model(tokens[:, None], seg, cache.layers, True, "fused_recurrent")
+        return self._logits(h)[:, 0], ModelCache(layers, cache.lengths + 1)
+
+
+def align_rows(attention_mask, shape):
+    """Validate a [B, T] 0/1 mask; return (mask bool, order [B, T] putting each row's tokens
+    first in their original order, lengths [B] int32)."""
+    if not hasattr(attention_mask, "shape") or tuple(attention_mask.shape) != tuple(shape):
+        got = tuple(attention_mask.shape) if hasattr(attention_mask, "shape") else type(attention_mask).__name__
+        raise ValueError(f"attention_mask: expected shape {tuple(shape)}, got {got}")
+    mask = jnp.asarray(attention_mask).astype(bool)
+    if not isinstance(mask, jax.core.Tracer) and not bool(np.all(np.asarray(mask).any(axis=1))):
+        raise ValueError("attention_mask: expected at least one token (a 1) in every row")
+    order = jnp.argsort(~mask, axis=1, stable=True).astype(jnp.int32)
+    return mask, order, mask.sum(axis=1).astype(jnp.int32)
+
+
+def _check_ids(input_ids, vocab_size):
+    if not hasattr(input_ids, "shape") or input_ids.ndim != 2 or not jnp.issubdtype(input_ids.dtype, jnp.integer):
+        got = f"shape {tuple(input_ids.shape)} dtype {input_ids.dtype}" if hasattr(input_ids, "shape") else input_ids
+        raise ValueError(f"input_ids: expected a [B, T] integer array, got {got}")
+    if input_ids.shape[1] < 1:
+        raise ValueError("input_ids: expected at least one token (T >= 1)")
+    if not isinstance(input_ids, jax.core.Tracer):
+        ids = np.asarray(input_ids)
+        if ids.min() < 0 or ids.max() >= vocab_size:
+            raise ValueError(f"input_ids: expected token ids in [0, {vocab_size}), got [{ids.min()}, {ids.max()}]")
+    return input_ids.shape
+
+
+def _init_weights(model: nnx.Module, std: float, rngs: nnx.Rngs) -> None:
+    """FLA's _init_weights: normal(0, std) weights of linears, convolutions and embeddings,
+    zero biases (A_log, dt_bias and norms keep their layer initialisation)."""
+    normal = lambda shape: std * jax.random.normal(rngs.params(), shape, jnp.float32)
+    for _, m in nnx.iter_graph(model):
+        if isinstance(m, (nnx.Linear, ShortConvolution)):
+            w = m.kernel if isinstance(m, nnx.Linear) else m.weight
+            w[...] = normal(w.shape)
+            if m.bias is not None:
+                m.bias[...] = jnp.zeros(m.bias.shape, m.bias.dtype)
+        elif isinstance(m, nnx.Embed):
+            m.embedding[...] = normal(m.embedding.shape)

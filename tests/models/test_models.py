@@ -1,0 +1,220 @@
+"""KDAConfig, KDAForCausalLM, generate and checkpoints: shapes, jit, grads, caches, varlen, errors."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from kdax.models import KDAConfig, KDAForCausalLM, generate, generation
+from kdax.models.checkpoint import from_pretrained, read_safetensors, save_pretrained, write_safetensors
+from tests.ops.kda.cases import rel_rms
+
+VOCAB = 61
+
+
+def _config(**kw):
+    attn = {"layers": [1], "num_heads": 4, "num_kv_heads": 2, "window_size": 6}
+    args = {"hidden_size": 32, "head_dim": 8, "num_heads": 2, "num_v_heads": 4, "num_hidden_layers": 3}
+    return KDAConfig(**{**args, "vocab_size": VOCAB, "attn": attn, "intermediate_size": 48, **kw})
+
+
+@pytest.fixture(scope="module")
+def model():
+    return KDAForCausalLM(_config(), backend="xla", rngs=nnx.Rngs(0))
+
+
+def _ids(B, T, seed=1):
+    return jax.random.randint(jax.random.key(seed), (B, T), 0, VOCAB, jnp.int32)
+
+
+def test_logits_shape_and_jit(model):
+    ids = _ids(2, 19)
+    logits = model(ids)
+    assert logits.shape == (2, 19, VOCAB) and logits.dtype == jnp.float32
+    jitted = nnx.jit(lambda m, x: m(x))(model, ids)
+    assert rel_rms(jitted, logits) <= 1e-6
+
+
+def test_grad_through_whole_model():
+    model = KDAForCausalLM(_config(tie_word_embeddings=True, lower_bound=-5.0), backend="xla", rngs=nnx.Rngs(0))
+    ids = _ids(2, 17)
+
+    def loss(m):
+        logp = jax.nn.log_softmax(m(ids[:, :-1]))
+        return -jnp.mean(jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1))
+
+    value, grads = nnx.value_and_grad(loss)(model)
+    assert np.isfinite(float(value))
+    for path, g in nnx.to_flat_state(grads):
+        g = np.asarray(g[...])
+        assert np.all(np.isfinite(g)) and np.abs(g).max() > 0, path
+
+
+def test_eval_mode_recurrent_equals_chunk(model):
+    """FLA's rule in eval mode runs <= 64-token inputs through the recurrent kernel."""
+    ids = _ids(2, 23)
+    chunk = model(ids)
+    model.eval()
+    try:
+        assert model.model.layers[0].attn.pick_mode(23) == "fused_recurrent"
+        assert rel_rms(model(ids), chunk) <= 1e-5
+    finally:
+        model.train()
+
+
+def test_attention_mask_and_cu_seqlens_equal_per_sequence_runs(model):
+    lengths = [5, 1, 12]
+    seqs = [_ids(1, L, seed=10 + i) for i, L in enumerate(lengths)]
+    forward = nnx.jit(lambda m, ids, mask=None, cu=None: m(ids, attention_mask=mask, cu_seqlens=cu))
+    singles = [forward(model, s)[0] for s in seqs]
+    T = max(lengths)
+    ids = jnp.zeros((3, T), jnp.int32)
+    mask = np.zeros((3, T), np.int32)
+    for b, (s, L) in enumerate(zip(seqs, lengths)):  # left, right and no padding
+        start = T - L if b == 0 else 0
+        ids = ids.at[b, start : start + L].set(s[0])
+        mask[b, start : start + L] = 1
+    out = forward(model, ids, mask)
+    for b, L in enumerate(lengths):
+        assert rel_rms(out[b][mask[b] == 1], singles[b]) <= 1e-5
+        assert float(jnp.abs(out[b][mask[b] == 0]).max(initial=0.0)) == 0.0
+    cu = jnp.array(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
+    packed = forward(model, jnp.concatenate(seqs, axis=1), cu=cu)[0]
+    for n, single in enumerate(singles):
+        assert rel_rms(packed[int(cu[n]) : int(cu[n + 1])], single) <= 1e-5
+
+
+def test_prefill_then_decode_equals_full_forward(model):
+    ids = _ids(2, 20)
+    full = model(ids)
+    lengths = jnp.array([14, 9], jnp.int32)
+    prompt = jnp.where(jnp.arange(14)[None] < lengths[:, None], ids[:, :14], 0)
+    logits, cache = model.prefill(prompt, model.init_cache(2, 24), lengths)
+    assert rel_rms(logits[0], full[0, :14]) <= 1e-5 and rel_rms(logits[1, :9], full[1, :9]) <= 1e-5
+    decode = nnx.jit(lambda m, tokens, cache: m.decode(tokens, cache))
+    for step in range(6):
+        pos = lengths + step
+        logits, cache = decode(model, ids[jnp.arange(2), pos], cache)
+        assert rel_rms(logits, full[jnp.arange(2), pos]) <= 1e-5
+
+
+def test_generate_greedy_equals_rerunning_full_forward(model):
+    """Causality makes one forward over the final sequence equal to re-running the model on
+    every grown prefix: the logits at position n - 1 see only tokens < n."""
+    ids = _ids(2, 7)
+    mask = np.ones((2, 7), np.int32)
+    mask[1, :3] = 0  # left padding
+    out = generate(model, ids, 6, attention_mask=mask)
+    assert out.shape == (2, 13) and bool(jnp.all(out[:, :7] == ids))
+    logits = model(out, attention_mask=np.concatenate([mask, np.ones((2, 6), np.int32)], axis=1))
+    assert bool(jnp.all(jnp.argmax(logits[:, 6:-1], axis=-1) == out[:, 7:]))
+
+
+def test_generate_decode_steps_compile_once(model):
+    """A call compiles its decode step at most once, however many steps it takes."""
+    before = generation._step._cache_size()
+    generate(model, _ids(2, 6), 9)
+    assert generation._step._cache_size() == before + 1
+    generate(model, _ids(2, 6, seed=3), 9)
+    assert generation._step._cache_size() == before + 1
+
+
+def test_generate_eos_and_sampling(model):
+    ids = _ids(3, 6)
+    greedy = generate(model, ids, 8)
+    eos = int(greedy[0, 8])  # row 0 emits it at its third step
+    out = generate(model, ids, 8, eos_token_id=eos)
+    first = int(np.argmax(np.asarray(out[0, 6:]) == eos))
+    assert first <= 2 and bool(jnp.all(out[0, 6 + first :] == eos))
+    assert bool(jnp.all(out[0, : 6 + first] == greedy[0, : 6 + first]))
+    key = jax.random.key(5)
+    assert bool(jnp.all(generate(model, ids, 5, temperature=0.7, top_k=1, rng=key) == greedy[:, :11]))
+    assert bool(jnp.all(generate(model, ids, 5, temperature=1.3, top_p=1e-6, rng=key) == greedy[:, :11]))
+    a = generate(model, ids, 5, temperature=1.0, rng=key)
+    assert bool(jnp.all(a == generate(model, ids, 5, temperature=1.0, rng=key)))
+    assert int(a[:, 6:].min()) >= 0 and int(a[:, 6:].max()) < VOCAB
+
+
+def test_sample_logits_top_p_keeps_the_smallest_set():
+    logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
+    draws = {int(generation.sample_logits(logits, jax.random.key(i), 1.0, None, 0.7)[0]) for i in range(200)}
+    assert draws == {0, 1}
+    draws = {int(generation.sample_logits(logits, jax.random.key(i), 1.0, 3, None)[0]) for i in range(200)}
+    assert draws == {0, 1, 2}
+
+
+@pytest.mark.parametrize(
+    "kw, field",
+    [({"max_new_tokens": -1}, "max_new_tokens"), ({"temperature": -0.5}, "temperature"),
+     ({"top_k": 0}, "top_k"), ({"top_p": 1.5}, "top_p"), ({"eos_token_id": VOCAB}, "eos_token_id"),
+     ({"temperature": 1.0}, "rng"), ({"input_ids": jnp.zeros((2, 3, 1), jnp.int32)}, "input_ids"),
+     ({"input_ids": jnp.full((1, 3), VOCAB, jnp.int32)}, "input_ids"),
+     ({"attention_mask": np.zeros((2, 4))}, "attention_mask"), ({"attention_mask": np.ones((2, 3))}, "attention_mask")],
+)  # fmt: skip
+def test_generate_bad_arguments_name_the_field(model, kw, field):
+    args = {"input_ids": jnp.zeros((2, 4), jnp.int32), "max_new_tokens": 2, **kw}
+    with pytest.raises(ValueError, match=field):
+        generate(model, **args)
+
+
+@pytest.mark.parametrize(
+    "kw, field",
+    [({"hidden_size": 0}, "hidden_size"), ({"num_v_heads": 3}, "num_v_heads"), ({"expand_v": 0.3}, "expand_v"),
+     ({"attn_mode": "parallel"}, "attn_mode"), ({"safe_gate": True}, "lower_bound"), ({"hidden_act": "gelu"}, "hidden_act"),
+     ({"attn": {"layers": [5], "num_heads": 4}}, "attn.layers"), ({"attn": {"layers": [0], "num_heads": 5}}, "attn.num_heads"),
+     ({"attn": {"layers": [0], "num_heads": 4, "num_kv_heads": 3}}, "attn.num_kv_heads"),
+     ({"attn": {"layers": [0], "num_heads": 4, "window": 3}}, "attn"), ({"attnres_block_size": 2}, "attnres_block_size"),
+     ({"eos_token_id": VOCAB}, "eos_token_id")],
+)  # fmt: skip
+def test_bad_configs_name_the_field(kw, field):
+    with pytest.raises(ValueError, match=field):
+        _config(**kw)
+
+
+def test_config_round_trips_through_json():
+    config = _config(lower_bound=-5.0, tie_word_embeddings=True)
+    d = json.loads(json.dumps(config.to_dict()))
+    assert KDAConfig.from_dict({**d, "architectures": ["KDAForCausalLM"], "torch_dtype": "float32"}) == config
+    with pytest.raises(ValueError, match="model_type"):
+        KDAConfig.from_dict({**d, "model_type": "llama"})
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_checkpoint_round_trip_in_fla_layout(tmp_path, tie):
+    model = KDAForCausalLM(_config(tie_word_embeddings=tie), backend="xla", rngs=nnx.Rngs(2))
+    save_pretrained(model, str(tmp_path))
+    tensors = read_safetensors(str(tmp_path / "model.safetensors"))
+    assert tensors["model.layers.0.attn.q_proj.weight"].shape == (16, 32)  # torch [out, in]
+    assert tensors["model.layers.0.attn.q_conv1d.weight"].shape == (16, 1, 4)
+    assert ("lm_head.weight" in tensors) == (not tie)
+    assert {"model.layers.0.attn.f_proj.1.weight", "model.layers.0.attn.g_proj.1.bias"} <= set(tensors)
+    loaded = from_pretrained(str(tmp_path), backend="xla")
+    ids = _ids(2, 11)
+    assert rel_rms(loaded(ids), model(ids)) == 0.0
+
+
+def test_checkpoint_errors_name_the_tensor(tmp_path):
+    model = KDAForCausalLM(_config(), backend="xla", rngs=nnx.Rngs(2))
+    save_pretrained(model, str(tmp_path))
+    path = str(tmp_path / "model.safetensors")
+    tensors = read_safetensors(path)
+    write_safetensors(path, {k: v for k, v in tensors.items() if k != "model.norm.weight"})
+    with pytest.raises(ValueError, match="model.norm.weight"):
+        from_pretrained(str(tmp_path))
+    write_safetensors(path, {**tensors, "model.layers.0.attn.A_log": np.zeros(3, np.float32)})
+    with pytest.raises(ValueError, match="A_log"):
+        from_pretrained(str(tmp_path))
+    with pytest.raises(ValueError, match="directory"):
+        from_pretrained(str(tmp_path / "missing"))
+
+
+def test_safetensors_bf16_round_trip(tmp_path):
+    import ml_dtypes
+
+    a = {"x": np.arange(6, dtype=np.float32).reshape(2, 3).astype(ml_dtypes.bfloat16), "y": np.array([1, 2], np.int64)}
+    write_safetensors(str(tmp_path / "t.safetensors"), a)
+    b = read_safetensors(str(tmp_path / "t.safetensors"))
+    assert b["x"].dtype == a["x"].dtype and np.array_equal(b["x"], a["x"]) and np.array_equal(b["y"], a["y"])
