@@ -1,4 +1,5 @@
-"""The ``kdax`` command line: ``kdax bench`` times KDA backends and prints a table."""
+"""The ``kdax`` command line: ``kdax bench`` times KDA backends (or a model) and prints a table;
+``kdax train`` trains the tiny hybrid."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import sys
 
 import jax
 
+from kdax import train
 from kdax.bench import kda
+from kdax.train import TrainConfig
 
 
 def _bench(ns: argparse.Namespace) -> int:
@@ -33,6 +36,13 @@ def _bench(ns: argparse.Namespace) -> int:
         result = fla_compare.compare(repeats=ns.repeats, python=ns.fla_python)
         result["meta"].update(date=meta["date"], command=meta["command"])
         print(json.dumps(result, indent=2) if ns.json else fla_compare.format_compare(result))
+        return 0
+    if ns.model:
+        from kdax.bench import model
+
+        row = model.run(ns.model, ns.B, ns.T, ns.decode_steps, ns.repeats)
+        print(json.dumps({"meta": meta, "model": row}, indent=2) if ns.json else
+              f"# {meta['device']}, jax {meta['jax']}, {meta['date']}\n{model.format_row(row)}")  # fmt: skip
         return 0
     if ns.memory:
         result = {"meta": meta, "memory": kda.peak_memory(ns.B, ns.T, ns.H, ns.K, ns.V, ns.chunk_size)}
@@ -68,7 +78,19 @@ def main(argv: list[str] | None = None) -> int:
                    help="on a CUDA GPU: kdax pallas_gpu and xla against FLA's chunk_kda (separate processes)")  # fmt: skip
     b.add_argument("--gpu-tune", action="store_true", help="on a CUDA GPU: measure the pallas_gpu launch table")
     b.add_argument("--fla-python", default=sys.executable, help="python that runs the workers (FLA and kdax)")
+    b.add_argument("--model", choices=["tiny", "24x2048"],
+                   help="prefill (--B x --T prompt) and decode (--decode-steps) tokens/s of a model, random weights")  # fmt: skip
+    b.add_argument("--decode-steps", type=int, default=32)
+    t = sub.add_parser("train", help="train the tiny hybrid on byte-level text, then print a sample")
+    for f in dataclasses.fields(TrainConfig):
+        t.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default)
+    t.add_argument("--corpus", default=None, help="a text file (default: the public-domain text shipped with kdax)")
+    t.add_argument("--sample-tokens", type=int, default=200)
     ns = parser.parse_args(argv)
+    if ns.command == "train":
+        fields = {f.name: getattr(ns, f.name) for f in dataclasses.fields(TrainConfig)}
+        train.main(TrainConfig(**fields), ns.corpus, ns.sample_tokens)
+        return 0
     return _bench(ns)
 
 

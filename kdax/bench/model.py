@@ -1,0 +1,69 @@
+"""``kdax bench --model``: prefill and decode tokens/s of a hybrid KDA model with random weights."""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from kdax.models import KDAConfig, KDAForCausalLM
+from kdax.models.generation import _prefill, _step
+from kdax.train import tiny_config
+
+MODELS = {
+    "tiny": tiny_config,
+    # FLA's KDAConfig defaults (24 layers, hidden 2048, 16 heads of 128) with attention on every 4th layer
+    "24x2048": lambda: KDAConfig(attn={"layers": [3, 7, 11, 15, 19, 23], "num_heads": 16}),
+}
+
+
+def _median_time(fn, repeats: int, setup=lambda: ()) -> float:
+    """Median seconds of fn(*setup()), setup untimed."""
+    times = []
+    for _ in range(repeats):
+        args = jax.block_until_ready(setup())
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t)
+    return float(np.median(times))
+
+
+def run(name: str, batch: int, prompt_len: int, decode_steps: int, repeats: int) -> dict:
+    """Median wall time of a jit-compiled prefill of [batch, prompt_len] tokens and of
+    ``decode_steps`` single-token steps after it (greedy, caches preallocated)."""
+    if name not in MODELS:
+        raise ValueError(f"model: expected one of {tuple(MODELS)}, got {name!r}")
+    config = MODELS[name]()
+    model = KDAForCausalLM(config, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(model)
+    n_params = sum(int(np.prod(p.shape)) for _, p in nnx.to_flat_state(nnx.filter_state(state, nnx.Param)))
+    ids = jax.random.randint(jax.random.key(1), (batch, prompt_len), 0, config.vocab_size, jnp.int32)
+    lengths = jnp.full((batch,), prompt_len, jnp.int32)
+    key = jax.random.key(0)
+    prefill = lambda: _prefill(graphdef, state, ids, lengths, prompt_len + decode_steps, 0.0, None, None, key)
+    token, cache = jax.block_until_ready(prefill())  # compiles
+
+    def decode(tok, c):
+        for _ in range(decode_steps):
+            tok, c = _step(graphdef, state, tok, c, 0.0, None, None, key)
+        return tok
+
+    fresh = lambda: (token, jax.tree.map(jnp.copy, cache))  # _step donates its cache
+    jax.block_until_ready(decode(*fresh()))  # compiles
+    t_prefill, t_decode = _median_time(prefill, repeats), _median_time(decode, repeats, fresh)
+    return {
+        "model": name, "params": n_params, "batch": batch, "prompt_len": prompt_len, "decode_steps": decode_steps,
+        "prefill_ms": 1e3 * t_prefill, "prefill_tok_s": batch * prompt_len / t_prefill,
+        "decode_ms_per_step": 1e3 * t_decode / decode_steps, "decode_tok_s": batch * decode_steps / t_decode,
+    }  # fmt: skip
+
+
+def format_row(r: dict) -> str:
+    head = "| model | params | batch | prompt | prefill ms | prefill tok/s | decode ms/step | decode tok/s |"
+    rule = "|" + "---|" * 8
+    row = (f"| {r['model']} | {r['params'] / 1e6:.1f}M | {r['batch']} | {r['prompt_len']} | {r['prefill_ms']:.1f} | "
+           f"{r['prefill_tok_s']:,.0f} | {r['decode_ms_per_step']:.2f} | {r['decode_tok_s']:,.0f} |")  # fmt: skip
+    return f"{head}\n{rule}\n{row}"
