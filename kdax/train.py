@@ -18,7 +18,7 @@ import optax
 from flax import nnx
 from tqdm import tqdm
 
-from kdax.models import KDAConfig, KDAForCausalLM, save_pretrained
+from kdax.models import KDAConfig, KDAForCausalLM, generate, save_pretrained
 
 
 def tiny_config(**overrides) -> KDAConfig:
@@ -116,14 +116,10 @@ def train(model: KDAForCausalLM, tokens: np.ndarray, cfg: TrainConfig, progress:
 
 def main(cfg: TrainConfig, corpus: str | None = None, sample_tokens: int = 200) -> KDAForCausalLM:
     """Train the tiny model, print the loss against the unigram entropy, then a sample."""
-    from kdax.models import generate
-
     tokens = load_corpus(corpus)
     model = KDAForCausalLM(tiny_config(), rngs=nnx.Rngs(cfg.seed))
-    n_params = sum(int(np.prod(p.shape)) for _, p in nnx.to_flat_state(nnx.state(model, nnx.Param)))
-    print(
-        f"corpus {tokens.size:,} bytes, unigram entropy {unigram_entropy(tokens):.3f} nats; model {n_params:,} params"
-    )
+    entropy = unigram_entropy(tokens)
+    print(f"corpus {tokens.size:,} bytes, unigram entropy {entropy:.3f} nats; model {model.num_parameters():,} params")
     losses = train(model, tokens, cfg)
     print(f"loss: first {losses[0]:.3f}, mean of last 20 steps {np.mean(losses[-20:]):.3f} nats")
     if sample_tokens:

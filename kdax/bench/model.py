@@ -10,7 +10,7 @@ import numpy as np
 from flax import nnx
 
 from kdax.models import KDAConfig, KDAForCausalLM
-from kdax.models.generation import _prefill, _step
+from kdax.models.generation import decode_sample, prefill_sample
 from kdax.train import tiny_config
 
 MODELS = {
@@ -39,23 +39,22 @@ def run(name: str, batch: int, prompt_len: int, decode_steps: int, repeats: int)
     config = MODELS[name]()
     model = KDAForCausalLM(config, rngs=nnx.Rngs(0))
     graphdef, state = nnx.split(model)
-    n_params = sum(int(np.prod(p.shape)) for _, p in nnx.to_flat_state(nnx.filter_state(state, nnx.Param)))
     ids = jax.random.randint(jax.random.key(1), (batch, prompt_len), 0, config.vocab_size, jnp.int32)
     lengths = jnp.full((batch,), prompt_len, jnp.int32)
     key = jax.random.key(0)
-    prefill = lambda: _prefill(graphdef, state, ids, lengths, prompt_len + decode_steps, 0.0, None, None, key)
+    prefill = lambda: prefill_sample(graphdef, state, ids, lengths, prompt_len + decode_steps, 0.0, None, None, key)
     token, cache = jax.block_until_ready(prefill())  # compiles
 
     def decode(tok, c):
         for _ in range(decode_steps):
-            tok, c = _step(graphdef, state, tok, c, 0.0, None, None, key)
+            tok, c = decode_sample(graphdef, state, tok, c, 0.0, None, None, key)
         return tok
 
-    fresh = lambda: (token, jax.tree.map(jnp.copy, cache))  # _step donates its cache
+    fresh = lambda: (token, jax.tree.map(jnp.copy, cache))  # decode_sample donates its cache
     jax.block_until_ready(decode(*fresh()))  # compiles
     t_prefill, t_decode = _median_time(prefill, repeats), _median_time(decode, repeats, fresh)
     return {
-        "model": name, "params": n_params, "batch": batch, "prompt_len": prompt_len, "decode_steps": decode_steps,
+        "model": name, "params": model.num_parameters(), "batch": batch, "prompt_len": prompt_len, "decode_steps": decode_steps,
         "prefill_ms": 1e3 * t_prefill, "prefill_tok_s": batch * prompt_len / t_prefill,
         "decode_ms_per_step": 1e3 * t_decode / decode_steps, "decode_tok_s": batch * decode_steps / t_decode,
     }  # fmt: skip

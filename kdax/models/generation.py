@@ -33,7 +33,7 @@ def sample_logits(logits, rng, temperature: float, top_k: int | None, top_p: flo
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4, 5, 6, 7))
-def _prefill(graphdef, state, ids, lengths, max_length, temperature, top_k, top_p, rng):
+def prefill_sample(graphdef, state, ids, lengths, max_length, temperature, top_k, top_p, rng):
     model = nnx.merge(graphdef, state)
     logits, cache = model.prefill(ids, model.init_cache(ids.shape[0], max_length), lengths)
     last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
@@ -41,7 +41,7 @@ def _prefill(graphdef, state, ids, lengths, max_length, temperature, top_k, top_
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4, 5, 6), donate_argnums=(3,))
-def _step(graphdef, state, tokens, cache, temperature, top_k, top_p, rng):
+def decode_sample(graphdef, state, tokens, cache, temperature, top_k, top_p, rng):
     logits, cache = nnx.merge(graphdef, state).decode(tokens, cache)
     return sample_logits(logits, rng, temperature, top_k, top_p), cache
 
@@ -86,7 +86,7 @@ def generate(model: KDAForCausalLM, input_ids, max_new_tokens: int, *, temperatu
     rngs = jax.random.split(jax.random.key(0) if rng is None else rng, max_new_tokens)
     graphdef, state = nnx.split(model)
     options = (float(temperature), top_k, None if top_p is None else float(top_p))
-    token, cache = _prefill(graphdef, state, ids, lengths, T + max_new_tokens, *options, rngs[0])
+    token, cache = prefill_sample(graphdef, state, ids, lengths, T + max_new_tokens, *options, rngs[0])
     done = jnp.zeros((B,), bool)
     out = []
     for i in range(max_new_tokens):
@@ -96,7 +96,7 @@ def generate(model: KDAForCausalLM, input_ids, max_new_tokens: int, *, temperatu
         out.append(token)
         if i + 1 == max_new_tokens or (eos_token_id is not None and bool(done.all())):
             break
-        token, cache = _step(graphdef, state, token, cache, *options, rngs[i + 1])
+        token, cache = decode_sample(graphdef, state, token, cache, *options, rngs[i + 1])
     new = jnp.stack(out, axis=1)
     if new.shape[1] < max_new_tokens:
         new = jnp.pad(new, ((0, 0), (0, max_new_tokens - new.shape[1])), constant_values=eos_token_id)

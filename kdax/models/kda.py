@@ -72,8 +72,7 @@ class KDABlock(nnx.Module):
         self.mlp = GatedMLP(c.hidden_size, c.hidden_ratio, c.intermediate_size, c.hidden_act, rngs=rngs)
 
     def __call__(self, x, seg: Segments, cache=None, output_cache=False, mode=None):
-        """x: [B, T, hidden] -> (x, new cache or None). KDA caches hold one state per row:
-        with ``seg.kda_cu`` from :func:`row_segments` the rows' states are sequences 0, 2, ..."""
+        """x: [B, T, hidden] -> (x, new cache or None); the KDA cache has one state per KDA sequence."""
         h = self.attn_norm(x)
         if isinstance(self.attn, Attention):
             h, cache = self.attn(h, positions=seg.positions, segment_ids=seg.segment_ids, cache=cache)
@@ -82,8 +81,6 @@ class KDABlock(nnx.Module):
             flat = h if seg.kda_cu is None else h.reshape(1, B * T, D)
             flat, cache = self.attn(flat, cu_seqlens=seg.kda_cu, cache=cache, output_cache=output_cache, mode=mode)
             h = flat.reshape(B, T, D)
-            if cache is not None and seg.kda_cu is not None and cache.recurrent.shape[0] == 2 * B:
-                cache = jax.tree.map(lambda c: c[::2], cache)  # drop the padding sequences' states
         x = x + h
         return x + self.mlp(self.mlp_norm(x)), cache
 
@@ -122,6 +119,9 @@ class KDAForCausalLM(nnx.Module):
         if not config.tie_word_embeddings:
             self.lm_head = nnx.Linear(config.hidden_size, config.vocab_size, use_bias=False, rngs=rngs)
         _init_weights(self, config.initializer_range, rngs)
+
+    def num_parameters(self) -> int:
+        return sum(int(np.prod(p.shape)) for _, p in nnx.to_flat_state(nnx.state(self, nnx.Param)))
 
     def _logits(self, h):
         if self.config.tie_word_embeddings:
@@ -166,6 +166,8 @@ class KDAForCausalLM(nnx.Module):
         lengths = jnp.full((B,), T, jnp.int32) if lengths is None else jnp.asarray(lengths, jnp.int32)
         fresh = tuple(c if isinstance(b.attn, Attention) else None for b, c in zip(self.model.layers, cache.layers))
         h, layers = self.model(input_ids, row_segments(B, T, lengths), fresh, True, "chunk")
+        rows = lambda c: jax.tree.map(lambda x: x[::2], c)  # row b's tokens are KDA sequence 2b
+        layers = tuple(c if isinstance(b.attn, Attention) else rows(c) for b, c in zip(self.model.layers, layers))
         return self._logits(h), ModelCache(layers, lengths)
 
     def decode(self, tokens, cache: ModelCache):

@@ -72,7 +72,8 @@ class Attention(nnx.Module):
             if segment_ids is not None:
                 allowed &= segment_ids[:, :, None] == segment_ids[:, None, :]
         else:
-            write = lambda c, new, p: jax.lax.dynamic_update_slice(c, new.astype(c.dtype), (p, p * 0, p * 0))
+            zero = jnp.zeros((), positions.dtype)
+            write = lambda c, new, p: jax.lax.dynamic_update_slice(c, new.astype(c.dtype), (p, zero, zero))
             cache = tuple(jax.vmap(write)(c, new, positions[:, 0]) for c, new in zip(cache, (k, v)))
             k, v = cache
             dist = positions[:, :, None] - jnp.arange(k.shape[1])[None, None, :]

@@ -115,11 +115,11 @@ def test_generate_greedy_equals_rerunning_full_forward(model):
 
 def test_generate_decode_steps_compile_once(model):
     """A call compiles its decode step at most once, however many steps it takes."""
-    before = generation._step._cache_size()
+    before = generation.decode_sample._cache_size()
     generate(model, _ids(2, 6), 9)
-    assert generation._step._cache_size() == before + 1
+    assert generation.decode_sample._cache_size() == before + 1
     generate(model, _ids(2, 6, seed=3), 9)
-    assert generation._step._cache_size() == before + 1
+    assert generation.decode_sample._cache_size() == before + 1
 
 
 def test_generate_eos_and_sampling(model):
