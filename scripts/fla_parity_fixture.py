@@ -5,7 +5,8 @@ and fla-core / flash-linear-attention (the wheels in ../shared/wheels); run from
     python scripts/fla_parity_fixture.py [OUT_DIR]
 
 FLA's ``KDAForCausalLM`` class needs ``transformers`` and its ``Attention`` needs
-``flash_attn``; neither is assumed here. The model is therefore assembled from FLA's
+``flash_attn``; neither is assumed here (``fla.layers.kda`` is imported without the
+``fla.layers`` package init, which imports transformers). The model is assembled from FLA's
 ``KimiDeltaAttention``, ``RMSNorm``, ``GatedMLP`` and ``RotaryEmbedding`` with the same module
 tree as ``KDAForCausalLM`` (hence the same state-dict names), the attention layer written
 with ``torch.nn.functional.scaled_dot_product_attention`` in place of flash_attn, and FLA's
@@ -18,17 +19,15 @@ import os
 import sys
 import types
 
+import fla
 import numpy as np
 import torch
 from torch import nn
 
-if "transformers" not in sys.modules:  # fla.layers imports transformers' logger only
-    import logging
-
-    stub = types.ModuleType("transformers")
-    stub.utils = types.ModuleType("transformers.utils")
-    stub.utils.logging = types.SimpleNamespace(get_logger=logging.getLogger)
-    sys.modules.update({"transformers": stub, "transformers.utils": stub.utils})
+if not hasattr(fla, "layers"):  # fla.layers/__init__ needs transformers: load fla.layers.kda alone
+    layers = types.ModuleType("fla.layers")
+    layers.__path__ = [os.path.join(os.path.dirname(fla.__file__), "layers")]
+    sys.modules["fla.layers"] = layers
 
 from fla.layers.kda import KimiDeltaAttention
 from fla.modules import GatedMLP, RMSNorm, RotaryEmbedding
