@@ -3,7 +3,6 @@
 #   scripts/gpu_session.sh tests     pallas_gpu compiled for real: every shared case, fp32 and bf16
 #   scripts/gpu_session.sh tune      the launch table (kdax bench --gpu-tune)
 #   scripts/gpu_session.sh compare   kdax bench --gpu-compare-fla (FLA in its own process)
-#   scripts/gpu_session.sh fixture   the FLA parity fixture (copy $OUT/fla_tiny to tests/fixtures/)
 # Expects jax with CUDA, torch and triton installed; FLA's wheels in .wheels/ (installed to
 # /tmp/site). Results go to $OUT (default ./gpu_out).
 set -euo pipefail
@@ -23,6 +22,5 @@ case "${1:-tests}" in
   compare) python -m kdax.bench.cli bench --gpu-compare-fla --repeats 20 --json > "$OUT/compare.json"
            python -c "import json,sys; from kdax.bench.fla_compare import format_compare; \
 print(format_compare(json.load(open(sys.argv[1]))))" "$OUT/compare.json" | tee "$OUT/compare.md" ;;
-  fixture) python scripts/fla_parity_fixture.py "$OUT/fla_tiny" | tee "$OUT/fixture.txt" ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac
