@@ -17,6 +17,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT
 python -c "import jax; print('jax', jax.__version__, jax.devices())" | tee -a "$OUT/gpu.txt"
 case "${1:-tests}" in
   tests) python -m pytest -q -p no:cacheprovider tests/ops/kda/test_chunk.py tests/ops/kda/test_pallas_gpu.py \
+           tests/ops/kda/test_fla_parity.py \
            -k "pallas_gpu or gpu" 2>&1 | tee "$OUT/tests.txt" | tail -30 ;;
   tune) python -m kdax.bench.cli bench --gpu-tune --repeats 10 | tee "$OUT/tune.json" ;;
   compare) python -m kdax.bench.cli bench --gpu-compare-fla --repeats 20 --json > "$OUT/compare.json"
