@@ -32,12 +32,10 @@ def test_kdax_train_cli_writes_checkpoints(tmp_path, capsys):
 
 
 def test_bench_model_cli(capsys):
-    assert (
-        main(["bench", "--model", "tiny", "--B", "2", "--T", "16", "--decode-steps", "2", "--repeats", "1", "--json"])
-        == 0
-    )
+    args = ["--model", "tiny", "--B", "2", "--T", "16", "--decode-steps", "2", "--repeats", "1", "--dtype", "bfloat16"]
+    assert main(["bench", *args, "--json"]) == 0
     row = json.loads(capsys.readouterr().out)["model"]
-    assert row["prefill_tok_s"] > 0 and row["decode_tok_s"] > 0 and row["params"] > 1e6
+    assert row["prefill_tok_s"] > 0 and row["decode_tok_s"] > 0 and row["params"] > 1e6 and row["dtype"] == "bfloat16"
 
 
 def test_train_config_errors_name_the_field():

@@ -40,7 +40,7 @@ def _bench(ns: argparse.Namespace) -> int:
     if ns.model:
         from kdax.bench import model
 
-        row = model.run(ns.model, ns.B, ns.T, ns.decode_steps, ns.repeats)
+        row = model.run(ns.model, ns.B, ns.T, ns.decode_steps, ns.repeats, ns.dtype)
         print(json.dumps({"meta": meta, "model": row}, indent=2) if ns.json else
               f"# {meta['device']}, jax {meta['jax']}, {meta['date']}\n{model.format_row(row)}")  # fmt: skip
         return 0

@@ -31,13 +31,14 @@ def _median_time(fn, repeats: int, setup=lambda: ()) -> float:
     return float(np.median(times))
 
 
-def run(name: str, batch: int, prompt_len: int, decode_steps: int, repeats: int) -> dict:
+def run(name: str, batch: int, prompt_len: int, decode_steps: int, repeats: int, dtype: str = "float32") -> dict:
     """Median wall time of a jit-compiled prefill of [batch, prompt_len] tokens and of
-    ``decode_steps`` single-token steps after it (greedy, caches preallocated)."""
+    ``decode_steps`` single-token steps after it (greedy, caches preallocated), with the
+    weights in ``dtype`` (:meth:`KDAForCausalLM.astype`)."""
     if name not in MODELS:
         raise ValueError(f"model: expected one of {tuple(MODELS)}, got {name!r}")
     config = MODELS[name]()
-    model = KDAForCausalLM(config, rngs=nnx.Rngs(0))
+    model = KDAForCausalLM(config, rngs=nnx.Rngs(0)).astype(dtype)
     graphdef, state = nnx.split(model)
     ids = jax.random.randint(jax.random.key(1), (batch, prompt_len), 0, config.vocab_size, jnp.int32)
     lengths = jnp.full((batch,), prompt_len, jnp.int32)
@@ -54,15 +55,15 @@ def run(name: str, batch: int, prompt_len: int, decode_steps: int, repeats: int)
     jax.block_until_ready(decode(*fresh()))  # compiles
     t_prefill, t_decode = _median_time(prefill, repeats), _median_time(decode, repeats, fresh)
     return {
-        "model": name, "params": model.num_parameters(), "batch": batch, "prompt_len": prompt_len, "decode_steps": decode_steps,
+        "model": name, "dtype": dtype, "params": model.num_parameters(), "batch": batch, "prompt_len": prompt_len, "decode_steps": decode_steps,
         "prefill_ms": 1e3 * t_prefill, "prefill_tok_s": batch * prompt_len / t_prefill,
         "decode_ms_per_step": 1e3 * t_decode / decode_steps, "decode_tok_s": batch * decode_steps / t_decode,
     }  # fmt: skip
 
 
 def format_row(r: dict) -> str:
-    head = "| model | params | batch | prompt | prefill ms | prefill tok/s | decode ms/step | decode tok/s |"
-    rule = "|" + "---|" * 8
-    row = (f"| {r['model']} | {r['params'] / 1e6:.1f}M | {r['batch']} | {r['prompt_len']} | {r['prefill_ms']:.1f} | "
+    head = "| model | dtype | params | batch | prompt | prefill ms | prefill tok/s | decode ms/step | decode tok/s |"
+    rule = "|" + "---|" * 9
+    row = (f"| {r['model']} | {r['dtype']} | {r['params'] / 1e6:.1f}M | {r['batch']} | {r['prompt_len']} | {r['prefill_ms']:.1f} | "
            f"{r['prefill_tok_s']:,.0f} | {r['decode_ms_per_step']:.2f} | {r['decode_tok_s']:,.0f} |")  # fmt: skip
     return f"{head}\n{rule}\n{row}"

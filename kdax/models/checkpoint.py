@@ -126,12 +126,14 @@ def _read_weights(directory: str) -> dict[str, np.ndarray]:
     raise ValueError(f"directory: expected model.safetensors or model.safetensors.index.json in {directory!r}")
 
 
-def from_pretrained(directory: str, *, backend: str = "auto") -> KDAForCausalLM:
-    """Load a kdax or FLA ``KDAForCausalLM`` checkpoint directory into a kdax model."""
+def from_pretrained(directory: str, *, backend: str = "auto", dtype=None) -> KDAForCausalLM:
+    """Load a kdax or FLA ``KDAForCausalLM`` checkpoint directory into a kdax model, its
+    weights cast to ``dtype`` if given (see :meth:`KDAForCausalLM.astype`)."""
     path = os.path.join(directory, "config.json")
     if not os.path.exists(path):
         raise ValueError(f"directory: expected a config.json in {directory!r}")
     with open(path) as f:
         config = KDAConfig.from_dict(json.load(f))
     model = nnx.eval_shape(lambda: KDAForCausalLM(config, backend=backend, rngs=nnx.Rngs(0)))
-    return load_fla_state_dict(model, _read_weights(directory))
+    model = load_fla_state_dict(model, _read_weights(directory))
+    return model if dtype is None else model.astype(dtype)

@@ -123,6 +123,25 @@ class KDAForCausalLM(nnx.Module):
     def num_parameters(self) -> int:
         return sum(int(np.prod(p.shape)) for _, p in nnx.to_flat_state(nnx.state(self, nnx.Param)))
 
+    def astype(self, dtype) -> KDAForCausalLM:
+        """Cast the weights of every linear and convolution and the embeddings to ``dtype``, in
+        place (``jnp.bfloat16`` to serve in bf16); A_log, dt_bias and norm weights stay float32.
+        Activations then flow in ``dtype``; KDA states and logits stay float32. Returns self."""
+        if not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
+            raise ValueError(f"dtype: expected a floating dtype, got {jnp.dtype(dtype)}")
+        names = {nnx.Linear: ("kernel", "bias"), ShortConvolution: ("weight", "bias"), nnx.Embed: ("embedding",)}
+        for _, m in nnx.iter_graph(self):
+            for p in (getattr(m, n) for n in names.get(type(m), ())):
+                if p is not None:
+                    p.set_value(p.get_value().astype(dtype))
+        self.model.embeddings.dtype = jnp.dtype(dtype)  # nnx.Embed fixes its output dtype at init
+        return self
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        """The activations' dtype: that of the embeddings (float32 unless :meth:`astype`)."""
+        return self.model.embeddings.embedding.dtype
+
     def _logits(self, h):
         if self.config.tie_word_embeddings:
             return self.model.embeddings.attend(h).astype(jnp.float32)
@@ -149,11 +168,12 @@ class KDAForCausalLM(nnx.Module):
         return jnp.where(mask[..., None], out, 0.0)
 
     def init_cache(self, batch_size: int, max_length: int) -> ModelCache:
-        """Empty caches for ``batch_size`` rows of up to ``max_length`` tokens (float32)."""
+        """Empty caches for ``batch_size`` rows of up to ``max_length`` tokens: KV and
+        convolution caches in :attr:`dtype`, KDA states in float32."""
         layers = tuple(
-            b.attn.init_cache(batch_size, max_length)
+            b.attn.init_cache(batch_size, max_length, self.dtype)
             if isinstance(b.attn, Attention)
-            else b.attn.init_cache(batch_size)
+            else b.attn.init_cache(batch_size, self.dtype)
             for b in self.model.layers
         )
         return ModelCache(layers, jnp.zeros((batch_size,), jnp.int32))

@@ -10,6 +10,7 @@ from flax import nnx
 
 from kdax.models import KDAConfig, KDAForCausalLM, generate, generation
 from kdax.models.checkpoint import from_pretrained, read_safetensors, save_pretrained, write_safetensors
+from kdax.models.kda import row_segments
 from tests.ops.kda.cases import rel_rms
 
 VOCAB = 61
@@ -99,6 +100,33 @@ def test_prefill_then_decode_equals_full_forward(model):
         pos = lengths + step
         logits, cache = decode(model, ids[jnp.arange(2), pos], cache)
         assert rel_rms(logits, full[jnp.arange(2), pos]) <= 1e-5
+
+
+def test_bfloat16_weights_serve_in_bfloat16(model, tmp_path):
+    """astype(bf16): activations, KV and conv caches in bf16, KDA states and logits float32;
+    full forward and prefill + decode within the bf16 bar of the float32 model."""
+    ids = _ids(2, 20)
+    full = model(ids)
+    save_pretrained(model, str(tmp_path))
+    bf16 = from_pretrained(str(tmp_path), backend="xla", dtype=jnp.bfloat16)
+    attn, kda = bf16.model.layers[1].attn, bf16.model.layers[0].attn
+    assert bf16.dtype == attn.q_proj.kernel.dtype == kda.q_conv1d.weight.dtype == jnp.bfloat16
+    assert kda.A_log.dtype == kda.dt_bias.dtype == kda.o_norm.weight.dtype == jnp.float32
+    hidden, _ = jax.eval_shape(lambda: bf16.model(ids, row_segments(2, 20, jnp.full((2,), 20, jnp.int32))))
+    logits = bf16(ids)
+    assert hidden.dtype == jnp.bfloat16 and logits.dtype == jnp.float32 and rel_rms(logits, full) <= 2e-2
+    cache = bf16.init_cache(2, 24)
+    assert cache.layers[1][0].dtype == cache.layers[0].conv[0].dtype == jnp.bfloat16
+    assert cache.layers[0].recurrent.dtype == jnp.float32
+    logits, cache = nnx.jit(lambda m, x, c: m.prefill(x, c))(bf16, ids[:, :16], cache)
+    assert rel_rms(logits, full[:, :16]) <= 2e-2
+    decode = nnx.jit(lambda m, tokens, c: m.decode(tokens, c))
+    for pos in range(16, 20):
+        logits, cache = decode(bf16, ids[:, pos], cache)
+        assert rel_rms(logits, full[:, pos]) <= 2e-2
+    assert cache.layers[1][0].dtype == cache.layers[0].conv[0].dtype == jnp.bfloat16
+    with pytest.raises(ValueError, match="dtype"):
+        bf16.astype(jnp.int32)
 
 
 def test_generate_greedy_equals_rerunning_full_forward(model):
