@@ -6,12 +6,15 @@
   (tests/ops/kda/test_fla_parity.py).
 
     pip install torch triton "transformers>=5.6.2,<6" flash-linear-attention==0.6.0 fla-core==0.6.0
-    python scripts/fla_parity_fixture.py [OUT_DIR]          # about 2 minutes on a 2-core CPU
+    python scripts/fla_parity_fixture.py [OUT_DIR]          # about a minute on a 2-core CPU
 
 It runs on the CPU: FLA's Triton kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, set
-here before triton is imported; float32 NumPy, no TF32), with two adjustments it needs: autotuning
-keeps the first config (the interpreter cannot time kernels), and Python ``range`` loops inside
-kernels yield Triton scalars, as they do when compiled. FLA's softmax ``Attention`` layer calls
+here before triton is imported; float32 NumPy, no TF32), with the adjustments it needs:
+autotuning keeps the first config (the interpreter cannot time kernels); Python ``range`` loops
+inside kernels yield Triton scalars, as they do when compiled; module-level aliases of
+``triton.language`` functions (FLA's ``gather = tl.gather``) get the interpreter's versions; and
+FLA's ``bf16x3`` dot precision name becomes ``ieee`` (the interpreter computes every dot in
+float32 and knows only the tf32/ieee names). FLA's softmax ``Attention`` layer calls
 ``flash_attn``, which is not installed: a stand-in with flash_attn's semantics (causal, GQA,
 ``window_size=(left, 0)``) written with ``torch.nn.functional.scaled_dot_product_attention``
 takes its place. Everything else (the KDA layer and its kernels, short convolutions, norms,
@@ -79,9 +82,9 @@ import fla.layers.attn
 import fla.ops.kda.chunk_intra
 import triton.language as tl
 from fla.models import KDAConfig, KDAForCausalLM
+from fla.ops.kda import chunk_kda
 
 fla.layers.attn.flash_attn_func, fla.layers.attn.flash_attn_varlen_func = flash_attn_func, flash_attn_varlen_func
-# The interpreter computes every tl.dot in float32 but accepts only tf32/tf32x3/ieee as names.
 fla.ops.kda.chunk_intra.SAFE_GATE_DOT_PRECISION = tl.constexpr("ieee")
 
 
@@ -100,8 +103,6 @@ def cotangent(shape):
 
 
 def ops_fixture(path: str) -> None:
-    from fla.ops.kda import chunk_kda
-
     out = {}
     for name, (B, T, H, HV, K, V, cu, lower_bound, neg, a_off) in OP_CASES.items():
         rng = np.random.default_rng(0)

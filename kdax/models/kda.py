@@ -129,11 +129,8 @@ class KDAForCausalLM(nnx.Module):
         Activations then flow in ``dtype``; KDA states and logits stay float32. Returns self."""
         if not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
             raise ValueError(f"dtype: expected a floating dtype, got {jnp.dtype(dtype)}")
-        names = {nnx.Linear: ("kernel", "bias"), ShortConvolution: ("weight", "bias"), nnx.Embed: ("embedding",)}
-        for _, m in nnx.iter_graph(self):
-            for p in (getattr(m, n) for n in names.get(type(m), ())):
-                if p is not None:
-                    p.set_value(p.get_value().astype(dtype))
+        for _, p in _weights(self):
+            p.set_value(p.get_value().astype(dtype))
         self.model.embeddings.dtype = jnp.dtype(dtype)  # nnx.Embed fixes its output dtype at init
         return self
 
@@ -224,15 +221,24 @@ def _check_ids(input_ids, vocab_size):
     return input_ids.shape
 
 
+_WEIGHTS = {nnx.Linear: ("kernel", "bias"), ShortConvolution: ("weight", "bias"), nnx.Embed: ("embedding",)}
+
+
+def _weights(model: nnx.Module):
+    """(name, Param) of every weight and bias of the linears, convolutions and embeddings,
+    in graph order (A_log, dt_bias and norm weights are not among them)."""
+    for _, m in nnx.iter_graph(model):
+        for name in _WEIGHTS.get(type(m), ()):
+            if getattr(m, name) is not None:
+                yield name, getattr(m, name)
+
+
 def _init_weights(model: nnx.Module, std: float, rngs: nnx.Rngs) -> None:
     """FLA's _init_weights: normal(0, std) weights of linears, convolutions and embeddings,
     zero biases (A_log, dt_bias and norms keep their layer initialisation)."""
-    normal = lambda shape: std * jax.random.normal(rngs.params(), shape, jnp.float32)
-    for _, m in nnx.iter_graph(model):
-        if isinstance(m, (nnx.Linear, ShortConvolution)):
-            w = m.kernel if isinstance(m, nnx.Linear) else m.weight
-            w[...] = normal(w.shape)
-            if m.bias is not None:
-                m.bias[...] = jnp.zeros(m.bias.shape, m.bias.dtype)
-        elif isinstance(m, nnx.Embed):
-            m.embedding[...] = normal(m.embedding.shape)
+    for name, p in _weights(model):
+        p[...] = (
+            jnp.zeros(p.shape, p.dtype)
+            if name == "bias"
+            else std * jax.random.normal(rngs.params(), p.shape, jnp.float32)
+        )
