@@ -61,9 +61,14 @@ def run(name: str, batch: int, prompt_len: int, decode_steps: int, repeats: int,
     }  # fmt: skip
 
 
+def _rate(x: float) -> str:
+    """Tokens/s: whole numbers from 100 up, three significant digits below (0.488, 7.27)."""
+    return f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
+
+
 def format_row(r: dict) -> str:
     head = "| model | dtype | params | batch | prompt | prefill ms | prefill tok/s | decode ms/step | decode tok/s |"
     rule = "|" + "---|" * 9
     row = (f"| {r['model']} | {r['dtype']} | {r['params'] / 1e6:.1f}M | {r['batch']} | {r['prompt_len']} | {r['prefill_ms']:.1f} | "
-           f"{r['prefill_tok_s']:,.0f} | {r['decode_ms_per_step']:.2f} | {r['decode_tok_s']:,.0f} |")  # fmt: skip
+           f"{_rate(r['prefill_tok_s'])} | {r['decode_ms_per_step']:.2f} | {_rate(r['decode_tok_s'])} |")  # fmt: skip
     return f"{head}\n{rule}\n{row}"
