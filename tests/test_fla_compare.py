@@ -62,11 +62,12 @@ def test_gpu_tune_runs_its_sweep(monkeypatch):
     from kdax.ops.kda import pallas_gpu
 
     monkeypatch.setattr(gpu_tune, "BLOCK_V", (16,))
+    monkeypatch.setattr(gpu_tune, "BLOCK_K", (16,))
     monkeypatch.setattr(gpu_tune, "WARPS", (2,))
     monkeypatch.setattr(gpu_tune, "STAGES", (3,))
     before = pallas_gpu.CONFIG
     lines = []
     res = gpu_tune.tune(B=1, T=20, H=1, K=16, V=16, repeats=1, log=lines.append)
-    assert res["block_v"] == 16 and res["launch"] == dict.fromkeys(pallas_gpu.LAUNCH, (2, 3))
+    assert res["block_v"] == res["block_k"] == 16 and res["launch"] == dict.fromkeys(pallas_gpu.LAUNCH, (2, 3))
     assert res["fwd_bwd_ms"] > 0 and len(lines) == 1 + len(pallas_gpu.LAUNCH)  # each config timed once
     assert pallas_gpu.CONFIG is before

@@ -1,7 +1,7 @@
 """``kdax bench --gpu-tune``: measure the launch table of the GPU kernels (pallas_gpu.LAUNCH).
 
 At one shape (default B=1, T=8192, H=16, K=V=128 bf16, the in-op options of
-:mod:`kdax.bench.fla_compare`), first ``block_v``, then each kernel's
+:mod:`kdax.bench.fla_compare`), first ``block_v`` and ``block_k``, then each kernel's
 (num_warps, num_stages) in turn with the others at their best so far (coordinate
 descent), timing forward+backward. Prints each trial and the table to put in LAUNCH.
 """
@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-BLOCK_V = (32, 64, 128)
+BLOCK_V, BLOCK_K = (16, 32, 64), (16, 32, 64)
 WARPS, STAGES = (2, 4, 8), (1, 2, 3)
 
 
@@ -48,7 +48,7 @@ def tune(B=1, T=8192, H=16, K=128, V=128, repeats=10, log=print) -> dict:
             jax.block_until_ready(f(*args))
             times.append(time.perf_counter() - t0)
         ms = float(np.median(times)) * 1e3
-        log(f"  block_v={cfg.block_v} launch={dict(cfg.launch)}: {ms:.3f} ms")
+        log(f"  block_v={cfg.block_v} block_k={cfg.block_k} launch={dict(cfg.launch)}: {ms:.3f} ms")
         return ms
 
     default, timed = pallas_gpu.CONFIG, {}
@@ -59,7 +59,8 @@ def tune(B=1, T=8192, H=16, K=128, V=128, repeats=10, log=print) -> dict:
         return timed[cfg]
 
     try:
-        best = min((pallas_gpu.Config(block_v=bv) for bv in BLOCK_V), key=time_of)
+        best = min((pallas_gpu.Config(block_v=bv, block_k=bk) for bv, bk in itertools.product(BLOCK_V, BLOCK_K)),
+                   key=time_of)  # fmt: skip
         for kernel in pallas_gpu.LAUNCH:
             launch = {**pallas_gpu.LAUNCH, **dict(best.launch)}
             trials = [dataclasses.replace(best, launch=tuple({**launch, kernel: ws}.items()))
@@ -68,4 +69,5 @@ def tune(B=1, T=8192, H=16, K=128, V=128, repeats=10, log=print) -> dict:
     finally:
         pallas_gpu.CONFIG = default
     shape = f"B={B} T={T} H={H} K={K} V={V} bf16"
-    return {"shape": shape, "block_v": best.block_v, "launch": dict(best.launch), "fwd_bwd_ms": timed[best]}
+    return {"shape": shape, "block_v": best.block_v, "block_k": best.block_k, "launch": dict(best.launch),
+            "fwd_bwd_ms": timed[best]}  # fmt: skip

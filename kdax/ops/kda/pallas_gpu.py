@@ -5,10 +5,13 @@ Same layout as the TPU kernels (head-major ``[B, heads, slots, D]``, states tran
 in the staged form that suits a GPU (docs/kda_gpu.md):
 
 forward   intra (B, HV, chunks) -> state (B, N, HV, V-blocks) -> output (B, HV, chunks, V-blocks)
-backward  intra again -> state cotangent (B, N, HV, V-blocks) -> gradients (B, HV, chunks)
+backward  intra again -> state cotangent (B, N, HV, V-blocks) -> values (B, HV, chunks)
+          -> keys (B, HV, chunks) -> levels (B, HV, chunks, K-blocks)
 
 The two sequential kernels give one program to each (sequence, head, V-block), which
-walks that sequence's chunks with ``lax.fori_loop``, the state in registers. K and V are
+walks that sequence's chunks with ``lax.fori_loop``, the state in registers. The others
+work on blocks of key columns (``Config.block_k``) so that no [C, K] float32 tile beyond a
+few is live at once (registers, shared memory: scripts/gpu_compile_report.py). K and V are
 padded to powers of two >= 16 (Triton's tile rule). Off GPU the kernels run in the
 Pallas interpreter (for tests; slow).
 """
@@ -25,7 +28,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from kdax.ops.common.varlen import ChunkLayout
-from kdax.ops.kda.tiles import Tiles, head_major, pad_last
+from kdax.ops.kda.tiles import Tiles, gated, head_major, pad_last
 from kdax.ops.kda.xla import LOG2E
 
 PRECISIONS = {"ieee": lax.Precision.HIGHEST, "tf32": lax.Precision.DEFAULT}
@@ -33,12 +36,14 @@ PRECISIONS = {"ieee": lax.Precision.HIGHEST, "tf32": lax.Precision.DEFAULT}
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """``block_v``: V block of the state and output kernels (a power of two >= 16).
+    """``block_v``: V block of the state, output and outer-gradient kernels, ``block_k``: K block
+    of the level-gradient kernel (powers of two >= 16).
     ``precision``: of the bulk matmuls, "ieee" (float32), "tf32", or "auto" (ieee for
     float32 inputs, tf32 for bfloat16). ``launch``: {kernel: (num_warps, num_stages)}
     overriding :data:`LAUNCH`. ``interpret``: None = interpret unless on GPU."""
 
-    block_v: int = 64
+    block_v: int = 32
+    block_k: int = 16
     precision: str = "auto"
     launch: tuple[tuple[str, tuple[int, int]], ...] = ()
     interpret: bool | None = None
@@ -48,7 +53,8 @@ CONFIG = Config()  # what chunk_kda(backend="pallas_gpu") uses; replace it to ch
 
 # (num_warps, num_stages) per kernel at C = 64, K = V = 128. Starting values: not yet
 # measured on a GPU (docs/kda_gpu.md lists the sweep that is to replace them).
-LAUNCH = {"intra": (8, 1), "state": (4, 2), "output": (4, 2), "dstate": (4, 2), "grads": (8, 1)}
+LAUNCH = {"intra": (8, 1), "state": (4, 2), "output": (4, 2), "dstate": (4, 1), "values": (8, 1), "keys": (8, 1),
+          "levels": (8, 1)}
 
 
 def _params(cfg: Config, kernel: str) -> pltriton.CompilerParams:
@@ -59,10 +65,37 @@ def _params(cfg: Config, kernel: str) -> pltriton.CompilerParams:
 # ----------------------------------------------------------------------------- kernels
 
 
-def _intra_kernel(tiles, q_ref, k_ref, v_ref, g_ref, b_ref, aqk_ref, w_ref, u_ref, qg_ref, kd_ref, dec_ref):
-    """Grid (B, HV, chunks). Writes Aqk [C, C], w, q_g, k_d [C, K], u [C, V], decay [1, K]."""
-    I = tiles.intra(q_ref[...], k_ref[...], v_ref[...], g_ref[...] * LOG2E, b_ref[...])
-    for ref, x in zip((aqk_ref, w_ref, u_ref, qg_ref, kd_ref, dec_ref), (I.Aqk, I.w, I.u, I.q_g, I.k_d, I.decay)):
+def _intra_kernel(tiles, BK, q_ref, k_ref, v_ref, g_ref, b_ref, aqk_ref, w_ref, u_ref, qg_ref, kd_ref, dec_ref,
+                  *pair_refs):  # fmt: skip
+    """Grid (B, HV, chunks). Writes Aqk [C, C], w, q_g, k_d [C, K], u [C, V], decay [1, K],
+    and for the backward (two more refs) Kkk and T [C, C]. Walks the key columns in blocks
+    of BK twice: summing Aqk and Kkk, then writing w, q_g, k_d, decay."""
+    C, beta = aqk_ref.shape[0], b_ref[...]
+
+    def block(ref, kb):
+        return ref[:, pl.ds(kb * BK, BK)]
+
+    def log2_gates(kb):
+        return tiles.cumsum(block(g_ref, kb) * LOG2E)
+
+    def pairs(kb, acc):
+        Aqk, Kkk = tiles.pairs(block(q_ref, kb), block(k_ref, kb), log2_gates(kb))
+        return acc[0] + Aqk, acc[1] + Kkk
+
+    n = q_ref.shape[1] // BK
+    zero = jnp.zeros((C, C), jnp.float32)
+    Aqk, Kkk = lax.fori_loop(0, n, pairs, (zero, zero))
+    T = tiles.unit_lower_inverse(beta * Kkk)
+
+    def outputs(kb, carry):
+        cols = pl.ds(kb * BK, BK)
+        q_g, k_g, k_d, decay = gated(block(q_ref, kb), block(k_ref, kb), log2_gates(kb))
+        w_ref[:, cols], qg_ref[:, cols], kd_ref[:, cols], dec_ref[:, cols] = tiles.dot(T, beta * k_g), q_g, k_d, decay
+        return carry
+
+    lax.fori_loop(0, n, outputs, 0)
+    aqk_ref[...], u_ref[...] = Aqk, tiles.dot(T, beta * v_ref[...])
+    for ref, x in zip(pair_refs, (Kkk, T)):
         ref[...] = x
 
 
@@ -111,12 +144,53 @@ def _dstate_kernel(tiles, C, start_ref, end_ref, aqk_ref, qg_ref, kd_ref, w_ref,
     dh0_ref[...] = lax.fori_loop(0, end - start, step, df_ref[...])
 
 
-def _grads_kernel(tiles, q_ref, k_ref, v_ref, g_ref, b_ref, sin_ref, do_ref, dso_ref, dq_ref, dk_ref, dv_ref, dg_ref,
-                  db_ref):  # fmt: skip
-    """Grid (B, HV, chunks): every input gradient of one chunk (dq, dk per value head)."""
-    r = tiles.grads(q_ref[...], k_ref[...], v_ref[...], g_ref[...] * LOG2E, b_ref[...], sin_ref[...], do_ref[...],
-                    dso_ref[...])  # fmt: skip
-    dq_ref[...], dk_ref[...], dv_ref[...], dg_ref[...], db_ref[...] = r.dq, r.dk, r.dv, r.dg, r.dbeta
+def _cols(ref, kb, BK):  # key columns of block kb of a [rows, K] ref
+    return ref[:, pl.ds(kb * BK, BK)]
+
+
+def _values_kernel(tiles, BK, aqk_ref, t_ref, w_ref, kd_ref, u_ref, v_ref, b_ref, sin_ref, do_ref, dso_ref, vn_ref,
+                   dvn_ref, dv_ref, daqk_ref, dakku_ref, dbv_ref, d_ref):  # fmt: skip
+    """Grid (B, HV, chunks): v_new = u - w S and its cotangent dv_new (summed over blocks of BK
+    key columns), and the backward's terms over whole value rows (``Tiles.grads_values``)."""
+    do = do_ref[...]
+
+    def values(kb, acc):
+        return (acc[0] - tiles.dot_t(_cols(w_ref, kb, BK), _cols(sin_ref, kb, BK)),
+                acc[1] + tiles.dot_t(_cols(kd_ref, kb, BK), _cols(dso_ref, kb, BK)))  # fmt: skip
+
+    v_new, dv_new = lax.fori_loop(0, w_ref.shape[1] // BK, values, (u_ref[...], tiles.t_dot(aqk_ref[...], do)))
+    Vg = tiles.grads_values(t_ref[...], u_ref[...], v_ref[...], do, v_new, dv_new)
+    vn_ref[...], dvn_ref[...], dv_ref[...] = v_new, dv_new, b_ref[...] * Vg.dbv
+    daqk_ref[...], dakku_ref[...], dbv_ref[...], d_ref[...] = Vg.dAqk, Vg.dAkk_u, Vg.dbeta, Vg.d
+
+
+def _keys_kernel(tiles, BK, q_ref, k_ref, g_ref, b_ref, kkk_ref, t_ref, w_ref, sin_ref, dso_ref, do_ref, vn_ref, dvn_ref,
+                 d_ref, dakku_ref, dbv_ref, dkkk_ref, db_ref, dq_ref, dk_ref, dG_ref, dGe_ref):  # fmt: skip
+    """Grid (B, HV, chunks): walks the key columns in blocks of BK for the column-wise gradients
+    (``Tiles.grads_keys``), summing the [C, C] and [C, 1] terms for dKkk and dbeta."""
+    beta, T, do, v_new, dv_new, d = b_ref[...], t_ref[...], do_ref[...], vn_ref[...], dvn_ref[...], d_ref[...]
+
+    def keys(kb, acc):
+        cols = pl.ds(kb * BK, BK)
+        G = tiles.cumsum(_cols(g_ref, kb, BK) * LOG2E)
+        Kg = tiles.grads_keys(_cols(q_ref, kb, BK), _cols(k_ref, kb, BK), beta, G, T, _cols(w_ref, kb, BK),
+                              _cols(sin_ref, kb, BK), _cols(dso_ref, kb, BK), do, v_new, dv_new, d)  # fmt: skip
+        dq_ref[:, cols], dk_ref[:, cols], dG_ref[:, cols], dGe_ref[:, cols] = Kg.dq, Kg.dk, Kg.dG, Kg.dG_end
+        return acc[0] + Kg.dAkk_w, acc[1] + Kg.dbeta
+
+    dAkk, dbeta = lax.fori_loop(0, q_ref.shape[1] // BK, keys, (dakku_ref[...], dbv_ref[...]))
+    dkkk_ref[...], db_ref[...] = tiles.grads_pairs(beta, kkk_ref[...], dAkk, dbeta)
+
+
+def _levels_kernel(tiles, q_ref, k_ref, g_ref, daqk_ref, dkkk_ref, dq_ref, dk_ref, dG_ref, dGe_ref, dq_out, dk_out,
+                   dg_out):  # fmt: skip
+    """Grid (B, HV, chunks, K-blocks): add the pairwise factorisation's share
+    (``Tiles.grads_levels``, column by column) to dq, dk and dG, and turn dG into dg."""
+    q, k = q_ref[...], k_ref[...]
+    dq, dk, dG = tiles.grads_levels(q, k, tiles.cumsum(g_ref[...] * LOG2E), daqk_ref[...], dkkk_ref[...])
+    dq_out[...] = dq_ref[...] + dq
+    dk_out[...] = dk_ref[...] + dk
+    dg_out[...] = tiles.reverse_cumsum(dG_ref[...] + dG) + dGe_ref[...]
 
 
 # ----------------------------------------------------------------------------- wrapper
@@ -130,7 +204,7 @@ def _tiles(cfg: Config, input_dtype) -> Tiles:
     name = cfg.precision
     if name == "auto":
         name = "ieee" if input_dtype == jnp.float32 else "tf32"
-    return Tiles(precision=PRECISIONS[name], matmul_rowsum=False)
+    return Tiles(precision=PRECISIONS[name], matmul_reductions=False)
 
 
 def _per_chunk(C: int, d: int, groups: int | None = None):
@@ -163,19 +237,26 @@ def _seq_range(N: int):  # [N] int32, whole
     return pl.BlockSpec((N,), lambda *_: (0,))
 
 
-def _run_intra(q, k, v, g, beta, C, groups, tiles, cfg):
-    """Intra-chunk kernel: (Aqk [B, HV, L, C], w [.., Kp], u [.., Vp], q_g, k_d [.., Kp], decay [B, HV, NC, Kp])."""
+def _per_chunk_row(d: int):  # row c of [B, HV, NC, d] on grid (b, h, c)
+    return pl.BlockSpec((None, None, 1, d), lambda b, h, c: (b, h, c, 0))
+
+
+def _run_intra(q, k, v, g, beta, C, groups, tiles, cfg, backward=False):
+    """Intra-chunk kernel: Aqk [B, HV, L, C], w [.., Kp], u [.., Vp], q_g, k_d [.., Kp], decay [B, HV, NC, Kp],
+    and with ``backward`` also Kkk, T [B, HV, L, C]."""
     B, HV, L, Vp = v.shape
     Kp, NC, f32 = k.shape[-1], L // C, jnp.float32
     spec = functools.partial(_per_chunk, C)
     qk = spec(Kp, groups)
+    widths = (C, Kp, Vp, Kp, Kp) + ((C, C) if backward else ())
     return pl.pallas_call(
-        functools.partial(_intra_kernel, tiles),
+        functools.partial(_intra_kernel, tiles, cfg.block_k),
         grid=(B, HV, NC),
         in_specs=[qk, qk, spec(Vp), spec(Kp), spec(1)],
-        out_specs=[spec(C), spec(Kp), spec(Vp), spec(Kp), spec(Kp), pl.BlockSpec((None, None, 1, Kp), lambda b, h, c: (b, h, c, 0))],
-        out_shape=[jax.ShapeDtypeStruct((B, HV, L, d), f32) for d in (C, Kp, Vp, Kp, Kp)]
-        + [jax.ShapeDtypeStruct((B, HV, NC, Kp), f32)],
+        out_specs=[spec(d) for d in widths[:5]] + [_per_chunk_row(Kp)] + [spec(d) for d in widths[5:]],
+        out_shape=[jax.ShapeDtypeStruct((B, HV, L, d), f32) for d in widths[:5]]
+        + [jax.ShapeDtypeStruct((B, HV, NC, Kp), f32)]
+        + [jax.ShapeDtypeStruct((B, HV, L, d), f32) for d in widths[5:]],
         compiler_params=_params(cfg, "intra"), interpret=_interpret(cfg),
     )(q, k, v, g, beta)  # fmt: skip
 
@@ -217,7 +298,7 @@ def _backward(q, k, v, g, beta, ranges, S_in, do, dfinal_t, C, groups, tiles, cf
     """Cotangents of the inputs of :func:`_forward` (dq, dk summed over each group's value heads)."""
     B, HV, L, Vp = v.shape
     H, Kp, NC, N, BV, f32 = k.shape[1], k.shape[-1], L // C, dfinal_t.shape[1], cfg.block_v, jnp.float32
-    aqk, w, _, q_g, k_d, dec = _run_intra(q, k, v, g, beta, C, groups, tiles, cfg)
+    aqk, w, u, q_g, k_d, dec, kkk, T = _run_intra(q, k, v, g, beta, C, groups, tiles, cfg, backward=True)
     seq, state = _seq_range(N), _seq_state(BV, Kp)
     dS_out, dh0t = pl.pallas_call(
         functools.partial(_dstate_kernel, tiles, C),
@@ -231,14 +312,37 @@ def _backward(q, k, v, g, beta, ranges, S_in, do, dfinal_t, C, groups, tiles, cf
     spec = functools.partial(_per_chunk, C)
     qk = spec(Kp, groups)
     st = pl.BlockSpec((None, None, None, Vp, Kp), lambda b, h, c: (b, h, c, 0, 0))
-    dq, dk, dv, dg, dbeta = pl.pallas_call(
-        functools.partial(_grads_kernel, tiles),
+    BK = cfg.block_k
+    v_new, dv_new, dv, daqk, dakk_u, dbeta_v, d = pl.pallas_call(
+        functools.partial(_values_kernel, tiles, BK),
         grid=(B, HV, NC),
-        in_specs=[qk, qk, spec(Vp), spec(Kp), spec(1), st, spec(Vp), st],
-        out_specs=[spec(Kp), spec(Kp), spec(Vp), spec(Kp), spec(1)],
-        out_shape=[jax.ShapeDtypeStruct((B, HV, L, d), f32) for d in (Kp, Kp, Vp, Kp, 1)],
-        compiler_params=_params(cfg, "grads"), interpret=_interpret(cfg),
-    )(q, k, v, g, beta, S_in, do, dS_out)  # fmt: skip
+        in_specs=[spec(C), spec(C), spec(Kp), spec(Kp), spec(Vp), spec(Vp), spec(1), st, spec(Vp), st],
+        out_specs=[spec(Vp)] * 3 + [spec(C)] * 2 + [spec(1)] * 2,
+        out_shape=[jax.ShapeDtypeStruct((B, HV, L, d), f32) for d in (Vp, Vp, Vp, C, C, 1, 1)],
+        compiler_params=_params(cfg, "values"), interpret=_interpret(cfg),
+    )(aqk, T, w, k_d, u, v, beta, S_in, do, dS_out)  # fmt: skip
+    dkkk, dbeta, dq, dk, dG, dG_end = pl.pallas_call(
+        functools.partial(_keys_kernel, tiles, BK),
+        grid=(B, HV, NC),
+        in_specs=[qk, qk, spec(Kp), spec(1), spec(C), spec(C), spec(Kp), st, st, spec(Vp), spec(Vp), spec(Vp), spec(1),
+                  spec(C), spec(1)],
+        out_specs=[spec(C), spec(1), spec(Kp), spec(Kp), spec(Kp), _per_chunk_row(Kp)],
+        out_shape=[jax.ShapeDtypeStruct((B, HV, L, d), f32) for d in (C, 1, Kp, Kp, Kp)]
+        + [jax.ShapeDtypeStruct((B, HV, NC, Kp), f32)],
+        compiler_params=_params(cfg, "keys"), interpret=_interpret(cfg),
+    )(q, k, g, beta, kkk, T, w, S_in, dS_out, do, v_new, dv_new, d, dakk_u, dbeta_v)  # fmt: skip
+    cols = pl.BlockSpec((None, None, C, BK), lambda b, h, c, kb: (b, h, c, kb))
+    qk_cols = pl.BlockSpec((None, None, C, BK), lambda b, h, c, kb: (b, lax.div(h, jnp.int32(groups)), c, kb))
+    pair = pl.BlockSpec((None, None, C, C), lambda b, h, c, kb: (b, h, c, 0))
+    row = pl.BlockSpec((None, None, 1, BK), lambda b, h, c, kb: (b, h, c, kb))
+    dq, dk, dg = pl.pallas_call(
+        functools.partial(_levels_kernel, tiles),
+        grid=(B, HV, NC, Kp // BK),
+        in_specs=[qk_cols, qk_cols, cols, pair, pair, cols, cols, cols, row],
+        out_specs=[cols] * 3,
+        out_shape=[jax.ShapeDtypeStruct((B, HV, L, Kp), f32)] * 3,
+        compiler_params=_params(cfg, "levels"), interpret=_interpret(cfg),
+    )(q, k, g, daqk, dkkk, dq, dk, dG, dG_end)  # fmt: skip
     dq, dk = (x.reshape(B, H, groups, L, Kp).sum(2) for x in (dq, dk))
     return dq, dk, dv, dg, dbeta, dh0t
 
@@ -278,14 +382,15 @@ def chunk_kda_pallas_gpu(q, k, v, g, beta, h0, layout: ChunkLayout, input_dtype=
     cfg = CONFIG if cfg is None else cfg
     if cfg.precision not in ("auto", *PRECISIONS):
         raise ValueError(f"cfg.precision: expected 'auto' or one of {tuple(PRECISIONS)}, got {cfg.precision!r}")
-    if cfg.block_v < 16 or cfg.block_v & (cfg.block_v - 1):
-        raise ValueError(f"cfg.block_v: expected a power of two >= 16, got {cfg.block_v}")
+    for name in ("block_v", "block_k"):
+        if (n := getattr(cfg, name)) < 16 or n & (n - 1):
+            raise ValueError(f"cfg.{name}: expected a power of two >= 16, got {n}")
     if unknown := set(dict(cfg.launch)) - set(LAUNCH):
         raise ValueError(f"cfg.launch: expected kernels among {tuple(LAUNCH)}, got {sorted(unknown)}")
     H, K = q.shape[2:]
     HV, V = v.shape[2:]
     Kp, Vp = _pow2(K), _pow2(V)
-    cfg = dataclasses.replace(cfg, block_v=min(cfg.block_v, Vp))
+    cfg = dataclasses.replace(cfg, block_v=min(cfg.block_v, Vp), block_k=min(cfg.block_k, Kp))
     qh, kh, gh = (head_major(layout, x, Kp) for x in (q, k, g))
     vh = head_major(layout, v, Vp)
     bh = head_major(layout, beta[..., None], None)

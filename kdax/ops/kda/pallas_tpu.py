@@ -33,7 +33,7 @@ from kdax.ops.kda.tiles import Tiles, head_major, pad_last, round_up
 from kdax.ops.kda.xla import LOG2E
 
 LANE = 128
-_TILES = Tiles(precision=lax.Precision.HIGHEST, matmul_rowsum=True)  # see Precision in docs/kda_tpu.md
+_TILES = Tiles(precision=lax.Precision.HIGHEST, matmul_reductions=True)  # see Precision in docs/kda_tpu.md
 
 
 @dataclasses.dataclass(frozen=True)

@@ -53,6 +53,12 @@ def _last_row(x):  # [C, D] -> [1, D]
     return jnp.sum(jnp.where(_iota((x.shape[0], 1), 0) == x.shape[0] - 1, x, 0.0), axis=0, keepdims=True)
 
 
+def gated(q, k, G):
+    """(q 2^G, k 2^G, k 2^(G_C - G), 2^G_C): [C, K] x3 and [1, K], G the cumulative log2 gate."""
+    eG, G_end = jnp.exp2(G), _last_row(G)
+    return q * eG, k * eG, k * jnp.exp2(G_end - G), jnp.exp2(G_end)
+
+
 class Intra(NamedTuple):
     """One chunk's state-free quantities."""
 
@@ -68,6 +74,28 @@ class Intra(NamedTuple):
     decay: jax.Array  # [1, K] 2^G_C
 
 
+class ValueGrads(NamedTuple):
+    """A chunk's backward terms over whole value rows (:meth:`Tiles.grads_values`)."""
+
+    dAqk: jax.Array  # [C, C] cotangent of Aqk (inclusive lower)
+    dAkk_u: jax.Array  # [C, C] dbv u^T
+    dbeta: jax.Array  # [C, 1] rowsums of v dbv
+    dbv: jax.Array  # [C, V] dv / beta
+    d: jax.Array  # [C, 1] diagonal of dAqk
+
+
+class KeyGrads(NamedTuple):
+    """A chunk's backward terms of a block of key columns (:meth:`Tiles.grads_keys`), before
+    the pairwise factorisation's share (:meth:`Tiles.grads_levels`)."""
+
+    dq: jax.Array  # [C, BK]
+    dk: jax.Array  # [C, BK]
+    dG: jax.Array  # [C, BK] w.r.t. the cumulative gate (natural-log units), per row
+    dG_end: jax.Array  # [1, BK] added to every row of dg
+    dAkk_w: jax.Array  # [C, C] dbk_g w^T, to be summed over key blocks
+    dbeta: jax.Array  # [C, 1] rowsums of k_g dbk_g, to be summed over key blocks
+
+
 class Grads(NamedTuple):
     dq: jax.Array  # [C, K]
     dk: jax.Array  # [C, K]
@@ -77,7 +105,20 @@ class Grads(NamedTuple):
     dS_in: jax.Array  # [V, K] cotangent of the state entering the chunk (transposed)
 
 
-def _level(G: jax.Array, s: int):
+def _reference_rows(G: jax.Array, s: int, matmul: bool) -> jax.Array:
+    """[C, K]: row i holds G's row r(i) = (i // s) * s + s // 2, exactly (a one-hot matmul,
+    or a masked sum over each s-block of the [C // s, s, K] view)."""
+    C, K = G.shape
+    h = s // 2
+    if matmul:
+        i, j = _iota((C, C), 0), _iota((C, C), 1)
+        return _exact(_ones_where(j == i - _in_block(i, s) + h), G)
+    G3 = G.reshape(C // s, s, K)
+    R = jnp.sum(jnp.where(_iota((1, s, 1), 1) == h, G3, 0.0), axis=1, keepdims=True)
+    return jnp.broadcast_to(R, G3.shape).reshape(C, K)
+
+
+def _level(G: jax.Array, s: int, matmul: bool):
     """Dyadic level s of the pairwise factorisation (docs/kda_xla.md), as full tiles.
 
     Row i in the lower half of its s-block scales by el = 2^(G_i - G_r), row j in the
@@ -86,7 +127,7 @@ def _level(G: jax.Array, s: int):
     C = G.shape[0]
     i, j = _iota((C, C), 0), _iota((C, C), 1)
     h = s // 2
-    R = _exact(_ones_where(j == i - _in_block(i, s) + h), G)  # [C, K] G of each row's reference row
+    R = _reference_rows(G, s, matmul)
     lower = _in_block(_iota((C, 1), 0), s) >= h  # [C, 1]
     el = jnp.exp2(jnp.where(lower, G - R, -jnp.inf))
     eu = jnp.exp2(jnp.where(lower, -jnp.inf, R - G))
@@ -97,12 +138,13 @@ def _level(G: jax.Array, s: int):
 @dataclasses.dataclass(frozen=True)
 class Tiles:
     """precision: of the bulk matmuls (``lax.Precision``; on GPU HIGHEST is IEEE float32,
-    DEFAULT TF32). matmul_rowsum: take row sums as a matmul with ones (TPU, where a
-    lane reduction to ``[C, 1]`` lowers poorly) or as a reduction (GPU, where a matmul
-    needs every dimension >= 16)."""
+    DEFAULT TF32). matmul_reductions: take row sums, cumsums and reference-row gathers as
+    matmuls with 0/1 matrices (TPU, where lane reductions, scans and sublane reshapes lower
+    poorly) or as reductions, scans and reshapes (GPU, where an exact float32 matmul runs on
+    the FMA units, not the tensor cores, and a matmul needs every dimension >= 16)."""
 
     precision: lax.Precision = _HIGHEST
-    matmul_rowsum: bool = True
+    matmul_reductions: bool = True
 
     def dot(self, a, b):  # a @ b
         return _mm(a, b, ((1,), (0,)), self.precision)
@@ -114,9 +156,24 @@ class Tiles:
         return _mm(a, b, ((0,), (0,)), self.precision)
 
     def rowsum(self, x):  # [C, D] -> [C, 1]
-        if self.matmul_rowsum:
+        if self.matmul_reductions:
             return _mm(x, jnp.ones((1, x.shape[1]), jnp.float32), ((1,), (1,)), _HIGHEST)
         return jnp.sum(x, axis=1, keepdims=True)
+
+    def cumsum(self, x):  # [C, D] inclusive cumsum over rows
+        if self.matmul_reductions:
+            C = x.shape[0]
+            return _exact(_ones_where(_iota((C, C), 0) >= _iota((C, C), 1)), x)
+        return jnp.cumsum(x, axis=0)
+
+    def reverse_cumsum(self, x):  # [C, D]: row i holds the sum of rows i..C-1
+        if self.matmul_reductions:
+            C = x.shape[0]
+            return _exact(_ones_where(_iota((C, C), 0) <= _iota((C, C), 1)), x)
+        return jnp.sum(x, axis=0, keepdims=True) - jnp.cumsum(x, axis=0) + x  # Triton has no reverse scan
+
+    def level(self, G, s):
+        return _level(G, s, self.matmul_reductions)
 
     def diag(self, x, y):  # [C, C] with the row dot products x_i . y_i on the diagonal
         C = x.shape[0]
@@ -141,64 +198,91 @@ class Tiles:
         return T
 
     def intra(self, q, k, v, g, beta) -> Intra:
-        """q, k: [C, K]; v: [C, V]; g: [C, K] per-step log2 gate; beta: [C, 1] (all float32).
+        """q, k: [C, K]; v: [C, V]; g: [C, K] per-step log2 gate; beta: [C, 1] (all float32)."""
+        G = self.cumsum(g)  # [C, K]
+        Aqk, Kkk = self.pairs(q, k, G)
+        T = self.unit_lower_inverse(beta * Kkk)
+        q_g, k_g, k_d, decay = gated(q, k, G)
+        w = self.dot(T, beta * k_g)
+        u = self.dot(T, beta * v)
+        return Intra(G, Aqk, Kkk, T, w, u, q_g, k_g, k_d, decay)
 
-        Aqk[i, j] = sum_d q_id k_jd 2^(G_id - G_jd) (j <= i) and Kkk likewise (j < i), one
-        masked [C, K] x [K, C] matmul per dyadic level (:func:`_level`)."""
+    def pairs(self, q, k, G):
+        """(Aqk, Kkk) [C, C]: Aqk[i, j] = sum_d q_id k_jd 2^(G_id - G_jd) (j <= i) and Kkk likewise
+        (j < i), one masked [C, K] x [K, C] matmul per dyadic level (:func:`_level`). Sums over
+        the key columns: blocks of columns may be summed."""
         C = k.shape[0]
-        i, j = _iota((C, C), 0), _iota((C, C), 1)
-        G = _exact(_ones_where(i >= j), g)  # [C, K] inclusive cumsum
         Aqk = self.diag(q, k)
         Kkk = jnp.zeros((C, C), jnp.float32)
         for s in dyadic_levels(C):
-            el, eu, block = _level(G, s)
+            el, eu, block = self.level(G, s)
             k_u = k * eu
             Aqk = Aqk + jnp.where(block, self.dot_t(q * el, k_u), 0.0)
             Kkk = Kkk + jnp.where(block, self.dot_t(k * el, k_u), 0.0)
-        T = self.unit_lower_inverse(beta * Kkk)
-        eG = jnp.exp2(G)
-        G_end = _last_row(G)
-        k_g = k * eG
-        w = self.dot(T, beta * k_g)
-        u = self.dot(T, beta * v)
-        return Intra(G, Aqk, Kkk, T, w, u, q * eG, k_g, k * jnp.exp2(G_end - G), jnp.exp2(G_end))
+        return Aqk, Kkk
 
     def grads(self, q, k, v, g, beta, St, do, dSt) -> Grads:
         """Backward of one chunk. St, dSt: [V, K] the entering state and the cotangent of the
         leaving one (both transposed); do: [C, V]; the rest as :meth:`intra`.
         The formulas are those of docs/kda_xla.md (Backward)."""
-        C = k.shape[0]
-        i, j = _iota((C, C), 0), _iota((C, C), 1)
         I = self.intra(q, k, v, g, beta)
         v_new = I.u - self.dot_t(I.w, St)  # [C, V]
         dv_new = self.t_dot(I.Aqk, do) + self.dot_t(I.k_d, dSt)
         dS_in = self.t_dot(do, I.q_g) + dSt * I.decay - self.t_dot(dv_new, I.w)  # [V, K]
-        dq_g = self.dot(do, St)
+        Vg = self.grads_values(I.T, I.u, v, do, v_new, dv_new)
+        Kg = self.grads_keys(q, k, beta, I.G, I.T, I.w, St, dSt, do, v_new, dv_new, Vg.d)
+        dKkk, dbeta = self.grads_pairs(beta, I.Kkk, Kg.dAkk_w + Vg.dAkk_u, Vg.dbeta + Kg.dbeta)
+        dq_p, dk_p, dG_p = self.grads_levels(q, k, I.G, Vg.dAqk, dKkk)
+        dg = self.reverse_cumsum(Kg.dG + dG_p) + Kg.dG_end
+        return Grads(Kg.dq + dq_p, Kg.dk + dk_p, beta * Vg.dbv, dg, dbeta, dS_in)
+
+    def grads_values(self, T, u, v, do, v_new, dv_new) -> ValueGrads:
+        """The backward's terms that need whole value rows. u, v, do, v_new, dv_new: [C, V]
+        (dv_new the cotangent of v_new = u - w S); T as :class:`Intra`."""
+        C = T.shape[0]
+        i, j = _iota((C, C), 0), _iota((C, C), 1)
         dAqk = jnp.where(i >= j, self.dot_t(do, v_new), 0.0)
-        dk_d = self.dot(v_new, dSt)
-        dw = -self.dot(dv_new, St)
-        ddecay = I.decay * jnp.sum(St * dSt, axis=0, keepdims=True)  # [1, K]
-        dbk_g, dbv = self.t_dot(I.T, dw), self.t_dot(I.T, dv_new)  # (I + Akk)^-T [dw du]
-        dAkk = jnp.where(i > j, -(self.dot_t(dbk_g, I.w) + self.dot_t(dbv, I.u)), 0.0)
-        dbeta = self.rowsum(v * dbv) + self.rowsum(I.k_g * dbk_g) + self.rowsum(dAkk * I.Kkk)
-        dk_g, dKkk = beta * dbk_g, beta * dAkk
-        dq_p = dk_p = dk_x = dk_y = jnp.zeros_like(k)
-        for s in dyadic_levels(C):
-            el, eu, block = _level(I.G, s)
+        dbv = self.t_dot(T, dv_new)  # (I + Akk)^-T du
+        d = self.rowsum(jnp.where(i == j, dAqk, 0.0))  # [C, 1] diagonal of dAqk
+        return ValueGrads(dAqk, self.dot_t(dbv, u), self.rowsum(v * dbv), dbv, d)
+
+    def grads_keys(self, q, k, beta, G, T, w, St, dSt, do, v_new, dv_new, d) -> KeyGrads:
+        """The backward's terms of a block of key columns (every [C, BK] output is column by
+        column; the [C, C] and [C, 1] ones are to be summed over blocks). q, k, G, w: [C, BK];
+        St, dSt: [V, BK]; d: [C, 1] from :meth:`grads_values`; the rest as there."""
+        G_end = _last_row(G)
+        eG, e_d = jnp.exp2(G), jnp.exp2(G_end - G)
+        dq_g, dk_d = self.dot(do, St), self.dot(v_new, dSt)
+        dbk_g = self.t_dot(T, -self.dot(dv_new, St))  # (I + Akk)^-T dw
+        dk_g = beta * dbk_g
+        return KeyGrads(
+            dq=eG * dq_g + d * k,
+            dk=eG * dk_g + e_d * dk_d + d * q,
+            dG=q * eG * dq_g + k * eG * dk_g - k * e_d * dk_d,
+            dG_end=jnp.sum(k * e_d * dk_d, axis=0, keepdims=True) + jnp.exp2(G_end) * jnp.sum(St * dSt, axis=0, keepdims=True),
+            dAkk_w=self.dot_t(dbk_g, w),
+            dbeta=self.rowsum(k * eG * dbk_g),
+        )
+
+    def grads_pairs(self, beta, Kkk, dAkk_sum, dbeta_sum):
+        """(dKkk [C, C], dbeta [C, 1]) from the sums over value and key blocks: dAkk_sum =
+        dbk_g w^T + dbv u^T, dbeta_sum = rowsums of v dbv and k_g dbk_g."""
+        C = Kkk.shape[0]
+        dAkk = jnp.where(_iota((C, C), 0) > _iota((C, C), 1), -dAkk_sum, 0.0)
+        return beta * dAkk, dbeta_sum + self.rowsum(dAkk * Kkk)
+
+    def grads_levels(self, q, k, G, dAqk, dKkk):
+        """Backward of the pairwise factorisation of Aqk and Kkk (:meth:`intra`), level by
+        level: (dq, dk, dG) [C, K] each, given their cotangents dAqk, dKkk [C, C]."""
+        dq = dk_p = dk_x = jnp.zeros_like(k)  # dk_p: through the k_u factor, dk_x: through k el
+        for s in dyadic_levels(k.shape[0]):
+            el, eu, block = self.level(G, s)
             dQ, dK = jnp.where(block, dAqk, 0.0), jnp.where(block, dKkk, 0.0)
             k_u = k * eu
-            dq_p = dq_p + self.dot(dQ, k_u) * el
-            dk_p = dk_p + self.t_dot(dQ, q * el) * eu
+            dq = dq + self.dot(dQ, k_u) * el
+            dk_p = dk_p + (self.t_dot(dQ, q * el) + self.t_dot(dK, k * el)) * eu
             dk_x = dk_x + self.dot(dK, k_u) * el
-            dk_y = dk_y + self.t_dot(dK, k * el) * eu
-        d = self.rowsum(jnp.where(i == j, dAqk, 0.0))  # [C, 1] diagonal of dAqk
-        eG = jnp.exp2(I.G)
-        dq = eG * dq_g + dq_p + d * k
-        dk = eG * dk_g + jnp.exp2(_last_row(I.G) - I.G) * dk_d + dk_p + d * q + dk_x + dk_y
-        dG = I.q_g * dq_g + I.k_g * dk_g - I.k_d * dk_d + q * dq_p - k * dk_p + k * dk_x - k * dk_y
-        dG_end = jnp.sum(I.k_d * dk_d, axis=0, keepdims=True) + ddecay  # [1, K]
-        dg = _exact(_ones_where(i <= j), dG) + dG_end  # reverse cumsum
-        return Grads(dq, dk, beta * dbv, dg, dbeta, dS_in)
+        return dq, dk_p + dk_x, q * dq + k * (dk_x - dk_p)
 
 
 # ----------------------------------------------------------------------------- wrapper layout

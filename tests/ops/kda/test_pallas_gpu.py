@@ -46,7 +46,7 @@ class _TF32Tiles(tiles.Tiles):
 def test_bf16_inputs_within_bars_with_tf32_matmuls(case, monkeypatch):
     """What precision="auto" picks for bfloat16 inputs, its rounding emulated here."""
     assert pallas_gpu._tiles(pallas_gpu.CONFIG, jnp.bfloat16).precision == jax.lax.Precision.DEFAULT
-    monkeypatch.setattr(pallas_gpu, "_tiles", lambda cfg, dtype: _TF32Tiles(matmul_rowsum=False))
+    monkeypatch.setattr(pallas_gpu, "_tiles", lambda cfg, dtype: _TF32Tiles(matmul_reductions=False))
     assert_close_to_reference(chunk_kda_gpu, case, jnp.bfloat16)
 
 
@@ -73,7 +73,7 @@ def test_float64_inputs_are_rejected():
         chunk_kda_gpu(x, x, x, x, jnp.zeros((1, 16, 1), jnp.float64))
 
 
-N_FWD, N_BWD = 3, 3  # kernels: intra, state, output; intra, state cotangent, gradients
+N_FWD, N_BWD = 3, 5  # kernels: intra, state, output; intra, state cotangent, values, keys, levels
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])

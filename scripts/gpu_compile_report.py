@@ -1,0 +1,122 @@
+"""Compile every pallas_gpu kernel for an H100 (sm_90a) on a machine without a GPU, and report
+what the compiler made of it: registers per thread, spill stack, shared memory, and the
+instruction mix (tensor-core HGMMA/HMMA, FFMA, exp2 on MUFU, local-memory LDL/STL).
+
+    python scripts/gpu_compile_report.py [--T 8192] [--dtype bfloat16] [--kernels intra grads]
+
+JAX lowers the forward and the backward of ``chunk_kda(backend="pallas_gpu")`` at
+B = 1, H = 16, K = V = 128 for CUDA (``lowering_platforms=("cuda",)``); each kernel's Triton
+IR is then compiled with the ``triton`` package (``pip install triton``), with the
+(num_warps, num_stages) of ``pallas_gpu.LAUNCH``, and the cubin inspected with the
+``cuobjdump`` that ships with it. The Triton inside XLA (what runs on a GPU) is a different
+build, so counts can differ a little; shared memory over the 227 KiB an H100 block may use
+means the kernel cannot launch. Exit status 1 when a kernel is over that limit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import triton
+from jax._src.pallas.triton import pallas_call_registration
+from triton.backends.compiler import GPUTarget
+
+from kdax.ops.kda import pallas_gpu
+from kdax.ops.kda.api import chunk_kda
+
+SMEM_LIMIT = 227 * 1024  # bytes of shared memory one H100 block may use
+KERNELS = {"_intra_kernel": "intra", "_state_kernel": "state", "_output_kernel": "output",
+           "_dstate_kernel": "dstate", "_values_kernel": "values", "_keys_kernel": "keys", "_levels_kernel": "levels"}  # fmt: skip
+
+
+def triton_modules(T: int, dtype, cfg: pallas_gpu.Config) -> list[tuple[str, str]]:
+    """(launch-table name, Triton IR text) of each kernel of the forward and backward, in order."""
+    mods = []
+    lower = pallas_call_registration.lowering.lower_jaxpr_to_triton_module
+
+    def capture(jaxpr, *args, **kwargs):
+        result = lower(jaxpr, *args, **kwargs)
+        mods.append((KERNELS[jaxpr.debug_info.func_name], result.module.operation.get_asm()))
+        return result
+
+    def loss(*a):
+        o, s = chunk_kda(*a, backend="pallas_gpu", output_final_state=True)
+        return o.astype(jnp.float32).sum() + s.sum()
+
+    B, H, K = 1, 16, 128
+    args = [jax.ShapeDtypeStruct(s, dtype) for s in [(B, T, H, K)] * 4 + [(B, T, H)]]
+    cfg, pallas_gpu.CONFIG = pallas_gpu.CONFIG, cfg
+    pallas_call_registration.lowering.lower_jaxpr_to_triton_module = capture
+    try:
+        jax.jit(jax.grad(loss, argnums=range(5))).trace(*args).lower(lowering_platforms=("cuda",))
+    finally:
+        pallas_call_registration.lowering.lower_jaxpr_to_triton_module = lower
+        pallas_gpu.CONFIG = cfg
+    return mods
+
+
+def compile_report(name: str, ttir: str, launch: dict, workdir: str) -> dict:
+    """Compile one kernel for sm_90a and read its resource usage and SASS instruction mix."""
+    num_warps, num_stages = launch[name]
+    path = os.path.join(workdir, f"{name}.ttir")
+    with open(path, "w") as f:
+        f.write(ttir)
+    kernel = triton.compile(path, target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": num_warps, "num_stages": num_stages})  # fmt: skip
+    cubin = os.path.join(workdir, f"{name}.cubin")
+    with open(cubin, "wb") as f:
+        f.write(kernel.asm["cubin"])
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    usage = subprocess.run([tool, "--dump-resource-usage", cubin], capture_output=True, text=True, check=True).stdout
+    sass = subprocess.run([tool, "-sass", cubin], capture_output=True, text=True, check=True).stdout
+    ops = collections.Counter(m.split(".")[0] for m in re.findall(r"^\s+/\*[0-9a-f]+\*/\s+([A-Z][A-Z0-9_.]*)", sass, re.MULTILINE))
+    return dict(kernel=name, warps=num_warps, stages=num_stages,
+                regs=int(re.search(r"REG:(\d+)", usage).group(1)),
+                spill=int(re.search(r"STACK:(\d+)", usage).group(1)),
+                smem=kernel.metadata.shared, **{op: ops[op] for op in ("HGMMA", "HMMA", "FFMA", "MUFU", "LDL", "STL")})  # fmt: skip
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--T", type=int, default=8192)
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--block-v", type=int, default=pallas_gpu.CONFIG.block_v)
+    p.add_argument("--block-k", type=int, default=pallas_gpu.CONFIG.block_k)
+    p.add_argument("--launch", nargs="*", default=[], metavar="KERNEL=WARPS,STAGES", help="override pallas_gpu.LAUNCH")
+    p.add_argument("--kernels", nargs="*", default=list(pallas_gpu.LAUNCH), help="launch-table names")
+    a = p.parse_args(argv)
+    launch = {**pallas_gpu.LAUNCH}
+    for item in a.launch:
+        name, ws = item.split("=")
+        launch[name] = tuple(int(x) for x in ws.split(","))
+    cfg = pallas_gpu.Config(block_v=a.block_v, block_k=a.block_k, launch=tuple(launch.items()), interpret=False)
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    print(f"sm_90a, triton {triton.__version__}, jax {jax.__version__}, B=1 T={a.T} H=16 K=V=128 {a.dtype}, block_v={a.block_v} block_k={a.block_k}")
+    print("| kernel | warps | stages | regs | spill B | smem KiB | HGMMA | HMMA | FFMA | MUFU | LDL | STL |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    over, seen = [], set()
+    with tempfile.TemporaryDirectory() as workdir:
+        for name, ttir in triton_modules(a.T, jnp.dtype(a.dtype), cfg):
+            if name in seen or name not in a.kernels:  # the backward's intra: the forward's and two outputs
+                continue
+            seen.add(name)
+            r = compile_report(name, ttir, launch, workdir)
+            print(f"| {r['kernel']} | {r['warps']} | {r['stages']} | {r['regs']} | {r['spill']} | {r['smem'] / 1024:.0f} | "
+                  f"{r['HGMMA']} | {r['HMMA']} | {r['FFMA']} | {r['MUFU']} | {r['LDL']} | {r['STL']} |", flush=True)  # fmt: skip
+            if r["smem"] > SMEM_LIMIT:
+                over.append(name)
+    if over:
+        print(f"over the {SMEM_LIMIT // 1024} KiB shared-memory limit (cannot launch): {', '.join(over)}")
+    return 1 if over else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
