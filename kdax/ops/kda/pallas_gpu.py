@@ -65,6 +65,10 @@ def _params(cfg: Config, kernel: str) -> pltriton.CompilerParams:
 # ----------------------------------------------------------------------------- kernels
 
 
+def _cols(ref, kb, BK):  # key columns of block kb of a [rows, K] ref
+    return ref[:, pl.ds(kb * BK, BK)]
+
+
 def _intra_kernel(tiles, BK, q_ref, k_ref, v_ref, g_ref, b_ref, aqk_ref, w_ref, u_ref, qg_ref, kd_ref, dec_ref,
                   *pair_refs):  # fmt: skip
     """Grid (B, HV, chunks). Writes Aqk [C, C], w, q_g, k_d [C, K], u [C, V], decay [1, K],
@@ -72,14 +76,11 @@ def _intra_kernel(tiles, BK, q_ref, k_ref, v_ref, g_ref, b_ref, aqk_ref, w_ref, 
     of BK twice: summing Aqk and Kkk, then writing w, q_g, k_d, decay."""
     C, beta = aqk_ref.shape[0], b_ref[...]
 
-    def block(ref, kb):
-        return ref[:, pl.ds(kb * BK, BK)]
-
     def log2_gates(kb):
-        return tiles.cumsum(block(g_ref, kb) * LOG2E)
+        return tiles.cumsum(_cols(g_ref, kb, BK) * LOG2E)
 
     def pairs(kb, acc):
-        Aqk, Kkk = tiles.pairs(block(q_ref, kb), block(k_ref, kb), log2_gates(kb))
+        Aqk, Kkk = tiles.pairs(_cols(q_ref, kb, BK), _cols(k_ref, kb, BK), log2_gates(kb))
         return acc[0] + Aqk, acc[1] + Kkk
 
     n = q_ref.shape[1] // BK
@@ -89,7 +90,7 @@ def _intra_kernel(tiles, BK, q_ref, k_ref, v_ref, g_ref, b_ref, aqk_ref, w_ref, 
 
     def outputs(kb, carry):
         cols = pl.ds(kb * BK, BK)
-        q_g, k_g, k_d, decay = gated(block(q_ref, kb), block(k_ref, kb), log2_gates(kb))
+        q_g, k_g, k_d, decay = gated(_cols(q_ref, kb, BK), _cols(k_ref, kb, BK), log2_gates(kb))
         w_ref[:, cols], qg_ref[:, cols], kd_ref[:, cols], dec_ref[:, cols] = tiles.dot(T, beta * k_g), q_g, k_d, decay
         return carry
 
@@ -144,12 +145,8 @@ def _dstate_kernel(tiles, C, start_ref, end_ref, aqk_ref, qg_ref, kd_ref, w_ref,
     dh0_ref[...] = lax.fori_loop(0, end - start, step, df_ref[...])
 
 
-def _cols(ref, kb, BK):  # key columns of block kb of a [rows, K] ref
-    return ref[:, pl.ds(kb * BK, BK)]
-
-
 def _values_kernel(tiles, BK, aqk_ref, t_ref, w_ref, kd_ref, u_ref, v_ref, b_ref, sin_ref, do_ref, dso_ref, vn_ref,
-                   dvn_ref, dv_ref, daqk_ref, dakku_ref, dbv_ref, d_ref):  # fmt: skip
+                   dvn_ref, dv_ref, daqk_ref, dakku_ref, dbeta_v_ref, d_ref):  # fmt: skip
     """Grid (B, HV, chunks): v_new = u - w S and its cotangent dv_new (summed over blocks of BK
     key columns), and the backward's terms over whole value rows (``Tiles.grads_values``)."""
     do = do_ref[...]
@@ -161,11 +158,11 @@ def _values_kernel(tiles, BK, aqk_ref, t_ref, w_ref, kd_ref, u_ref, v_ref, b_ref
     v_new, dv_new = lax.fori_loop(0, w_ref.shape[1] // BK, values, (u_ref[...], tiles.t_dot(aqk_ref[...], do)))
     Vg = tiles.grads_values(t_ref[...], u_ref[...], v_ref[...], do, v_new, dv_new)
     vn_ref[...], dvn_ref[...], dv_ref[...] = v_new, dv_new, b_ref[...] * Vg.dbv
-    daqk_ref[...], dakku_ref[...], dbv_ref[...], d_ref[...] = Vg.dAqk, Vg.dAkk_u, Vg.dbeta, Vg.d
+    daqk_ref[...], dakku_ref[...], dbeta_v_ref[...], d_ref[...] = Vg.dAqk, Vg.dAkk_u, Vg.dbeta, Vg.d
 
 
 def _keys_kernel(tiles, BK, q_ref, k_ref, g_ref, b_ref, kkk_ref, t_ref, w_ref, sin_ref, dso_ref, do_ref, vn_ref, dvn_ref,
-                 d_ref, dakku_ref, dbv_ref, dkkk_ref, db_ref, dq_ref, dk_ref, dG_ref, dGe_ref):  # fmt: skip
+                 d_ref, dakku_ref, dbeta_v_ref, dkkk_ref, db_ref, dq_ref, dk_ref, dG_ref, dGe_ref):  # fmt: skip
     """Grid (B, HV, chunks): walks the key columns in blocks of BK for the column-wise gradients
     (``Tiles.grads_keys``), summing the [C, C] and [C, 1] terms for dKkk and dbeta."""
     beta, T, do, v_new, dv_new, d = b_ref[...], t_ref[...], do_ref[...], vn_ref[...], dvn_ref[...], d_ref[...]
@@ -178,7 +175,7 @@ def _keys_kernel(tiles, BK, q_ref, k_ref, g_ref, b_ref, kkk_ref, t_ref, w_ref, s
         dq_ref[:, cols], dk_ref[:, cols], dG_ref[:, cols], dGe_ref[:, cols] = Kg.dq, Kg.dk, Kg.dG, Kg.dG_end
         return acc[0] + Kg.dAkk_w, acc[1] + Kg.dbeta
 
-    dAkk, dbeta = lax.fori_loop(0, q_ref.shape[1] // BK, keys, (dakku_ref[...], dbv_ref[...]))
+    dAkk, dbeta = lax.fori_loop(0, q_ref.shape[1] // BK, keys, (dakku_ref[...], dbeta_v_ref[...]))
     dkkk_ref[...], db_ref[...] = tiles.grads_pairs(beta, kkk_ref[...], dAkk, dbeta)
 
 

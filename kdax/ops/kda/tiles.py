@@ -41,6 +41,11 @@ def _in_block(x, s: int):  # x % s
     return x & (s - 1)
 
 
+def _lower_left(i, j, s: int):  # [C, C] mask of (row in the lower half, column in the upper half) of each s-block
+    h = s // 2
+    return (_block(i, s) == _block(j, s)) & (_in_block(i, s) >= h) & (_in_block(j, s) < h)
+
+
 def _mm(a, b, dims, precision):
     return lax.dot_general(a, b, (dims, ((), ())), precision=precision, preferred_element_type=jnp.float32)
 
@@ -53,10 +58,16 @@ def _last_row(x):  # [C, D] -> [1, D]
     return jnp.sum(jnp.where(_iota((x.shape[0], 1), 0) == x.shape[0] - 1, x, 0.0), axis=0, keepdims=True)
 
 
+def _decays(G):
+    """(2^G, 2^(G_C - G), 2^G_C): [C, K] x2 and [1, K], G the cumulative log2 gate."""
+    G_end = _last_row(G)
+    return jnp.exp2(G), jnp.exp2(G_end - G), jnp.exp2(G_end)
+
+
 def gated(q, k, G):
     """(q 2^G, k 2^G, k 2^(G_C - G), 2^G_C): [C, K] x3 and [1, K], G the cumulative log2 gate."""
-    eG, G_end = jnp.exp2(G), _last_row(G)
-    return q * eG, k * eG, k * jnp.exp2(G_end - G), jnp.exp2(G_end)
+    eG, e_d, decay = _decays(G)
+    return q * eG, k * eG, k * e_d, decay
 
 
 class Intra(NamedTuple):
@@ -131,7 +142,7 @@ def _level(G: jax.Array, s: int, matmul: bool):
     lower = _in_block(_iota((C, 1), 0), s) >= h  # [C, 1]
     el = jnp.exp2(jnp.where(lower, G - R, -jnp.inf))
     eu = jnp.exp2(jnp.where(lower, -jnp.inf, R - G))
-    block = (_block(i, s) == _block(j, s)) & (_in_block(i, s) >= h) & (_in_block(j, s) < h)
+    block = _lower_left(i, j, s)
     return el, eu, block
 
 
@@ -189,12 +200,10 @@ class Tiles:
         C = A.shape[-1]
         i, j = _iota((C, C), 0), _iota((C, C), 1)
         T = _ones_where(i == j)
-        h = 1
-        while h < C:
-            s = 2 * h
-            off = (_block(i, s) == _block(j, s)) & (_in_block(i, s) >= h) & (_in_block(j, s) < h)
-            T = T - self.dot(T, self.dot(jnp.where(off, A, 0.0), T))
-            h = s
+        s = 2
+        while s <= C:
+            T = T - self.dot(T, self.dot(jnp.where(_lower_left(i, j, s), A, 0.0), T))
+            s *= 2
         return T
 
     def intra(self, q, k, v, g, beta) -> Intra:
@@ -250,8 +259,7 @@ class Tiles:
         """The backward's terms of a block of key columns (every [C, BK] output is column by
         column; the [C, C] and [C, 1] ones are to be summed over blocks). q, k, G, w: [C, BK];
         St, dSt: [V, BK]; d: [C, 1] from :meth:`grads_values`; the rest as there."""
-        G_end = _last_row(G)
-        eG, e_d = jnp.exp2(G), jnp.exp2(G_end - G)
+        eG, e_d, decay = _decays(G)
         dq_g, dk_d = self.dot(do, St), self.dot(v_new, dSt)
         dbk_g = self.t_dot(T, -self.dot(dv_new, St))  # (I + Akk)^-T dw
         dk_g = beta * dbk_g
@@ -259,7 +267,7 @@ class Tiles:
             dq=eG * dq_g + d * k,
             dk=eG * dk_g + e_d * dk_d + d * q,
             dG=q * eG * dq_g + k * eG * dk_g - k * e_d * dk_d,
-            dG_end=jnp.sum(k * e_d * dk_d, axis=0, keepdims=True) + jnp.exp2(G_end) * jnp.sum(St * dSt, axis=0, keepdims=True),
+            dG_end=jnp.sum(k * e_d * dk_d, axis=0, keepdims=True) + decay * jnp.sum(St * dSt, axis=0, keepdims=True),
             dAkk_w=self.dot_t(dbk_g, w),
             dbeta=self.rowsum(k * eG * dbk_g),
         )
