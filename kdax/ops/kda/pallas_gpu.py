@@ -31,15 +31,22 @@ from kdax.ops.common.varlen import ChunkLayout
 from kdax.ops.kda.tiles import Tiles, gated, head_major, pad_last
 from kdax.ops.kda.xla import LOG2E
 
-PRECISIONS = {"ieee": lax.Precision.HIGHEST, "tf32": lax.Precision.DEFAULT}
+# name: (precision of the matmuls, dtype their bulk operands and the stored intermediates are rounded to)
+PRECISIONS = {
+    "ieee": (lax.Precision.HIGHEST, None),
+    "tf32": (lax.Precision.DEFAULT, None),
+    "bf16": (lax.Precision.DEFAULT, jnp.bfloat16),
+}
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
     """``block_v``: V block of the state, output and outer-gradient kernels, ``block_k``: K block
     of the level-gradient kernel (powers of two >= 16).
-    ``precision``: of the bulk matmuls, "ieee" (float32), "tf32", or "auto" (ieee for
-    float32 inputs, tf32 for bfloat16). ``launch``: {kernel: (num_warps, num_stages)}
+    ``precision``: of the matmuls, "ieee" (float32), "tf32", "bf16" (bulk matmuls on bfloat16
+    operands and intermediates stored in bfloat16; TF32 for the triangular inverse and the
+    pairwise factorisation's backward) or "auto" (ieee for float32 inputs, bf16 for
+    bfloat16). ``launch``: {kernel: (num_warps, num_stages)}
     overriding :data:`LAUNCH`. ``interpret``: None = interpret unless on GPU."""
 
     block_v: int = 32
@@ -69,6 +76,10 @@ def _cols(ref, kb, BK):  # key columns of block kb of a [rows, K] ref
     return ref[:, pl.ds(kb * BK, BK)]
 
 
+def _put(ref, idx, x):  # ref[idx] = x, rounded to the ref's dtype (intermediates may be bfloat16)
+    ref[idx] = x.astype(ref.dtype)
+
+
 def _intra_kernel(tiles, BK, q_ref, k_ref, v_ref, g_ref, b_ref, aqk_ref, w_ref, u_ref, qg_ref, kd_ref, dec_ref,
                   *pair_refs):  # fmt: skip
     """Grid (B, HV, chunks). Writes Aqk [C, C], w, q_g, k_d [C, K], u [C, V], decay [1, K],
@@ -91,13 +102,13 @@ def _intra_kernel(tiles, BK, q_ref, k_ref, v_ref, g_ref, b_ref, aqk_ref, w_ref, 
     def outputs(kb, carry):
         cols = pl.ds(kb * BK, BK)
         q_g, k_g, k_d, decay = gated(_cols(q_ref, kb, BK), _cols(k_ref, kb, BK), log2_gates(kb))
-        w_ref[:, cols], qg_ref[:, cols], kd_ref[:, cols], dec_ref[:, cols] = tiles.dot(T, beta * k_g), q_g, k_d, decay
+        for ref, x in zip((w_ref, qg_ref, kd_ref, dec_ref), (tiles.dot(T, beta * k_g), q_g, k_d, decay)):
+            _put(ref, (slice(None), cols), x)
         return carry
 
     lax.fori_loop(0, n, outputs, 0)
-    aqk_ref[...], u_ref[...] = Aqk, tiles.dot(T, beta * v_ref[...])
-    for ref, x in zip(pair_refs, (Kkk, T)):
-        ref[...] = x
+    for ref, x in zip((aqk_ref, u_ref, *pair_refs), (Aqk, tiles.dot(T, beta * v_ref[...]), Kkk, T)):
+        _put(ref, ..., x)
 
 
 def _chunk(ref, c, C):  # rows of chunk c of a [slots, D] ref
@@ -111,9 +122,9 @@ def _state_kernel(tiles, C, start_ref, end_ref, w_ref, u_ref, kd_ref, dec_ref, h
 
     def step(c, St):
         w, k_d = _chunk(w_ref, c, C), _chunk(kd_ref, c, C)
-        sin_ref[c] = St
+        _put(sin_ref, c, St)
         v_new = _chunk(u_ref, c, C) - tiles.dot_t(w, St)
-        vn_ref[pl.ds(c * C, C), :] = v_new
+        _put(vn_ref, (pl.ds(c * C, C), slice(None)), v_new)
         return St * dec_ref[pl.ds(c, 1), :] + tiles.t_dot(v_new, k_d)
 
     fin_ref[...] = lax.fori_loop(start_ref[n], end_ref[n], step, h0_ref[...])
@@ -133,7 +144,7 @@ def _dstate_kernel(tiles, C, start_ref, end_ref, aqk_ref, qg_ref, kd_ref, w_ref,
 
     def step(i, dSt):
         c = end - 1 - i
-        dso_ref[c] = dSt
+        _put(dso_ref, c, dSt)
         do = _chunk(do_ref, c, C)
         dv_new = tiles.t_dot(_chunk(aqk_ref, c, C), do) + tiles.dot_t(_chunk(kd_ref, c, C), dSt)
         return (
@@ -155,10 +166,12 @@ def _values_kernel(tiles, BK, aqk_ref, t_ref, w_ref, kd_ref, u_ref, v_ref, b_ref
         return (acc[0] - tiles.dot_t(_cols(w_ref, kb, BK), _cols(sin_ref, kb, BK)),
                 acc[1] + tiles.dot_t(_cols(kd_ref, kb, BK), _cols(dso_ref, kb, BK)))  # fmt: skip
 
-    v_new, dv_new = lax.fori_loop(0, w_ref.shape[1] // BK, values, (u_ref[...], tiles.t_dot(aqk_ref[...], do)))
-    Vg = tiles.grads_values(t_ref[...], u_ref[...], v_ref[...], do, v_new, dv_new)
-    vn_ref[...], dvn_ref[...], dv_ref[...] = v_new, dv_new, b_ref[...] * Vg.dbv
-    daqk_ref[...], dakku_ref[...], dbeta_v_ref[...], d_ref[...] = Vg.dAqk, Vg.dAkk_u, Vg.dbeta, Vg.d
+    u = u_ref[...].astype(jnp.float32)
+    v_new, dv_new = lax.fori_loop(0, w_ref.shape[1] // BK, values, (u, tiles.t_dot(aqk_ref[...], do)))
+    Vg = tiles.grads_values(t_ref[...], u, v_ref[...], do, v_new, dv_new)
+    outs = (vn_ref, dvn_ref, dv_ref, daqk_ref, dakku_ref, dbeta_v_ref, d_ref)
+    for ref, x in zip(outs, (v_new, dv_new, b_ref[...] * Vg.dbv, Vg.dAqk, Vg.dAkk_u, Vg.dbeta, Vg.d)):
+        _put(ref, ..., x)
 
 
 def _keys_kernel(tiles, BK, q_ref, k_ref, g_ref, b_ref, kkk_ref, t_ref, w_ref, sin_ref, dso_ref, do_ref, vn_ref, dvn_ref,
@@ -170,8 +183,9 @@ def _keys_kernel(tiles, BK, q_ref, k_ref, g_ref, b_ref, kkk_ref, t_ref, w_ref, s
     def keys(kb, acc):
         cols = pl.ds(kb * BK, BK)
         G = tiles.cumsum(_cols(g_ref, kb, BK) * LOG2E)
-        Kg = tiles.grads_keys(_cols(q_ref, kb, BK), _cols(k_ref, kb, BK), beta, G, T, _cols(w_ref, kb, BK),
-                              _cols(sin_ref, kb, BK), _cols(dso_ref, kb, BK), do, v_new, dv_new, d)  # fmt: skip
+        St, dSt = (_cols(ref, kb, BK).astype(jnp.float32) for ref in (sin_ref, dso_ref))  # dG_end multiplies them
+        Kg = tiles.grads_keys(_cols(q_ref, kb, BK), _cols(k_ref, kb, BK), beta, G, T, _cols(w_ref, kb, BK), St, dSt,
+                              do, v_new, dv_new, d)  # fmt: skip
         dq_ref[:, cols], dk_ref[:, cols], dG_ref[:, cols], dGe_ref[:, cols] = Kg.dq, Kg.dk, Kg.dG, Kg.dG_end
         return acc[0] + Kg.dAkk_w, acc[1] + Kg.dbeta
 
@@ -197,11 +211,16 @@ def _interpret(cfg: Config) -> bool:
     return jax.default_backend() != "gpu" if cfg.interpret is None else cfg.interpret
 
 
+def _stored(tiles: Tiles):  # dtype of the intermediates that feed only bulk matmuls
+    return tiles.operands or jnp.float32
+
+
 def _tiles(cfg: Config, input_dtype) -> Tiles:
     name = cfg.precision
     if name == "auto":
-        name = "ieee" if input_dtype == jnp.float32 else "tf32"
-    return Tiles(precision=PRECISIONS[name], matmul_reductions=False)
+        name = "ieee" if input_dtype == jnp.float32 else "bf16"
+    precision, operands = PRECISIONS[name]
+    return Tiles(precision=precision, matmul_reductions=False, operands=operands)
 
 
 def _per_chunk(C: int, d: int, groups: int | None = None):
@@ -240,20 +259,20 @@ def _per_chunk_row(d: int):  # row c of [B, HV, NC, d] on grid (b, h, c)
 
 def _run_intra(q, k, v, g, beta, C, groups, tiles, cfg, backward=False):
     """Intra-chunk kernel: Aqk [B, HV, L, C], w [.., Kp], u [.., Vp], q_g, k_d [.., Kp], decay [B, HV, NC, Kp],
-    and with ``backward`` also Kkk, T [B, HV, L, C]."""
+    and with ``backward`` also Kkk (float32), T [B, HV, L, C]; the [C, D] ones in :func:`_stored` dtype."""
     B, HV, L, Vp = v.shape
-    Kp, NC, f32 = k.shape[-1], L // C, jnp.float32
+    Kp, NC, f32, sd = k.shape[-1], L // C, jnp.float32, _stored(tiles)
     spec = functools.partial(_per_chunk, C)
     qk = spec(Kp, groups)
     widths = (C, Kp, Vp, Kp, Kp) + ((C, C) if backward else ())
+    dtypes = (sd,) * 5 + ((f32, sd) if backward else ())
+    tiled = [jax.ShapeDtypeStruct((B, HV, L, d), t) for d, t in zip(widths, dtypes)]
     return pl.pallas_call(
         functools.partial(_intra_kernel, tiles, cfg.block_k),
         grid=(B, HV, NC),
         in_specs=[qk, qk, spec(Vp), spec(Kp), spec(1)],
         out_specs=[spec(d) for d in widths[:5]] + [_per_chunk_row(Kp)] + [spec(d) for d in widths[5:]],
-        out_shape=[jax.ShapeDtypeStruct((B, HV, L, d), f32) for d in widths[:5]]
-        + [jax.ShapeDtypeStruct((B, HV, NC, Kp), f32)]
-        + [jax.ShapeDtypeStruct((B, HV, L, d), f32) for d in widths[5:]],
+        out_shape=tiled[:5] + [jax.ShapeDtypeStruct((B, HV, NC, Kp), f32)] + tiled[5:],
         compiler_params=_params(cfg, "intra"), interpret=_interpret(cfg),
     )(q, k, v, g, beta)  # fmt: skip
 
@@ -261,9 +280,9 @@ def _run_intra(q, k, v, g, beta, C, groups, tiles, cfg, backward=False):
 def _forward(q, k, v, g, beta, h0t, ranges, C, groups, tiles, cfg):
     """Head-major padded inputs: q, k [B, H, L, Kp]; v [B, HV, L, Vp]; g [B, HV, L, Kp] (natural log);
     beta [B, HV, L, 1]; h0t [B, N, HV, Vp, Kp]; ranges (start, end) int32 [N] chunk range of each sequence.
-    Returns o [B, HV, L, Vp], final [B, N, HV, Vp, Kp], S_in [B, HV, NC, Vp, Kp]."""
+    Returns o [B, HV, L, Vp], final [B, N, HV, Vp, Kp], S_in [B, HV, NC, Vp, Kp] (in :func:`_stored` dtype)."""
     B, HV, L, Vp = v.shape
-    Kp, NC, N, BV, f32 = k.shape[-1], L // C, h0t.shape[1], cfg.block_v, jnp.float32
+    Kp, NC, N, BV, f32, sd = k.shape[-1], L // C, h0t.shape[1], cfg.block_v, jnp.float32, _stored(tiles)
     aqk, w, u, q_g, k_d, dec = _run_intra(q, k, v, g, beta, C, groups, tiles, cfg)
     seq, state = _seq_range(N), _seq_state(BV, Kp)
     v_new, s_in, final = pl.pallas_call(
@@ -271,7 +290,7 @@ def _forward(q, k, v, g, beta, h0t, ranges, C, groups, tiles, cfg):
         grid=(B, N, HV, Vp // BV),
         in_specs=[seq, seq, _whole(L, Kp), _whole_vblock(L, BV), _whole(L, Kp), _whole(NC, Kp), state],
         out_specs=[_whole_vblock(L, BV), _chunk_states(NC, BV, Kp), state],
-        out_shape=[jax.ShapeDtypeStruct((B, HV, L, Vp), f32), jax.ShapeDtypeStruct((B, HV, NC, Vp, Kp), f32),
+        out_shape=[jax.ShapeDtypeStruct((B, HV, L, Vp), sd), jax.ShapeDtypeStruct((B, HV, NC, Vp, Kp), sd),
                    jax.ShapeDtypeStruct(h0t.shape, f32)],
         compiler_params=_params(cfg, "state"), interpret=_interpret(cfg),
     )(*ranges, w, u, k_d, dec, h0t)  # fmt: skip
@@ -294,7 +313,8 @@ def _forward(q, k, v, g, beta, h0t, ranges, C, groups, tiles, cfg):
 def _backward(q, k, v, g, beta, ranges, S_in, do, dfinal_t, C, groups, tiles, cfg):
     """Cotangents of the inputs of :func:`_forward` (dq, dk summed over each group's value heads)."""
     B, HV, L, Vp = v.shape
-    H, Kp, NC, N, BV, f32 = k.shape[1], k.shape[-1], L // C, dfinal_t.shape[1], cfg.block_v, jnp.float32
+    H, Kp, NC, N, BV = k.shape[1], k.shape[-1], L // C, dfinal_t.shape[1], cfg.block_v
+    f32, sd = jnp.float32, _stored(tiles)
     aqk, w, u, q_g, k_d, dec, kkk, T = _run_intra(q, k, v, g, beta, C, groups, tiles, cfg, backward=True)
     seq, state = _seq_range(N), _seq_state(BV, Kp)
     dS_out, dh0t = pl.pallas_call(
@@ -303,7 +323,7 @@ def _backward(q, k, v, g, beta, ranges, S_in, do, dfinal_t, C, groups, tiles, cf
         in_specs=[seq, seq, _whole(L, C), _whole(L, Kp), _whole(L, Kp), _whole(L, Kp), _whole(NC, Kp),
                   _whole_vblock(L, BV), state],
         out_specs=[_chunk_states(NC, BV, Kp), state],
-        out_shape=[jax.ShapeDtypeStruct((B, HV, NC, Vp, Kp), f32), jax.ShapeDtypeStruct(dfinal_t.shape, f32)],
+        out_shape=[jax.ShapeDtypeStruct((B, HV, NC, Vp, Kp), sd), jax.ShapeDtypeStruct(dfinal_t.shape, f32)],
         compiler_params=_params(cfg, "dstate"), interpret=_interpret(cfg),
     )(*ranges, aqk, q_g, k_d, w, dec, do, dfinal_t)  # fmt: skip
     spec = functools.partial(_per_chunk, C)
@@ -315,7 +335,7 @@ def _backward(q, k, v, g, beta, ranges, S_in, do, dfinal_t, C, groups, tiles, cf
         grid=(B, HV, NC),
         in_specs=[spec(C), spec(C), spec(Kp), spec(Kp), spec(Vp), spec(Vp), spec(1), st, spec(Vp), st],
         out_specs=[spec(Vp)] * 3 + [spec(C)] * 2 + [spec(1)] * 2,
-        out_shape=[jax.ShapeDtypeStruct((B, HV, L, d), f32) for d in (Vp, Vp, Vp, C, C, 1, 1)],
+        out_shape=[jax.ShapeDtypeStruct((B, HV, L, d), t) for d, t in zip((Vp, Vp, Vp, C, C, 1, 1), (sd, sd) + (f32,) * 5)],
         compiler_params=_params(cfg, "values"), interpret=_interpret(cfg),
     )(aqk, T, w, k_d, u, v, beta, S_in, do, dS_out)  # fmt: skip
     dkkk, dbeta, dq, dk, dG, dG_end = pl.pallas_call(

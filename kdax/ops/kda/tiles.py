@@ -149,22 +149,35 @@ def _level(G: jax.Array, s: int, matmul: bool):
 @dataclasses.dataclass(frozen=True)
 class Tiles:
     """precision: of the bulk matmuls (``lax.Precision``; on GPU HIGHEST is IEEE float32,
-    DEFAULT TF32). matmul_reductions: take row sums, cumsums and reference-row gathers as
-    matmuls with 0/1 matrices (TPU, where lane reductions, scans and sublane reshapes lower
-    poorly) or as reductions, scans and reshapes (GPU, where an exact float32 matmul runs on
-    the FMA units, not the tensor cores, and a matmul needs every dimension >= 16)."""
+    DEFAULT TF32). operands: None, or a dtype (bfloat16) the bulk matmuls round their
+    operands to, accumulating in float32; the triangular inverse and the backward of the
+    pairwise factorisation keep float32 operands (:attr:`wide`; docs/kda_gpu.md, Numerics).
+    matmul_reductions: take row sums, cumsums and reference-row gathers as matmuls with 0/1
+    matrices (TPU, where lane reductions, scans and sublane reshapes lower poorly) or as
+    reductions, scans and reshapes (GPU, where an exact float32 matmul runs on the FMA
+    units, not the tensor cores, and a matmul needs every dimension >= 16)."""
 
     precision: lax.Precision = _HIGHEST
     matmul_reductions: bool = True
+    operands: jnp.dtype | None = None
+
+    @property
+    def wide(self) -> Tiles:  # the same matmuls with float32 operands
+        return dataclasses.replace(self, operands=None)
+
+    def _bulk(self, a, b, dims):
+        if self.operands is not None:
+            a, b = a.astype(self.operands), b.astype(self.operands)
+        return _mm(a, b, dims, self.precision)
 
     def dot(self, a, b):  # a @ b
-        return _mm(a, b, ((1,), (0,)), self.precision)
+        return self._bulk(a, b, ((1,), (0,)))
 
     def dot_t(self, a, b):  # a @ b^T
-        return _mm(a, b, ((1,), (1,)), self.precision)
+        return self._bulk(a, b, ((1,), (1,)))
 
     def t_dot(self, a, b):  # a^T @ b
-        return _mm(a, b, ((0,), (0,)), self.precision)
+        return self._bulk(a, b, ((0,), (0,)))
 
     def rowsum(self, x):  # [C, D] -> [C, 1]
         if self.matmul_reductions:
@@ -199,10 +212,10 @@ class Tiles:
         masked-out entries only add exact zeros."""
         C = A.shape[-1]
         i, j = _iota((C, C), 0), _iota((C, C), 1)
-        T = _ones_where(i == j)
+        T, wide = _ones_where(i == j), self.wide
         s = 2
         while s <= C:
-            T = T - self.dot(T, self.dot(jnp.where(_lower_left(i, j, s), A, 0.0), T))
+            T = T - wide.dot(T, wide.dot(jnp.where(_lower_left(i, j, s), A, 0.0), T))
             s *= 2
         return T
 
@@ -281,15 +294,17 @@ class Tiles:
 
     def grads_levels(self, q, k, G, dAqk, dKkk):
         """Backward of the pairwise factorisation of Aqk and Kkk (:meth:`intra`), level by
-        level: (dq, dk, dG) [C, K] each, given their cotangents dAqk, dKkk [C, C]."""
+        level: (dq, dk, dG) [C, K] each, given their cotangents dAqk, dKkk [C, C]. Float32
+        operands (:attr:`wide`): dG's terms cancel in the sums that make dg."""
+        wide = self.wide
         dq = dk_p = dk_x = jnp.zeros_like(k)  # dk_p: through the k_u factor, dk_x: through k el
         for s in dyadic_levels(k.shape[0]):
             el, eu, block = self.level(G, s)
             dQ, dK = jnp.where(block, dAqk, 0.0), jnp.where(block, dKkk, 0.0)
             k_u = k * eu
-            dq = dq + self.dot(dQ, k_u) * el
-            dk_p = dk_p + (self.t_dot(dQ, q * el) + self.t_dot(dK, k * el)) * eu
-            dk_x = dk_x + self.dot(dK, k_u) * el
+            dq = dq + wide.dot(dQ, k_u) * el
+            dk_p = dk_p + (wide.t_dot(dQ, q * el) + wide.t_dot(dK, k * el)) * eu
+            dk_x = dk_x + wide.dot(dK, k_u) * el
         return dq, dk_p + dk_x, q * dq + k * (dk_x - dk_p)
 
 

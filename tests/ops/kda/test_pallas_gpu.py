@@ -29,25 +29,53 @@ def _tf32(x):  # round float32 to TF32 (10 explicit mantissa bits, to nearest ev
     return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
-class _TF32Tiles(tiles.Tiles):
-    """The GPU's TF32 matmuls on CPU: operands rounded to TF32, products in float32."""
+class _GPUTiles(tiles.Tiles):
+    """The GPU's matmuls on CPU: float32 operands rounded to TF32 under Precision.DEFAULT
+    (bfloat16 operands need nothing: their products are exact in float32)."""
 
-    def dot(self, a, b):
-        return super().dot(_tf32(a), _tf32(b))
-
-    def dot_t(self, a, b):
-        return super().dot_t(_tf32(a), _tf32(b))
-
-    def t_dot(self, a, b):
-        return super().t_dot(_tf32(a), _tf32(b))
+    def _bulk(self, a, b, dims):
+        if self.operands is None and self.precision == jax.lax.Precision.DEFAULT:
+            a, b = _tf32(a), _tf32(b)
+        return super()._bulk(a, b, dims)
 
 
+@pytest.mark.parametrize("precision", ["bf16", "tf32"])
 @pytest.mark.parametrize("case", [c for c in CASES if c.name in ("T65_gva_h0", "strong_decay_varlen")], ids=str)
-def test_bf16_inputs_within_bars_with_tf32_matmuls(case, monkeypatch):
-    """What precision="auto" picks for bfloat16 inputs, its rounding emulated here."""
-    assert pallas_gpu._tiles(pallas_gpu.CONFIG, jnp.bfloat16).precision == jax.lax.Precision.DEFAULT
-    monkeypatch.setattr(pallas_gpu, "_tiles", lambda cfg, dtype: _TF32Tiles(matmul_reductions=False))
+def test_bf16_inputs_within_bars_with_gpu_matmuls(case, precision, monkeypatch):
+    """bfloat16 inputs with the matmuls of precision="bf16" (what "auto" picks) and "tf32",
+    the GPU's TF32 rounding emulated here."""
+    assert pallas_gpu._tiles(pallas_gpu.CONFIG, jnp.bfloat16).operands == jnp.bfloat16
+    prec, operands = pallas_gpu.PRECISIONS[precision]
+    monkeypatch.setattr(pallas_gpu, "_tiles", lambda cfg, dtype: _GPUTiles(prec, False, operands))
     assert_close_to_reference(chunk_kda_gpu, case, jnp.bfloat16)
+
+
+def _pallas_call_outputs(fn, *args):  # dtypes of every pallas_call's outputs in fn's jaxpr, in order
+    outs = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                outs.append(tuple(v.aval.dtype for v in eqn.outvars))
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                walk(sub)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return outs
+
+
+def test_bf16_inputs_store_intermediates_in_bf16():
+    """w, u, q_g, k_d, Aqk, v_new and the chunk states: half the bytes of float32."""
+    B, T, H, K = 1, 64, 1, 16
+    x = jnp.zeros((B, T, H, K), jnp.bfloat16)
+    b = jnp.zeros((B, T, H), jnp.bfloat16)
+    intra, state, output = _pallas_call_outputs(lambda *a: chunk_kda_gpu(*a)[0], x, x, x, x, b)
+    bf16, f32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
+    assert intra == (bf16,) * 5 + (f32,)  # Aqk, w, u, q_g, k_d; decay
+    assert state == (bf16, bf16, f32)  # v_new, S_in; final state
+    assert output == (f32,)
+    intra32 = _pallas_call_outputs(lambda *a: chunk_kda_gpu(*a)[0], *(a.astype(f32) for a in (x, x, x, x, b)))[0]
+    assert intra32 == (f32,) * 6
 
 
 def test_tf32_rounding_helper():
