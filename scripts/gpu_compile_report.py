@@ -88,6 +88,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--T", type=int, default=8192)
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--precision", default=pallas_gpu.CONFIG.precision, choices=("auto", *pallas_gpu.PRECISIONS))
     p.add_argument("--block-v", type=int, default=pallas_gpu.CONFIG.block_v)
     p.add_argument("--block-k", type=int, default=pallas_gpu.CONFIG.block_k)
     p.add_argument("--launch", nargs="*", default=[], metavar="KERNEL=WARPS,STAGES", help="override pallas_gpu.LAUNCH")
@@ -97,9 +98,11 @@ def main(argv=None) -> int:
     for item in a.launch:
         name, ws = item.split("=")
         launch[name] = tuple(int(x) for x in ws.split(","))
-    cfg = pallas_gpu.Config(block_v=a.block_v, block_k=a.block_k, launch=tuple(launch.items()), interpret=False)
+    cfg = pallas_gpu.Config(block_v=a.block_v, block_k=a.block_k, precision=a.precision, launch=tuple(launch.items()),
+                            interpret=False)  # fmt: skip
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    print(f"sm_90a, triton {triton.__version__}, jax {jax.__version__}, B=1 T={a.T} H=16 K=V=128 {a.dtype}, block_v={a.block_v} block_k={a.block_k}")
+    print(f"sm_90a, triton {triton.__version__}, jax {jax.__version__}, B=1 T={a.T} H=16 K=V=128 {a.dtype}, "
+          f"precision={a.precision} block_v={a.block_v} block_k={a.block_k}")
     print("| kernel | warps | stages | regs | spill B | smem KiB | HGMMA | HMMA | FFMA | MUFU | LDL | STL |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     over, seen = [], set()

@@ -1,8 +1,9 @@
 """Chunked KDA as Pallas kernels lowered through Triton (``backend="pallas_gpu"``).
 
-Same layout as the TPU kernels (head-major ``[B, heads, slots, D]``, states transposed
-``St = S^T`` ``[V, K]``) and the same full-tile chunk math (:mod:`kdax.ops.kda.tiles`),
-in the staged form that suits a GPU (docs/kda_gpu.md):
+The same full-tile chunk math as the TPU kernels (:mod:`kdax.ops.kda.tiles`, states transposed
+``St = S^T`` ``[V, K]``), in the staged form that suits a GPU (docs/kda_gpu.md). Inputs, o and the
+gradients are token-major ``[B, slots, heads, D]`` as the caller has them; the intermediates the
+kernels pass each other head-major ``[B, HV, slots, D]``:
 
 forward   intra (B, HV, chunks) -> state (B, N, HV, V-blocks) -> output (B, HV, chunks, V-blocks)
 backward  intra again -> state cotangent (B, N, HV, V-blocks) -> values (B, HV, chunks)
@@ -28,7 +29,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from kdax.ops.common.varlen import ChunkLayout
-from kdax.ops.kda.tiles import Tiles, gated, head_major, pad_last
+from kdax.ops.kda.tiles import Tiles, gated, pad_last
 from kdax.ops.kda.xla import LOG2E
 
 # name: (precision of the matmuls, dtype their bulk operands and the stored intermediates are rounded to)
@@ -76,6 +77,10 @@ def _cols(ref, kb, BK):  # key columns of block kb of a [rows, K] ref
     return ref[:, pl.ds(kb * BK, BK)]
 
 
+def _cols32(ref, kb, BK):  # the same in float32 (q, k, states: refs in the stored dtype used element-wise)
+    return _cols(ref, kb, BK).astype(jnp.float32)
+
+
 def _put(ref, idx, x):  # ref[idx] = x, rounded to the ref's dtype (intermediates may be bfloat16)
     ref[idx] = x.astype(ref.dtype)
 
@@ -91,7 +96,7 @@ def _intra_kernel(tiles, BK, q_ref, k_ref, v_ref, g_ref, b_ref, aqk_ref, w_ref, 
         return tiles.cumsum(_cols(g_ref, kb, BK) * LOG2E)
 
     def pairs(kb, acc):
-        Aqk, Kkk = tiles.pairs(_cols(q_ref, kb, BK), _cols(k_ref, kb, BK), log2_gates(kb))
+        Aqk, Kkk = tiles.pairs(_cols32(q_ref, kb, BK), _cols32(k_ref, kb, BK), log2_gates(kb))
         return acc[0] + Aqk, acc[1] + Kkk
 
     n = q_ref.shape[1] // BK
@@ -101,7 +106,7 @@ def _intra_kernel(tiles, BK, q_ref, k_ref, v_ref, g_ref, b_ref, aqk_ref, w_ref, 
 
     def outputs(kb, carry):
         cols = pl.ds(kb * BK, BK)
-        q_g, k_g, k_d, decay = gated(_cols(q_ref, kb, BK), _cols(k_ref, kb, BK), log2_gates(kb))
+        q_g, k_g, k_d, decay = gated(_cols32(q_ref, kb, BK), _cols32(k_ref, kb, BK), log2_gates(kb))
         for ref, x in zip((w_ref, qg_ref, kd_ref, dec_ref), (tiles.dot(T, beta * k_g), q_g, k_d, decay)):
             _put(ref, (slice(None), cols), x)
         return carry
@@ -132,7 +137,7 @@ def _state_kernel(tiles, C, start_ref, end_ref, w_ref, u_ref, kd_ref, dec_ref, h
 
 def _output_kernel(tiles, aqk_ref, qg_ref, vn_ref, sin_ref, o_ref):
     """Grid (B, HV, chunks, V-blocks): o = q_g S_in + Aqk v_new."""
-    o_ref[...] = tiles.dot_t(qg_ref[...], sin_ref[...]) + tiles.dot(aqk_ref[...], vn_ref[...])
+    _put(o_ref, ..., tiles.dot_t(qg_ref[...], sin_ref[...]) + tiles.dot(aqk_ref[...], vn_ref[...]))
 
 
 def _dstate_kernel(tiles, C, start_ref, end_ref, aqk_ref, qg_ref, kd_ref, w_ref, dec_ref, do_ref, df_ref, dso_ref,
@@ -183,8 +188,8 @@ def _keys_kernel(tiles, BK, q_ref, k_ref, g_ref, b_ref, kkk_ref, t_ref, w_ref, s
     def keys(kb, acc):
         cols = pl.ds(kb * BK, BK)
         G = tiles.cumsum(_cols(g_ref, kb, BK) * LOG2E)
-        St, dSt = (_cols(ref, kb, BK).astype(jnp.float32) for ref in (sin_ref, dso_ref))  # dG_end multiplies them
-        Kg = tiles.grads_keys(_cols(q_ref, kb, BK), _cols(k_ref, kb, BK), beta, G, T, _cols(w_ref, kb, BK), St, dSt,
+        St, dSt = _cols32(sin_ref, kb, BK), _cols32(dso_ref, kb, BK)
+        Kg = tiles.grads_keys(_cols32(q_ref, kb, BK), _cols32(k_ref, kb, BK), beta, G, T, _cols(w_ref, kb, BK), St, dSt,
                               do, v_new, dv_new, d)  # fmt: skip
         dq_ref[:, cols], dk_ref[:, cols], dG_ref[:, cols], dGe_ref[:, cols] = Kg.dq, Kg.dk, Kg.dG, Kg.dG_end
         return acc[0] + Kg.dAkk_w, acc[1] + Kg.dbeta
@@ -197,10 +202,10 @@ def _levels_kernel(tiles, q_ref, k_ref, g_ref, daqk_ref, dkkk_ref, dq_ref, dk_re
                    dg_out):  # fmt: skip
     """Grid (B, HV, chunks, K-blocks): add the pairwise factorisation's share
     (``Tiles.grads_levels``, column by column) to dq, dk and dG, and turn dG into dg."""
-    q, k = q_ref[...], k_ref[...]
+    q, k = q_ref[...].astype(jnp.float32), k_ref[...].astype(jnp.float32)
     dq, dk, dG = tiles.grads_levels(q, k, tiles.cumsum(g_ref[...] * LOG2E), daqk_ref[...], dkkk_ref[...])
-    dq_out[...] = dq_ref[...] + dq
-    dk_out[...] = dk_ref[...] + dk
+    _put(dq_out, ..., dq_ref[...] + dq)
+    _put(dk_out, ..., dk_ref[...] + dk)
     dg_out[...] = tiles.reverse_cumsum(dG_ref[...] + dG) + dGe_ref[...]
 
 
@@ -223,11 +228,24 @@ def _tiles(cfg: Config, input_dtype) -> Tiles:
     return Tiles(precision=precision, matmul_reductions=False, operands=operands)
 
 
-def _per_chunk(C: int, d: int, groups: int | None = None):
-    """Chunk c of [B, heads, L, d] on grid (b, h, c); q and k (``groups`` given) read head h // groups."""
-    if groups is None:
-        return pl.BlockSpec((None, None, C, d), lambda b, h, c: (b, h, c, 0))
-    return pl.BlockSpec((None, None, C, d), lambda b, h, c: (b, lax.div(h, jnp.int32(groups)), c, 0))
+# Inputs and gradients are token-major [B, L, heads, D], as the caller has them (no layout copies);
+# the intermediates the kernels pass each other are head-major [B, HV, L, D].
+
+
+def _per_chunk(C: int, d: int):  # chunk c of head-major [B, HV, L, d] on grid (b, h, c)
+    return pl.BlockSpec((None, None, C, d), lambda b, h, c: (b, h, c, 0))
+
+
+def _head(h, groups: int):  # the q/k head of value head h
+    return lax.div(h, jnp.int32(groups))
+
+
+def _tokens(C: int, d: int, groups: int = 1):  # chunk c of token-major [B, L, heads, d] on grid (b, h, c)
+    return pl.BlockSpec((None, C, None, d), lambda b, h, c: (b, c, _head(h, groups), 0))
+
+
+def _token_cols(C: int, d: int, groups: int = 1):  # its column block j on grid (b, h, c, j)
+    return pl.BlockSpec((None, C, None, d), lambda b, h, c, j: (b, c, _head(h, groups), j))
 
 
 # Specs of the sequential kernels, grid (b, n, h, vb): they see the whole slot (or chunk) axis.
@@ -239,6 +257,10 @@ def _whole(*tail):  # [B, HV, rows, D] -> [rows, D]
 
 def _whole_vblock(rows: int, BV: int):  # [B, HV, rows, Vp] -> [rows, BV]
     return pl.BlockSpec((None, None, rows, BV), lambda b, n, h, vb: (b, h, 0, vb))
+
+
+def _whole_tokens(L: int, BV: int):  # token-major [B, L, HV, Vp] -> [L, BV]
+    return pl.BlockSpec((None, L, None, BV), lambda b, n, h, vb: (b, 0, h, vb))
 
 
 def _chunk_states(NC: int, BV: int, Kp: int):  # [B, HV, NC, Vp, Kp] -> [NC, BV, Kp]
@@ -260,17 +282,16 @@ def _per_chunk_row(d: int):  # row c of [B, HV, NC, d] on grid (b, h, c)
 def _run_intra(q, k, v, g, beta, C, groups, tiles, cfg, backward=False):
     """Intra-chunk kernel: Aqk [B, HV, L, C], w [.., Kp], u [.., Vp], q_g, k_d [.., Kp], decay [B, HV, NC, Kp],
     and with ``backward`` also Kkk (float32), T [B, HV, L, C]; the [C, D] ones in :func:`_stored` dtype."""
-    B, HV, L, Vp = v.shape
+    B, L, HV, Vp = v.shape
     Kp, NC, f32, sd = k.shape[-1], L // C, jnp.float32, _stored(tiles)
-    spec = functools.partial(_per_chunk, C)
-    qk = spec(Kp, groups)
+    spec, tok = functools.partial(_per_chunk, C), functools.partial(_tokens, C)
     widths = (C, Kp, Vp, Kp, Kp) + ((C, C) if backward else ())
     dtypes = (sd,) * 5 + ((f32, sd) if backward else ())
     tiled = [jax.ShapeDtypeStruct((B, HV, L, d), t) for d, t in zip(widths, dtypes)]
     return pl.pallas_call(
         functools.partial(_intra_kernel, tiles, cfg.block_k),
         grid=(B, HV, NC),
-        in_specs=[qk, qk, spec(Vp), spec(Kp), spec(1)],
+        in_specs=[tok(Kp, groups), tok(Kp, groups), tok(Vp), tok(Kp), tok(1)],
         out_specs=[spec(d) for d in widths[:5]] + [_per_chunk_row(Kp)] + [spec(d) for d in widths[5:]],
         out_shape=tiled[:5] + [jax.ShapeDtypeStruct((B, HV, NC, Kp), f32)] + tiled[5:],
         compiler_params=_params(cfg, "intra"), interpret=_interpret(cfg),
@@ -278,10 +299,11 @@ def _run_intra(q, k, v, g, beta, C, groups, tiles, cfg, backward=False):
 
 
 def _forward(q, k, v, g, beta, h0t, ranges, C, groups, tiles, cfg):
-    """Head-major padded inputs: q, k [B, H, L, Kp]; v [B, HV, L, Vp]; g [B, HV, L, Kp] (natural log);
-    beta [B, HV, L, 1]; h0t [B, N, HV, Vp, Kp]; ranges (start, end) int32 [N] chunk range of each sequence.
-    Returns o [B, HV, L, Vp], final [B, N, HV, Vp, Kp], S_in [B, HV, NC, Vp, Kp] (in :func:`_stored` dtype)."""
-    B, HV, L, Vp = v.shape
+    """Token-major inputs on the padded slot axis: q, k [B, L, H, Kp], v [B, L, HV, Vp] (in :func:`_stored`
+    dtype); g [B, L, HV, Kp] (natural log), beta [B, L, HV, 1] (float32); h0t [B, N, HV, Vp, Kp];
+    ranges (start, end) int32 [N] chunk range of each sequence. Returns o [B, L, HV, Vp] (v's dtype),
+    final [B, N, HV, Vp, Kp], S_in [B, HV, NC, Vp, Kp] (stored dtype)."""
+    B, L, HV, Vp = v.shape
     Kp, NC, N, BV, f32, sd = k.shape[-1], L // C, h0t.shape[1], cfg.block_v, jnp.float32, _stored(tiles)
     aqk, w, u, q_g, k_d, dec = _run_intra(q, k, v, g, beta, C, groups, tiles, cfg)
     seq, state = _seq_range(N), _seq_state(BV, Kp)
@@ -303,8 +325,8 @@ def _forward(q, k, v, g, beta, h0t, ranges, C, groups, tiles, cfg):
             pl.BlockSpec((None, None, C, BV), lambda b, h, c, vb: (b, h, c, vb)),
             pl.BlockSpec((None, None, None, BV, Kp), lambda b, h, c, vb: (b, h, c, vb, 0)),
         ],
-        out_specs=pl.BlockSpec((None, None, C, BV), lambda b, h, c, vb: (b, h, c, vb)),
-        out_shape=jax.ShapeDtypeStruct((B, HV, L, Vp), f32),
+        out_specs=_token_cols(C, BV),
+        out_shape=jax.ShapeDtypeStruct((B, L, HV, Vp), v.dtype),
         compiler_params=_params(cfg, "output"), interpret=_interpret(cfg),
     )(aqk, q_g, v_new, s_in)  # fmt: skip
     return o, final, s_in
@@ -312,8 +334,8 @@ def _forward(q, k, v, g, beta, h0t, ranges, C, groups, tiles, cfg):
 
 def _backward(q, k, v, g, beta, ranges, S_in, do, dfinal_t, C, groups, tiles, cfg):
     """Cotangents of the inputs of :func:`_forward` (dq, dk summed over each group's value heads)."""
-    B, HV, L, Vp = v.shape
-    H, Kp, NC, N, BV = k.shape[1], k.shape[-1], L // C, dfinal_t.shape[1], cfg.block_v
+    B, L, HV, Vp = v.shape
+    H, Kp, NC, N, BV = k.shape[2], k.shape[-1], L // C, dfinal_t.shape[1], cfg.block_v
     f32, sd = jnp.float32, _stored(tiles)
     aqk, w, u, q_g, k_d, dec, kkk, T = _run_intra(q, k, v, g, beta, C, groups, tiles, cfg, backward=True)
     seq, state = _seq_range(N), _seq_state(BV, Kp)
@@ -321,46 +343,47 @@ def _backward(q, k, v, g, beta, ranges, S_in, do, dfinal_t, C, groups, tiles, cf
         functools.partial(_dstate_kernel, tiles, C),
         grid=(B, N, HV, Vp // BV),
         in_specs=[seq, seq, _whole(L, C), _whole(L, Kp), _whole(L, Kp), _whole(L, Kp), _whole(NC, Kp),
-                  _whole_vblock(L, BV), state],
+                  _whole_tokens(L, BV), state],
         out_specs=[_chunk_states(NC, BV, Kp), state],
         out_shape=[jax.ShapeDtypeStruct((B, HV, NC, Vp, Kp), sd), jax.ShapeDtypeStruct(dfinal_t.shape, f32)],
         compiler_params=_params(cfg, "dstate"), interpret=_interpret(cfg),
     )(*ranges, aqk, q_g, k_d, w, dec, do, dfinal_t)  # fmt: skip
-    spec = functools.partial(_per_chunk, C)
-    qk = spec(Kp, groups)
+    spec, tok = functools.partial(_per_chunk, C), functools.partial(_tokens, C)
+    qk = tok(Kp, groups)
     st = pl.BlockSpec((None, None, None, Vp, Kp), lambda b, h, c: (b, h, c, 0, 0))
     BK = cfg.block_k
     v_new, dv_new, dv, daqk, dakk_u, dbeta_v, d = pl.pallas_call(
         functools.partial(_values_kernel, tiles, BK),
         grid=(B, HV, NC),
-        in_specs=[spec(C), spec(C), spec(Kp), spec(Kp), spec(Vp), spec(Vp), spec(1), st, spec(Vp), st],
-        out_specs=[spec(Vp)] * 3 + [spec(C)] * 2 + [spec(1)] * 2,
-        out_shape=[jax.ShapeDtypeStruct((B, HV, L, d), t) for d, t in zip((Vp, Vp, Vp, C, C, 1, 1), (sd, sd) + (f32,) * 5)],
+        in_specs=[spec(C), spec(C), spec(Kp), spec(Kp), spec(Vp), tok(Vp), tok(1), st, tok(Vp), st],
+        out_specs=[spec(Vp), spec(Vp), tok(Vp)] + [spec(C)] * 2 + [spec(1)] * 2,
+        out_shape=[jax.ShapeDtypeStruct((B, HV, L, Vp), sd)] * 2 + [jax.ShapeDtypeStruct(v.shape, v.dtype)]
+        + [jax.ShapeDtypeStruct((B, HV, L, d), f32) for d in (C, C, 1, 1)],
         compiler_params=_params(cfg, "values"), interpret=_interpret(cfg),
     )(aqk, T, w, k_d, u, v, beta, S_in, do, dS_out)  # fmt: skip
     dkkk, dbeta, dq, dk, dG, dG_end = pl.pallas_call(
         functools.partial(_keys_kernel, tiles, BK),
         grid=(B, HV, NC),
-        in_specs=[qk, qk, spec(Kp), spec(1), spec(C), spec(C), spec(Kp), st, st, spec(Vp), spec(Vp), spec(Vp), spec(1),
+        in_specs=[qk, qk, tok(Kp), tok(1), spec(C), spec(C), spec(Kp), st, st, tok(Vp), spec(Vp), spec(Vp), spec(1),
                   spec(C), spec(1)],
-        out_specs=[spec(C), spec(1), spec(Kp), spec(Kp), spec(Kp), _per_chunk_row(Kp)],
-        out_shape=[jax.ShapeDtypeStruct((B, HV, L, d), f32) for d in (C, 1, Kp, Kp, Kp)]
-        + [jax.ShapeDtypeStruct((B, HV, NC, Kp), f32)],
+        out_specs=[spec(C), tok(1), spec(Kp), spec(Kp), spec(Kp), _per_chunk_row(Kp)],
+        out_shape=[jax.ShapeDtypeStruct((B, HV, L, C), f32), jax.ShapeDtypeStruct(beta.shape, f32)]
+        + [jax.ShapeDtypeStruct((B, HV, L, Kp), f32)] * 3 + [jax.ShapeDtypeStruct((B, HV, NC, Kp), f32)],
         compiler_params=_params(cfg, "keys"), interpret=_interpret(cfg),
     )(q, k, g, beta, kkk, T, w, S_in, dS_out, do, v_new, dv_new, d, dakk_u, dbeta_v)  # fmt: skip
     cols = pl.BlockSpec((None, None, C, BK), lambda b, h, c, kb: (b, h, c, kb))
-    qk_cols = pl.BlockSpec((None, None, C, BK), lambda b, h, c, kb: (b, lax.div(h, jnp.int32(groups)), c, kb))
     pair = pl.BlockSpec((None, None, C, C), lambda b, h, c, kb: (b, h, c, 0))
     row = pl.BlockSpec((None, None, 1, BK), lambda b, h, c, kb: (b, h, c, kb))
+    dqk = q.dtype if groups == 1 else f32  # summed over the group in XLA otherwise
     dq, dk, dg = pl.pallas_call(
         functools.partial(_levels_kernel, tiles),
         grid=(B, HV, NC, Kp // BK),
-        in_specs=[qk_cols, qk_cols, cols, pair, pair, cols, cols, cols, row],
-        out_specs=[cols] * 3,
-        out_shape=[jax.ShapeDtypeStruct((B, HV, L, Kp), f32)] * 3,
+        in_specs=[_token_cols(C, BK, groups)] * 2 + [_token_cols(C, BK), pair, pair, cols, cols, cols, row],
+        out_specs=[_token_cols(C, BK)] * 3,
+        out_shape=[jax.ShapeDtypeStruct((B, L, HV, Kp), t) for t in (dqk, dqk, f32)],
         compiler_params=_params(cfg, "levels"), interpret=_interpret(cfg),
     )(q, k, g, daqk, dkkk, dq, dk, dG, dG_end)  # fmt: skip
-    dq, dk = (x.reshape(B, H, groups, L, Kp).sum(2) for x in (dq, dk))
+    dq, dk = (x.reshape(B, L, H, groups, Kp).sum(3).astype(q.dtype) for x in (dq, dk))
     return dq, dk, dv, dg, dbeta, dh0t
 
 
@@ -395,7 +418,11 @@ def chunk_kda_pallas_gpu(q, k, v, g, beta, h0, layout: ChunkLayout, input_dtype=
     q, k: [B, T, H, K] (q scaled, not repeated over value heads); v: [B, T, HV, V];
     g: [B, T, HV, K] natural-log decay; beta: [B, T, HV]; h0: [B, N, HV, K, V];
     input_dtype: the caller's dtype (chooses the matmul precision under "auto").
-    Returns (o [B, T, HV, V], final [B, N, HV, K, V])."""
+    Returns (o [B, T, HV, V], final [B, N, HV, K, V]); o in bfloat16 under precision "bf16".
+
+    The kernels read q, k, v (rounded to :func:`_stored` dtype), g and beta token-major as they
+    come: with no cu_seqlens, T a multiple of the chunk and K, V powers of two >= 16, XLA
+    makes no copy of them (under "bf16", the float32 the caller upcast to folds back)."""
     cfg = CONFIG if cfg is None else cfg
     if cfg.precision not in ("auto", *PRECISIONS):
         raise ValueError(f"cfg.precision: expected 'auto' or one of {tuple(PRECISIONS)}, got {cfg.precision!r}")
@@ -408,12 +435,12 @@ def chunk_kda_pallas_gpu(q, k, v, g, beta, h0, layout: ChunkLayout, input_dtype=
     HV, V = v.shape[2:]
     Kp, Vp = _pow2(K), _pow2(V)
     cfg = dataclasses.replace(cfg, block_v=min(cfg.block_v, Vp), block_k=min(cfg.block_k, Kp))
-    qh, kh, gh = (head_major(layout, x, Kp) for x in (q, k, g))
-    vh = head_major(layout, v, Vp)
-    bh = head_major(layout, beta[..., None], None)
+    tiles = _tiles(cfg, input_dtype)
+    sd = _stored(tiles)
+    qt, kt = (pad_last(layout.pack(x.astype(sd)), Kp) for x in (q, k))
+    vt, gt = pad_last(layout.pack(v.astype(sd)), Vp), pad_last(layout.pack(g), Kp)
+    bt = layout.pack(beta[..., None])
     h0t = pad_last(jnp.swapaxes(pad_last(h0, Vp), -1, -2), Kp)  # [B, N, HV, Vp, Kp]
     ranges = (layout.seq_chunk_start, layout.seq_chunk_end)
-    tiles = _tiles(cfg, input_dtype)
-    o, final = _core(qh, kh, vh, gh, bh, h0t, ranges, layout.chunk_size, HV // H, tiles, cfg)
-    o = layout.unpack(jnp.moveaxis(o[..., :V], 1, 2))
-    return o, jnp.swapaxes(final, -1, -2)[..., :K, :V]
+    o, final = _core(qt, kt, vt, gt, bt, h0t, ranges, layout.chunk_size, HV // H, tiles, cfg)
+    return layout.unpack(o[..., :V]), jnp.swapaxes(final, -1, -2)[..., :K, :V]

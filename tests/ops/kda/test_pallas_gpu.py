@@ -65,7 +65,7 @@ def _pallas_call_outputs(fn, *args):  # dtypes of every pallas_call's outputs in
 
 
 def test_bf16_inputs_store_intermediates_in_bf16():
-    """w, u, q_g, k_d, Aqk, v_new and the chunk states: half the bytes of float32."""
+    """w, u, q_g, k_d, Aqk, v_new, the chunk states and o: half the bytes of float32."""
     B, T, H, K = 1, 64, 1, 16
     x = jnp.zeros((B, T, H, K), jnp.bfloat16)
     b = jnp.zeros((B, T, H), jnp.bfloat16)
@@ -73,7 +73,7 @@ def test_bf16_inputs_store_intermediates_in_bf16():
     bf16, f32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
     assert intra == (bf16,) * 5 + (f32,)  # Aqk, w, u, q_g, k_d; decay
     assert state == (bf16, bf16, f32)  # v_new, S_in; final state
-    assert output == (f32,)
+    assert output == (bf16,)
     intra32 = _pallas_call_outputs(lambda *a: chunk_kda_gpu(*a)[0], *(a.astype(f32) for a in (x, x, x, x, b)))[0]
     assert intra32 == (f32,) * 6
 
