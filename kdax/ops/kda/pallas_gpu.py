@@ -11,8 +11,9 @@ backward  intra again -> state cotangent (B, N, HV, V-blocks) -> values (B, HV, 
 
 The two sequential kernels give one program to each (sequence, head, V-block), which
 walks that sequence's chunks with ``lax.fori_loop``, the state in registers. The others
-work on blocks of key columns (``Config.block_k``) so that no [C, K] float32 tile beyond a
-few is live at once (registers, shared memory: scripts/gpu_compile_report.py). K and V are
+work on blocks of key columns (``Config.block_k``), and the intra and levels kernels on
+row blocks of ``SUB`` (the nonzero blocks of the triangular [C, C] products only), so that
+few tiles are live at once (registers, shared memory: scripts/gpu_compile_report.py). K and V are
 padded to powers of two >= 16 (Triton's tile rule). Off GPU the kernels run in the
 Pallas interpreter (for tests; slow).
 """
@@ -29,7 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from kdax.ops.common.varlen import ChunkLayout
-from kdax.ops.kda.tiles import Tiles, gated, pad_last
+from kdax.ops.kda.tiles import Tiles, gated, last_row, pad_last
 from kdax.ops.kda.xla import LOG2E
 
 # name: (precision of the matmuls, dtype their bulk operands and the stored intermediates are rounded to)
@@ -42,8 +43,8 @@ PRECISIONS = {
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """``block_v``: V block of the state, output and outer-gradient kernels, ``block_k``: K block
-    of the level-gradient kernel (powers of two >= 16).
+    """``block_v``: V block of the state, output and state-cotangent kernels, ``block_k``: K block
+    of the intra, keys and levels kernels (powers of two >= 16).
     ``precision``: of the matmuls, "ieee" (float32), "tf32", "bf16" (bulk matmuls on bfloat16
     operands and intermediates stored in bfloat16; TF32 for the triangular inverse and the
     pairwise factorisation's backward) or "auto" (ieee for float32 inputs, bf16 for
@@ -85,35 +86,89 @@ def _put(ref, idx, x):  # ref[idx] = x, rounded to the ref's dtype (intermediate
     ref[idx] = x.astype(ref.dtype)
 
 
+SUB = 16  # rows of the sub-blocks of the intra and levels kernels (the smallest tl.dot)
+
+
+def _rows(ref, i, S, cols=slice(None)):  # row block i of S rows (columns cols) of a [C, D] ref, float32
+    return ref[pl.ds(i * S, S), cols].astype(jnp.float32)
+
+
+def _block_gates(tiles, g_rows, nb):
+    """Cumulative log2 gates of nb row blocks ``g_rows(i)`` [S, D] (natural-log per-step gates):
+    the cumulative gate of each block [S, D], the one of the row before it [1, D] (0 before the
+    first), and the chunk's last [1, D]."""
+    G, before, end = [], [], 0.0
+    for i in range(nb):
+        before.append(end)
+        G.append(end + tiles.cumsum(g_rows(i) * LOG2E))
+        end = last_row(G[i])
+    return G, before, end
+
+
 def _intra_kernel(tiles, BK, q_ref, k_ref, v_ref, g_ref, b_ref, aqk_ref, w_ref, u_ref, qg_ref, kd_ref, dec_ref,
                   *pair_refs):  # fmt: skip
     """Grid (B, HV, chunks). Writes Aqk [C, C], w, q_g, k_d [C, K], u [C, V], decay [1, K],
-    and for the backward (two more refs) Kkk and T [C, C]. Walks the key columns in blocks
-    of BK twice: summing Aqk and Kkk, then writing w, q_g, k_d, decay."""
-    C, beta = aqk_ref.shape[0], b_ref[...]
+    and for the backward (two more refs) Kkk and T [C, C].
 
-    def log2_gates(kb):
-        return tiles.cumsum(_cols(g_ref, kb, BK) * LOG2E)
+    Works on row blocks of SUB: Aqk and Kkk only where they are not zero, a diagonal block
+    by the dyadic levels (``Tiles.pairs``), block (i, j < i) by one product around the
+    reference row just before block i (both factors <= 1); T by block forward substitution.
+    Walks the key columns in blocks of BK twice: summing the pair blocks, then writing w,
+    q_g, k_d and decay."""
+    C, f32 = aqk_ref.shape[0], jnp.float32
+    S = min(SUB, C)
+    nb = C // S
+    lower = [(i, j) for i in range(nb) for j in range(i + 1)]
+
+    def rows(ref, i, kb=None):  # row block i (key columns of block kb) of a [C, D] ref, float32
+        return _rows(ref, i, S, slice(None) if kb is None else pl.ds(kb * BK, BK))
+
+    def gates(kb):
+        return _block_gates(tiles, lambda i: rows(g_ref, i, kb), nb)
 
     def pairs(kb, acc):
-        Aqk, Kkk = tiles.pairs(_cols32(q_ref, kb, BK), _cols32(k_ref, kb, BK), log2_gates(kb))
-        return acc[0] + Aqk, acc[1] + Kkk
+        G, before, _ = gates(kb)
+        q, k = [rows(q_ref, i, kb) for i in range(nb)], [rows(k_ref, i, kb) for i in range(nb)]
+        blocks = {}
+        for i in range(nb):
+            blocks[i, i] = tiles.pairs(q[i], k[i], G[i])
+            e_q = jnp.exp2(G[i] - before[i])
+            for j in range(i):
+                k_u = k[j] * jnp.exp2(before[i] - G[j])
+                blocks[i, j] = tiles.dot_t(q[i] * e_q, k_u), tiles.dot_t(k[i] * e_q, k_u)
+        return tuple(a + b for a, b in zip(acc, (x for ij in lower for x in blocks[ij])))
 
-    n = q_ref.shape[1] // BK
-    zero = jnp.zeros((C, C), jnp.float32)
-    Aqk, Kkk = lax.fori_loop(0, n, pairs, (zero, zero))
-    T = tiles.unit_lower_inverse(beta * Kkk)
+    zero = jnp.zeros((S, S), f32)
+    acc = lax.fori_loop(0, q_ref.shape[1] // BK, pairs, (zero,) * (2 * len(lower)))
+    Aqk, Kkk = dict(zip(lower, acc[0::2])), dict(zip(lower, acc[1::2]))
+    beta = [rows(b_ref, i) for i in range(nb)]
+    T, wide = {}, tiles.wide
+    for i in range(nb):  # T_ii = (I + beta_i Kkk_ii)^-1, T_ij = -T_ii sum_{j <= m < i} beta_i Kkk_im T_mj
+        T[i, i] = tiles.unit_lower_inverse(beta[i] * Kkk[i, i])
+        for j in range(i):
+            T[i, j] = -wide.dot(T[i, i], sum(wide.dot(beta[i] * Kkk[i, m], T[m, j]) for m in range(j, i)))
+
+    bv = [beta[j] * rows(v_ref, j) for j in range(nb)]
+    for i in range(nb):
+        _put(u_ref, (pl.ds(i * S, S), slice(None)), sum(tiles.dot(T[i, j], bv[j]) for j in range(i + 1)))
+        for ref, blocks in zip((aqk_ref, *pair_refs), (Aqk, Kkk, T)):
+            for j in range(nb):
+                _put(ref, (pl.ds(i * S, S), pl.ds(j * S, S)), blocks[i, j] if j <= i else zero)
 
     def outputs(kb, carry):
         cols = pl.ds(kb * BK, BK)
-        q_g, k_g, k_d, decay = gated(_cols32(q_ref, kb, BK), _cols32(k_ref, kb, BK), log2_gates(kb))
-        for ref, x in zip((w_ref, qg_ref, kd_ref, dec_ref), (tiles.dot(T, beta * k_g), q_g, k_d, decay)):
-            _put(ref, (slice(None), cols), x)
+        G, _, end = gates(kb)
+        bk_g = []
+        for i in range(nb):
+            q_g, k_g, k_d, decay = gated(rows(q_ref, i, kb), rows(k_ref, i, kb), G[i], end)
+            bk_g.append(beta[i] * k_g)
+            w = sum(tiles.dot(T[i, j], bk_g[j]) for j in range(i + 1))
+            for ref, x in zip((w_ref, qg_ref, kd_ref), (w, q_g, k_d)):
+                _put(ref, (pl.ds(i * S, S), cols), x)
+        _put(dec_ref, (slice(None), cols), decay)
         return carry
 
-    lax.fori_loop(0, n, outputs, 0)
-    for ref, x in zip((aqk_ref, u_ref, *pair_refs), (Aqk, tiles.dot(T, beta * v_ref[...]), Kkk, T)):
-        _put(ref, ..., x)
+    lax.fori_loop(0, q_ref.shape[1] // BK, outputs, 0)
 
 
 def _chunk(ref, c, C):  # rows of chunk c of a [slots, D] ref
@@ -200,13 +255,44 @@ def _keys_kernel(tiles, BK, q_ref, k_ref, g_ref, b_ref, kkk_ref, t_ref, w_ref, s
 
 def _levels_kernel(tiles, q_ref, k_ref, g_ref, daqk_ref, dkkk_ref, dq_ref, dk_ref, dG_ref, dGe_ref, dq_out, dk_out,
                    dg_out):  # fmt: skip
-    """Grid (B, HV, chunks, K-blocks): add the pairwise factorisation's share
-    (``Tiles.grads_levels``, column by column) to dq, dk and dG, and turn dG into dg."""
-    q, k = q_ref[...].astype(jnp.float32), k_ref[...].astype(jnp.float32)
-    dq, dk, dG = tiles.grads_levels(q, k, tiles.cumsum(g_ref[...] * LOG2E), daqk_ref[...], dkkk_ref[...])
-    _put(dq_out, ..., dq_ref[...] + dq)
-    _put(dk_out, ..., dk_ref[...] + dk)
-    dg_out[...] = tiles.reverse_cumsum(dG_ref[...] + dG) + dGe_ref[...]
+    """Grid (B, HV, chunks, K-blocks): add the share of the pair products Aqk and Kkk to dq, dk
+    and dG, on the intra kernel's row blocks (a diagonal block by ``Tiles.grads_levels``, an
+    off-diagonal one through its two factors), and turn dG into dg (reverse cumsum). One row
+    block at a time, last first, loading the others' rows as needed (few live tiles).
+    Float32 operands (``Tiles.wide``): dG's terms cancel in dg."""
+    C, wide = daqk_ref.shape[0], tiles.wide
+    S = min(SUB, C)
+    nb = C // S
+    _, before, _ = _block_gates(tiles, lambda i: _rows(g_ref, i, S), nb)
+
+    def block(i):  # q, k and the cumulative log2 gate of row block i, [S, BK] each
+        return _rows(q_ref, i, S), _rows(k_ref, i, S), before[i] + tiles.cumsum(_rows(g_ref, i, S) * LOG2E)
+
+    def pair(ref, i, j):  # block (i, j) of a [C, C] ref
+        return ref[pl.ds(i * S, S), pl.ds(j * S, S)]
+
+    later = 0.0  # column sums of dG over the row blocks after block m
+    for m in reversed(range(nb)):
+        q_m, k_m, G_m = block(m)
+        dq, dk, dG = tiles.grads_levels(q_m, k_m, G_m, pair(daqk_ref, m, m), pair(dkkk_ref, m, m))
+        e_q = jnp.exp2(G_m - before[m])
+        for j in range(m):  # blocks (m, j) = (x_m e_q)(k_j e_k)^T, e_q = 2^(G_m - G_r), e_k = 2^(G_r - G_j): x_m's side
+            _, k_j, G_j = block(j)
+            k_u = k_j * jnp.exp2(before[m] - G_j)
+            dq_m, dk_m = wide.dot(pair(daqk_ref, m, j), k_u) * e_q, wide.dot(pair(dkkk_ref, m, j), k_u) * e_q
+            dq, dk, dG = dq + dq_m, dk + dk_m, dG + q_m * dq_m + k_m * dk_m
+        for i in range(m + 1, nb):  # blocks (i, m): k_m's side
+            q_i, k_i, G_i = block(i)
+            e_qi = jnp.exp2(G_i - before[i])
+            dk_m = wide.t_dot(pair(daqk_ref, i, m), q_i * e_qi) + wide.t_dot(pair(dkkk_ref, i, m), k_i * e_qi)
+            dk_m = dk_m * jnp.exp2(before[i] - G_m)
+            dk, dG = dk + dk_m, dG - k_m * dk_m
+        rows = (pl.ds(m * S, S), slice(None))
+        _put(dq_out, rows, dq_ref[rows] + dq)
+        _put(dk_out, rows, dk_ref[rows] + dk)
+        dG = dG_ref[rows] + dG
+        dg_out[rows] = tiles.reverse_cumsum(dG) + later + dGe_ref[...]
+        later = later + jnp.sum(dG, axis=0, keepdims=True)
 
 
 # ----------------------------------------------------------------------------- wrapper

@@ -54,19 +54,21 @@ def _exact(a, b):  # a @ b at full float32 precision (cumsums, one-hot gathers)
     return _mm(a, b, ((1,), (0,)), _HIGHEST)
 
 
-def _last_row(x):  # [C, D] -> [1, D]
+def last_row(x):  # [C, D] -> [1, D]
     return jnp.sum(jnp.where(_iota((x.shape[0], 1), 0) == x.shape[0] - 1, x, 0.0), axis=0, keepdims=True)
 
 
-def _decays(G):
-    """(2^G, 2^(G_C - G), 2^G_C): [C, K] x2 and [1, K], G the cumulative log2 gate."""
-    G_end = _last_row(G)
+def _decays(G, G_end=None):
+    """(2^G, 2^(G_C - G), 2^G_C): [C, K] x2 and [1, K], G the cumulative log2 gate, G_C its
+    last row unless given (``G_end`` [1, K], when G holds only some of the chunk's rows)."""
+    G_end = last_row(G) if G_end is None else G_end
     return jnp.exp2(G), jnp.exp2(G_end - G), jnp.exp2(G_end)
 
 
-def gated(q, k, G):
-    """(q 2^G, k 2^G, k 2^(G_C - G), 2^G_C): [C, K] x3 and [1, K], G the cumulative log2 gate."""
-    eG, e_d, decay = _decays(G)
+def gated(q, k, G, G_end=None):
+    """(q 2^G, k 2^G, k 2^(G_C - G), 2^G_C): [C, K] x3 and [1, K], G the cumulative log2 gate
+    (``G_end`` as :func:`_decays`)."""
+    eG, e_d, decay = _decays(G, G_end)
     return q * eG, k * eG, k * e_d, decay
 
 
