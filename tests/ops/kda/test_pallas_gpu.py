@@ -12,7 +12,7 @@ import pytest
 
 import kdax
 from kdax.ops.kda import api, pallas_gpu, tiles
-from tests.ops.kda.cases import CASES, Case, assert_close_to_reference
+from tests.ops.kda.cases import CASES, Case, assert_close_to_reference, make_inputs
 
 chunk_kda_gpu = functools.partial(kdax.chunk_kda, backend="pallas_gpu")
 
@@ -99,6 +99,25 @@ def test_float64_inputs_are_rejected():
     x = jnp.zeros((1, 16, 1, 8), jnp.float64)
     with pytest.raises(ValueError, match="q: expected float32 or bfloat16 inputs"):
         chunk_kda_gpu(x, x, x, x, jnp.zeros((1, 16, 1), jnp.float64))
+
+
+def test_vmap_and_its_grad_equal_a_loop():
+    """vmap adds a grid axis to every kernel; outputs and gradients equal the per-item runs."""
+    (q, k, v, g, b), _ = make_inputs(Case("vmap", T=40, B=1, H=1, HV=2, K=16, V=16))
+    qs, vs = jnp.stack([q, 2 * q, -q]), jnp.stack([v, 0.5 * v, v])
+
+    def f(q, v):
+        return chunk_kda_gpu(q, k, v, g, b, chunk_size=16)[0]
+
+    def loss(q, v):
+        return jnp.sum(f(q, v) ** 2)
+
+    one, grad = jax.jit(f), jax.jit(jax.grad(loss, argnums=(0, 1)))  # compiled once for the loop
+    np.testing.assert_array_equal(jax.vmap(f)(qs, vs), jnp.stack([one(qs[i], vs[i]) for i in range(3)]))
+    batched = jax.vmap(grad)(qs, vs)
+    for i in range(3):
+        for got, want in zip(batched, grad(qs[i], vs[i])):
+            np.testing.assert_array_equal(got[i], want)
 
 
 N_FWD, N_BWD = 3, 5  # kernels: intra, state, output; intra, state cotangent, values, keys, levels
