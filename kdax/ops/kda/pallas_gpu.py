@@ -11,7 +11,8 @@ backward  intra again -> state cotangent (B, N, HV, V-blocks) -> values (B, HV, 
 
 The two sequential kernels give one program to each (sequence, head, V-block), which
 walks that sequence's chunks with ``lax.fori_loop``, the state in registers. The others
-work on blocks of key columns (``Config.block_k``), and the intra and levels kernels on
+work on blocks of key columns (``Config.block_k``; values and keys also of value columns,
+``Config.block_v``), and the intra and levels kernels on
 row blocks of ``SUB`` (the nonzero blocks of the triangular [C, C] products only), so that
 few tiles are live at once (registers, shared memory: scripts/gpu_compile_report.py). K and V are
 padded to powers of two >= 16 (Triton's tile rule). Off GPU the kernels run in the
@@ -30,12 +31,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from kdax.ops.common.varlen import ChunkLayout
-from kdax.ops.kda.tiles import Tiles, gated, last_row, pad_last
+from kdax.ops.kda.tiles import StateProducts, Tiles, gated, last_row, pad_last
 from kdax.ops.kda.xla import LOG2E
 
 # name: (precision of the matmuls, dtype their bulk operands and the stored intermediates are rounded to)
 PRECISIONS = {
     "ieee": (lax.Precision.HIGHEST, None),
+    "tf32x3": (lax.DotAlgorithmPreset.TF32_TF32_F32_X3, None),
     "tf32": (lax.Precision.DEFAULT, None),
     "bf16": (lax.Precision.DEFAULT, jnp.bfloat16),
 }
@@ -43,12 +45,13 @@ PRECISIONS = {
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """``block_v``: V block of the state, output and state-cotangent kernels, ``block_k``: K block
-    of the intra, keys and levels kernels (powers of two >= 16).
-    ``precision``: of the matmuls, "ieee" (float32), "tf32", "bf16" (bulk matmuls on bfloat16
-    operands and intermediates stored in bfloat16; TF32 for the triangular inverse and the
-    pairwise factorisation's backward) or "auto" (ieee for float32 inputs, bf16 for
-    bfloat16). ``launch``: {kernel: (num_warps, num_stages)}
+    """``block_v``: V block of the state, output, state-cotangent, values and keys kernels,
+    ``block_k``: K block of the intra, values, keys and levels kernels (powers of two >= 16).
+    ``precision``: of the matmuls, "ieee" (float32 on the FMA units), "tf32x3" (float32 as
+    three TF32 tensor-core products), "tf32", "bf16" (bulk matmuls on bfloat16 operands and
+    intermediates stored in bfloat16; TF32 for the triangular inverse and the pairwise
+    factorisation's backward) or "auto" (tf32x3 for float32 inputs, bf16 for bfloat16).
+    In the interpreter, float32 matmuls are exact whatever the precision. ``launch``: {kernel: (num_warps, num_stages)}
     overriding :data:`LAUNCH`. ``interpret``: None = interpret unless on GPU."""
 
     block_v: int = 32
@@ -216,36 +219,59 @@ def _dstate_kernel(tiles, C, start_ref, end_ref, aqk_ref, qg_ref, kd_ref, w_ref,
     dh0_ref[...] = lax.fori_loop(0, end - start, step, df_ref[...])
 
 
-def _values_kernel(tiles, BK, aqk_ref, t_ref, w_ref, kd_ref, u_ref, v_ref, b_ref, sin_ref, do_ref, dso_ref, vn_ref,
+def _values_kernel(tiles, BK, BV, aqk_ref, t_ref, w_ref, kd_ref, u_ref, v_ref, b_ref, sin_ref, do_ref, dso_ref, vn_ref,
                    dvn_ref, dv_ref, daqk_ref, dakku_ref, dbeta_v_ref, d_ref):  # fmt: skip
-    """Grid (B, HV, chunks): v_new = u - w S and its cotangent dv_new (summed over blocks of BK
-    key columns), and the backward's terms over whole value rows (``Tiles.grads_values``)."""
-    do = do_ref[...]
+    """Grid (B, HV, chunks): walks the value columns in blocks of BV: v_new = u - w S and its
+    cotangent dv_new (each summed over blocks of BK key columns), then the block's terms
+    (``Tiles.grads_values``), summing the [C, C] and [C, 1] ones."""
+    aqk, T, beta, f32 = aqk_ref[...], t_ref[...], b_ref[...], jnp.float32
 
-    def values(kb, acc):
-        return (acc[0] - tiles.dot_t(_cols(w_ref, kb, BK), _cols(sin_ref, kb, BK)),
-                acc[1] + tiles.dot_t(_cols(kd_ref, kb, BK), _cols(dso_ref, kb, BK)))  # fmt: skip
+    def values(vb, acc):
+        vc = pl.ds(vb * BV, BV)
+        do = do_ref[:, vc]
 
-    u = u_ref[...].astype(jnp.float32)
-    v_new, dv_new = lax.fori_loop(0, w_ref.shape[1] // BK, values, (u, tiles.t_dot(aqk_ref[...], do)))
-    Vg = tiles.grads_values(t_ref[...], u, v_ref[...], do, v_new, dv_new)
-    outs = (vn_ref, dvn_ref, dv_ref, daqk_ref, dakku_ref, dbeta_v_ref, d_ref)
-    for ref, x in zip(outs, (v_new, dv_new, b_ref[...] * Vg.dbv, Vg.dAqk, Vg.dAkk_u, Vg.dbeta, Vg.d)):
-        _put(ref, ..., x)
+        def keys(kb, vd):
+            kc = pl.ds(kb * BK, BK)
+            return (vd[0] - tiles.dot_t(w_ref[:, kc], sin_ref[vc, kc]),
+                    vd[1] + tiles.dot_t(kd_ref[:, kc], dso_ref[vc, kc]))  # fmt: skip
+
+        u = u_ref[:, vc].astype(f32)
+        v_new, dv_new = lax.fori_loop(0, w_ref.shape[1] // BK, keys, (u, tiles.t_dot(aqk, do)))
+        Vg = tiles.grads_values(T, u, v_ref[:, vc], do, v_new, dv_new)
+        for ref, x in zip((vn_ref, dvn_ref, dv_ref), (v_new, dv_new, beta * Vg.dbv)):
+            _put(ref, (slice(None), vc), x)
+        return tuple(a + x for a, x in zip(acc, (Vg.dAqk, Vg.dAkk_u, Vg.dbeta, Vg.d)))
+
+    C = aqk.shape[0]
+    zeros = (jnp.zeros((C, C), f32),) * 2 + (jnp.zeros((C, 1), f32),) * 2
+    sums = lax.fori_loop(0, u_ref.shape[1] // BV, values, zeros)
+    for ref, x in zip((daqk_ref, dakku_ref, dbeta_v_ref, d_ref), sums):
+        ref[...] = x
 
 
-def _keys_kernel(tiles, BK, q_ref, k_ref, g_ref, b_ref, kkk_ref, t_ref, w_ref, sin_ref, dso_ref, do_ref, vn_ref, dvn_ref,
-                 d_ref, dakku_ref, dbeta_v_ref, dkkk_ref, db_ref, dq_ref, dk_ref, dG_ref, dGe_ref):  # fmt: skip
+def _keys_kernel(tiles, BK, BV, q_ref, k_ref, g_ref, b_ref, kkk_ref, t_ref, w_ref, sin_ref, dso_ref, do_ref, vn_ref,
+                 dvn_ref, d_ref, dakku_ref, dbeta_v_ref, dkkk_ref, db_ref, dq_ref, dk_ref, dG_ref, dGe_ref):  # fmt: skip
     """Grid (B, HV, chunks): walks the key columns in blocks of BK for the column-wise gradients
-    (``Tiles.grads_keys``), summing the [C, C] and [C, 1] terms for dKkk and dbeta."""
-    beta, T, do, v_new, dv_new, d = b_ref[...], t_ref[...], do_ref[...], vn_ref[...], dvn_ref[...], d_ref[...]
+    (``Tiles.grads_keys``), summing the [C, C] and [C, 1] terms for dKkk and dbeta; each
+    block's products with the states (``Tiles.state_products``) summed over blocks of BV value
+    columns."""
+    beta, T, d, f32 = b_ref[...], t_ref[...], d_ref[...], jnp.float32
+    C = T.shape[0]
 
     def keys(kb, acc):
         cols = pl.ds(kb * BK, BK)
+
+        def values(vb, P):
+            vc = pl.ds(vb * BV, BV)
+            Pb = tiles.state_products(
+                sin_ref[vc, cols], dso_ref[vc, cols], do_ref[:, vc], vn_ref[:, vc], dvn_ref[:, vc]
+            )
+            return StateProducts(*(a + b for a, b in zip(P, Pb)))
+
+        zero = jnp.zeros((C, BK), f32)
+        P = lax.fori_loop(0, do_ref.shape[1] // BV, values, StateProducts(zero, zero, zero, jnp.zeros((1, BK), f32)))
         G = tiles.cumsum(_cols(g_ref, kb, BK) * LOG2E)
-        St, dSt = _cols32(sin_ref, kb, BK), _cols32(dso_ref, kb, BK)
-        Kg = tiles.grads_keys(_cols32(q_ref, kb, BK), _cols32(k_ref, kb, BK), beta, G, T, _cols(w_ref, kb, BK), St, dSt,
-                              do, v_new, dv_new, d)  # fmt: skip
+        Kg = tiles.grads_keys(_cols32(q_ref, kb, BK), _cols32(k_ref, kb, BK), beta, G, T, _cols(w_ref, kb, BK), P, d)
         dq_ref[:, cols], dk_ref[:, cols], dG_ref[:, cols], dGe_ref[:, cols] = Kg.dq, Kg.dk, Kg.dG, Kg.dG_end
         return acc[0] + Kg.dAkk_w, acc[1] + Kg.dbeta
 
@@ -309,8 +335,10 @@ def _stored(tiles: Tiles):  # dtype of the intermediates that feed only bulk mat
 def _tiles(cfg: Config, input_dtype) -> Tiles:
     name = cfg.precision
     if name == "auto":
-        name = "ieee" if input_dtype == jnp.float32 else "bf16"
+        name = "tf32x3" if input_dtype == jnp.float32 else "bf16"
     precision, operands = PRECISIONS[name]
+    if isinstance(precision, lax.DotAlgorithmPreset) and _interpret(cfg):
+        precision = lax.Precision.HIGHEST  # no such algorithm on CPU; float32 there is exact anyway
     return Tiles(precision=precision, matmul_reductions=False, operands=operands)
 
 
@@ -439,7 +467,7 @@ def _backward(q, k, v, g, beta, ranges, S_in, do, dfinal_t, C, groups, tiles, cf
     st = pl.BlockSpec((None, None, None, Vp, Kp), lambda b, h, c: (b, h, c, 0, 0))
     BK = cfg.block_k
     v_new, dv_new, dv, daqk, dakk_u, dbeta_v, d = pl.pallas_call(
-        functools.partial(_values_kernel, tiles, BK),
+        functools.partial(_values_kernel, tiles, BK, BV),
         grid=(B, HV, NC),
         in_specs=[spec(C), spec(C), spec(Kp), spec(Kp), spec(Vp), tok(Vp), tok(1), st, tok(Vp), st],
         out_specs=[spec(Vp), spec(Vp), tok(Vp)] + [spec(C)] * 2 + [spec(1)] * 2,
@@ -448,7 +476,7 @@ def _backward(q, k, v, g, beta, ranges, S_in, do, dfinal_t, C, groups, tiles, cf
         compiler_params=_params(cfg, "values"), interpret=_interpret(cfg),
     )(aqk, T, w, k_d, u, v, beta, S_in, do, dS_out)  # fmt: skip
     dkkk, dbeta, dq, dk, dG, dG_end = pl.pallas_call(
-        functools.partial(_keys_kernel, tiles, BK),
+        functools.partial(_keys_kernel, tiles, BK, BV),
         grid=(B, HV, NC),
         in_specs=[qk, qk, tok(Kp), tok(1), spec(C), spec(C), spec(Kp), st, st, tok(Vp), spec(Vp), spec(Vp), spec(1),
                   spec(C), spec(1)],

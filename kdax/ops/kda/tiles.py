@@ -88,13 +88,24 @@ class Intra(NamedTuple):
 
 
 class ValueGrads(NamedTuple):
-    """A chunk's backward terms over whole value rows (:meth:`Tiles.grads_values`)."""
+    """A chunk's backward terms of a block of value columns (:meth:`Tiles.grads_values`):
+    dbv column by column, the rest sums over the value columns (blocks may be summed)."""
 
     dAqk: jax.Array  # [C, C] cotangent of Aqk (inclusive lower)
     dAkk_u: jax.Array  # [C, C] dbv u^T
     dbeta: jax.Array  # [C, 1] rowsums of v dbv
-    dbv: jax.Array  # [C, V] dv / beta
+    dbv: jax.Array  # [C, BV] dv / beta
     d: jax.Array  # [C, 1] diagonal of dAqk
+
+
+class StateProducts(NamedTuple):
+    """The backward's products with the chunk states, for a block of key columns
+    (:meth:`Tiles.state_products`): sums over the value columns (blocks may be summed)."""
+
+    dq_g: jax.Array  # [C, BK] do S
+    dk_d: jax.Array  # [C, BK] v_new dS
+    dw: jax.Array  # [C, BK] -dv_new S, the cotangent of w
+    s_ds: jax.Array  # [1, BK] column sums of S^T . dS^T
 
 
 class KeyGrads(NamedTuple):
@@ -150,16 +161,16 @@ def _level(G: jax.Array, s: int, matmul: bool):
 
 @dataclasses.dataclass(frozen=True)
 class Tiles:
-    """precision: of the bulk matmuls (``lax.Precision``; on GPU HIGHEST is IEEE float32,
-    DEFAULT TF32). operands: None, or a dtype (bfloat16) the bulk matmuls round their
+    """precision: of the bulk matmuls (``lax.Precision`` or ``lax.DotAlgorithmPreset``; on GPU
+    HIGHEST is IEEE float32, DEFAULT TF32, TF32_TF32_F32_X3 three TF32 products). operands: None, or a dtype (bfloat16) the bulk matmuls round their
     operands to, accumulating in float32; the triangular inverse and the backward of the
-    pairwise factorisation keep float32 operands (:attr:`wide`; docs/kda_gpu.md, Numerics).
+    pairwise factorisation keep float32 operands (:attr:`wide`; docs/kda_gpu.md, Precision).
     matmul_reductions: take row sums, cumsums and reference-row gathers as matmuls with 0/1
     matrices (TPU, where lane reductions, scans and sublane reshapes lower poorly) or as
     reductions, scans and reshapes (GPU, where an exact float32 matmul runs on the FMA
     units, not the tensor cores, and a matmul needs every dimension >= 16)."""
 
-    precision: lax.Precision = _HIGHEST
+    precision: lax.Precision | lax.DotAlgorithmPreset = _HIGHEST
     matmul_reductions: bool = True
     operands: jnp.dtype | None = None
 
@@ -254,14 +265,15 @@ class Tiles:
         dv_new = self.t_dot(I.Aqk, do) + self.dot_t(I.k_d, dSt)
         dS_in = self.t_dot(do, I.q_g) + dSt * I.decay - self.t_dot(dv_new, I.w)  # [V, K]
         Vg = self.grads_values(I.T, I.u, v, do, v_new, dv_new)
-        Kg = self.grads_keys(q, k, beta, I.G, I.T, I.w, St, dSt, do, v_new, dv_new, Vg.d)
+        P = self.state_products(St, dSt, do, v_new, dv_new)
+        Kg = self.grads_keys(q, k, beta, I.G, I.T, I.w, P, Vg.d)
         dKkk, dbeta = self.grads_pairs(beta, I.Kkk, Kg.dAkk_w + Vg.dAkk_u, Vg.dbeta + Kg.dbeta)
         dq_p, dk_p, dG_p = self.grads_levels(q, k, I.G, Vg.dAqk, dKkk)
         dg = self.reverse_cumsum(Kg.dG + dG_p) + Kg.dG_end
         return Grads(Kg.dq + dq_p, Kg.dk + dk_p, beta * Vg.dbv, dg, dbeta, dS_in)
 
     def grads_values(self, T, u, v, do, v_new, dv_new) -> ValueGrads:
-        """The backward's terms that need whole value rows. u, v, do, v_new, dv_new: [C, V]
+        """The backward's terms of a block of value columns. u, v, do, v_new, dv_new: [C, BV]
         (dv_new the cotangent of v_new = u - w S); T as :class:`Intra`."""
         C = T.shape[0]
         i, j = _iota((C, C), 0), _iota((C, C), 1)
@@ -270,19 +282,25 @@ class Tiles:
         d = self.rowsum(jnp.where(i == j, dAqk, 0.0))  # [C, 1] diagonal of dAqk
         return ValueGrads(dAqk, self.dot_t(dbv, u), self.rowsum(v * dbv), dbv, d)
 
-    def grads_keys(self, q, k, beta, G, T, w, St, dSt, do, v_new, dv_new, d) -> KeyGrads:
+    def state_products(self, St, dSt, do, v_new, dv_new) -> StateProducts:
+        """St, dSt: [BV, BK] blocks of the entering state and of the cotangent of the leaving
+        one (transposed); do, v_new, dv_new: [C, BV] (as :meth:`grads_values`)."""
+        return StateProducts(self.dot(do, St), self.dot(v_new, dSt), -self.dot(dv_new, St),
+                             jnp.sum(St.astype(jnp.float32) * dSt, axis=0, keepdims=True))  # fmt: skip
+
+    def grads_keys(self, q, k, beta, G, T, w, P: StateProducts, d) -> KeyGrads:
         """The backward's terms of a block of key columns (every [C, BK] output is column by
         column; the [C, C] and [C, 1] ones are to be summed over blocks). q, k, G, w: [C, BK];
-        St, dSt: [V, BK]; d: [C, 1] from :meth:`grads_values`; the rest as there."""
+        P: :meth:`state_products` summed over every value column; d: [C, 1] from
+        :meth:`grads_values`; the rest as there."""
         eG, e_d, decay = _decays(G)
-        dq_g, dk_d = self.dot(do, St), self.dot(v_new, dSt)
-        dbk_g = self.t_dot(T, -self.dot(dv_new, St))  # (I + Akk)^-T dw
+        dbk_g = self.t_dot(T, P.dw)  # (I + Akk)^-T dw
         dk_g = beta * dbk_g
         return KeyGrads(
-            dq=eG * dq_g + d * k,
-            dk=eG * dk_g + e_d * dk_d + d * q,
-            dG=q * eG * dq_g + k * eG * dk_g - k * e_d * dk_d,
-            dG_end=jnp.sum(k * e_d * dk_d, axis=0, keepdims=True) + decay * jnp.sum(St * dSt, axis=0, keepdims=True),
+            dq=eG * P.dq_g + d * k,
+            dk=eG * dk_g + e_d * P.dk_d + d * q,
+            dG=q * eG * P.dq_g + k * eG * dk_g - k * e_d * P.dk_d,
+            dG_end=jnp.sum(k * e_d * P.dk_d, axis=0, keepdims=True) + decay * P.s_ds,
             dAkk_w=self.dot_t(dbk_g, w),
             dbeta=self.rowsum(k * eG * dbk_g),
         )

@@ -29,14 +29,38 @@ def _tf32(x):  # round float32 to TF32 (10 explicit mantissa bits, to nearest ev
     return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
+_TF32X3 = jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+
+
 class _GPUTiles(tiles.Tiles):
-    """The GPU's matmuls on CPU: float32 operands rounded to TF32 under Precision.DEFAULT
+    """The GPU's matmuls on CPU: float32 operands rounded to TF32 under Precision.DEFAULT,
+    and under TF32_TF32_F32_X3 the three products of TF32 high and low parts Triton sums
     (bfloat16 operands need nothing: their products are exact in float32)."""
 
     def _bulk(self, a, b, dims):
         if self.operands is None and self.precision == jax.lax.Precision.DEFAULT:
             a, b = _tf32(a), _tf32(b)
-        return super()._bulk(a, b, dims)
+        if self.precision != _TF32X3:
+            return super()._bulk(a, b, dims)
+        a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+        (a_hi, a_lo), (b_hi, b_lo) = ((_tf32(x), _tf32(x - _tf32(x))) for x in (a, b))
+        exact = functools.partial(jax.lax.dot_general, dimension_numbers=(dims, ((), ())),
+                                  precision=jax.lax.Precision.HIGHEST)  # fmt: skip
+        return exact(a_lo, b_hi) + exact(a_hi, b_lo) + exact(a_hi, b_hi)
+
+
+def test_float32_inputs_get_three_pass_tf32_on_gpu():
+    assert pallas_gpu._tiles(pallas_gpu.Config(interpret=False), jnp.float32).precision == _TF32X3
+    assert pallas_gpu._tiles(pallas_gpu.Config(interpret=True), jnp.float32).precision == jax.lax.Precision.HIGHEST
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.name in ("T65_gva_h0", "strong_decay_varlen")], ids=str)
+def test_float32_inputs_within_bars_with_gpu_matmuls(case, monkeypatch):
+    """float32 inputs with the matmuls "auto" picks on a GPU (tf32x3), emulated here: the
+    float32 bars, which one-pass TF32 misses."""
+    prec, operands = pallas_gpu.PRECISIONS["tf32x3"]
+    monkeypatch.setattr(pallas_gpu, "_tiles", lambda cfg, dtype: _GPUTiles(prec, False, operands))
+    assert_close_to_reference(chunk_kda_gpu, case, jnp.float32)
 
 
 @pytest.mark.parametrize("precision", ["bf16", "tf32"])
