@@ -2,7 +2,7 @@
 what the compiler made of it: registers per thread, spill stack, shared memory, and the
 instruction mix (tensor-core HGMMA/HMMA, FFMA, exp2 on MUFU, local-memory LDL/STL).
 
-    python scripts/gpu_compile_report.py [--T 8192] [--dtype bfloat16] [--kernels intra grads]
+    python scripts/gpu_compile_report.py [--T 8192] [--dtype bfloat16] [--kernels intra keys]
 
 JAX lowers the forward and the backward of ``chunk_kda(backend="pallas_gpu")`` at
 B = 1, H = 16, K = V = 128 for CUDA (``lowering_platforms=("cuda",)``); each kernel's Triton

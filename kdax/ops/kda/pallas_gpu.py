@@ -51,8 +51,8 @@ class Config:
     three TF32 tensor-core products), "tf32", "bf16" (bulk matmuls on bfloat16 operands and
     intermediates stored in bfloat16; TF32 for the triangular inverse and the pairwise
     factorisation's backward) or "auto" (tf32x3 for float32 inputs, bf16 for bfloat16).
-    In the interpreter, float32 matmuls are exact whatever the precision. ``launch``: {kernel: (num_warps, num_stages)}
-    overriding :data:`LAUNCH`. ``interpret``: None = interpret unless on GPU."""
+    In the interpreter, float32 matmuls are exact whatever the precision.
+    ``launch``: {kernel: (num_warps, num_stages)} overriding :data:`LAUNCH`. ``interpret``: None = interpret unless on GPU."""
 
     block_v: int = 32
     block_k: int = 16
@@ -232,8 +232,8 @@ def _values_kernel(tiles, BK, BV, aqk_ref, t_ref, w_ref, kd_ref, u_ref, v_ref, b
 
         def keys(kb, vd):
             kc = pl.ds(kb * BK, BK)
-            return (vd[0] - tiles.dot_t(w_ref[:, kc], sin_ref[vc, kc]),
-                    vd[1] + tiles.dot_t(kd_ref[:, kc], dso_ref[vc, kc]))  # fmt: skip
+            return (vd[0] - tiles.dot_t(_cols(w_ref, kb, BK), sin_ref[vc, kc]),
+                    vd[1] + tiles.dot_t(_cols(kd_ref, kb, BK), dso_ref[vc, kc]))  # fmt: skip
 
         u = u_ref[:, vc].astype(f32)
         v_new, dv_new = lax.fori_loop(0, w_ref.shape[1] // BK, keys, (u, tiles.t_dot(aqk, do)))

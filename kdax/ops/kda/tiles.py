@@ -162,8 +162,9 @@ def _level(G: jax.Array, s: int, matmul: bool):
 @dataclasses.dataclass(frozen=True)
 class Tiles:
     """precision: of the bulk matmuls (``lax.Precision`` or ``lax.DotAlgorithmPreset``; on GPU
-    HIGHEST is IEEE float32, DEFAULT TF32, TF32_TF32_F32_X3 three TF32 products). operands: None, or a dtype (bfloat16) the bulk matmuls round their
-    operands to, accumulating in float32; the triangular inverse and the backward of the
+    HIGHEST is IEEE float32, DEFAULT TF32, TF32_TF32_F32_X3 three TF32 products).
+    operands: None, or a dtype (bfloat16) the bulk matmuls round their operands to,
+    accumulating in float32; the triangular inverse and the backward of the
     pairwise factorisation keep float32 operands (:attr:`wide`; docs/kda_gpu.md, Precision).
     matmul_reductions: take row sums, cumsums and reference-row gathers as matmuls with 0/1
     matrices (TPU, where lane reductions, scans and sublane reshapes lower poorly) or as

@@ -43,7 +43,8 @@ class _GPUTiles(tiles.Tiles):
         if self.precision != _TF32X3:
             return super()._bulk(a, b, dims)
         a, b = a.astype(jnp.float32), b.astype(jnp.float32)
-        (a_hi, a_lo), (b_hi, b_lo) = ((_tf32(x), _tf32(x - _tf32(x))) for x in (a, b))
+        a_hi, b_hi = _tf32(a), _tf32(b)
+        a_lo, b_lo = _tf32(a - a_hi), _tf32(b - b_hi)
         exact = functools.partial(jax.lax.dot_general, dimension_numbers=(dims, ((), ())),
                                   precision=jax.lax.Precision.HIGHEST)  # fmt: skip
         return exact(a_lo, b_hi) + exact(a_hi, b_lo) + exact(a_hi, b_hi)
