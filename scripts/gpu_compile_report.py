@@ -2,10 +2,12 @@
 what the compiler made of it: registers per thread, spill stack, shared memory, and the
 instruction mix (tensor-core HGMMA/HMMA, FFMA, exp2 on MUFU, local-memory LDL/STL).
 
-    python scripts/gpu_compile_report.py [--T 8192] [--dtype bfloat16] [--kernels intra keys]
+    python scripts/gpu_compile_report.py [--T 8192] [--dtype bfloat16] [--gate-logits] [--kernels intra keys]
 
 JAX lowers the forward and the backward of ``chunk_kda(backend="pallas_gpu")`` at
-B = 1, H = 16, K = V = 128 for CUDA (``lowering_platforms=("cuda",)``); each kernel's Triton
+B = 1, H = 16, K = V = 128 for CUDA (``lowering_platforms=("cuda",)``), g the log decay or, with
+``--gate-logits``, raw logits with the gate in the kernels (A_log and dt_bias, as ``kdax bench
+--gpu-compare-fla`` runs); each kernel's Triton
 IR is then compiled with the ``triton`` package (``pip install triton``), with the
 (num_warps, num_stages) of ``pallas_gpu.LAUNCH``, and the cubin inspected with the
 ``cuobjdump`` that ships with it. The Triton inside XLA (what runs on a GPU) is a different
@@ -37,7 +39,7 @@ KERNELS = {"_intra_kernel": "intra", "_state_kernel": "state", "_output_kernel":
            "_dstate_kernel": "dstate", "_values_kernel": "values", "_keys_kernel": "keys", "_levels_kernel": "levels"}  # fmt: skip
 
 
-def triton_modules(T: int, dtype, cfg: pallas_gpu.Config) -> list[tuple[str, str]]:
+def triton_modules(T: int, dtype, cfg: pallas_gpu.Config, gate_logits: bool = False) -> list[tuple[str, str]]:
     """(launch-table name, Triton IR text) of each kernel of the forward and backward, in order."""
     mods = []
     lower = pallas_call_registration.lowering.lower_jaxpr_to_triton_module
@@ -47,11 +49,13 @@ def triton_modules(T: int, dtype, cfg: pallas_gpu.Config) -> list[tuple[str, str
         mods.append((KERNELS[jaxpr.debug_info.func_name], result.module.operation.get_asm()))
         return result
 
+    B, H, K = 1, 16, 128
+    gate = {"use_gate_in_kernel": True, "A_log": jnp.zeros((H,)), "dt_bias": jnp.zeros((H * K,))} if gate_logits else {}
+
     def loss(*a):
-        o, s = chunk_kda(*a, backend="pallas_gpu", output_final_state=True)
+        o, s = chunk_kda(*a, backend="pallas_gpu", output_final_state=True, **gate)
         return o.astype(jnp.float32).sum() + s.sum()
 
-    B, H, K = 1, 16, 128
     args = [jax.ShapeDtypeStruct(s, dtype) for s in [(B, T, H, K)] * 4 + [(B, T, H)]]
     cfg, pallas_gpu.CONFIG = pallas_gpu.CONFIG, cfg
     pallas_call_registration.lowering.lower_jaxpr_to_triton_module = capture
@@ -91,6 +95,7 @@ def main(argv=None) -> int:
     p.add_argument("--precision", default=pallas_gpu.CONFIG.precision, choices=("auto", *pallas_gpu.PRECISIONS))
     p.add_argument("--block-v", type=int, default=pallas_gpu.CONFIG.block_v)
     p.add_argument("--block-k", type=int, default=pallas_gpu.CONFIG.block_k)
+    p.add_argument("--gate-logits", action="store_true", help="gate logits in, the gate applied in the kernels")
     p.add_argument("--launch", nargs="*", default=[], metavar="KERNEL=WARPS,STAGES", help="override pallas_gpu.LAUNCH")
     p.add_argument("--kernels", nargs="*", default=list(pallas_gpu.LAUNCH), help="launch-table names")
     a = p.parse_args(argv)
@@ -102,12 +107,12 @@ def main(argv=None) -> int:
                             interpret=False)  # fmt: skip
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     print(f"sm_90a, triton {triton.__version__}, jax {jax.__version__}, B=1 T={a.T} H=16 K=V=128 {a.dtype}, "
-          f"precision={a.precision} block_v={a.block_v} block_k={a.block_k}")
+          f"precision={a.precision} block_v={a.block_v} block_k={a.block_k} gate_logits={a.gate_logits}")
     print("| kernel | warps | stages | regs | spill B | smem KiB | HGMMA | HMMA | FFMA | MUFU | LDL | STL |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     over, seen = [], set()
     with tempfile.TemporaryDirectory() as workdir:
-        for name, ttir in triton_modules(a.T, jnp.dtype(a.dtype), cfg):
+        for name, ttir in triton_modules(a.T, jnp.dtype(a.dtype), cfg, a.gate_logits):
             if name in seen or name not in a.kernels:  # the backward's intra: the forward's and two outputs
                 continue
             seen.add(name)

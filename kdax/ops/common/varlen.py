@@ -37,13 +37,13 @@ class ChunkLayout(NamedTuple):
         """[N] bool, sequence has no tokens (no chunk of its own)."""
         return self.seq_chunk_start == self.seq_chunk_end
 
-    def pack(self, x: jax.Array) -> jax.Array:
-        """[B, T, ...] -> [B, NC * C, ...], zeros in padding slots."""
+    def pack(self, x: jax.Array, fill: float = 0.0) -> jax.Array:
+        """[B, T, ...] -> [B, NC * C, ...], ``fill`` in padding slots."""
         if self.slot_token is None:
             pad = self.n_chunks * self.chunk_size - self.num_tokens
-            return jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+            return jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
         mask = self.slot_valid.reshape((1, -1) + (1,) * (x.ndim - 2))
-        return jnp.where(mask, jnp.take(x, self.slot_token, axis=1), jnp.zeros((), x.dtype))
+        return jnp.where(mask, jnp.take(x, self.slot_token, axis=1), jnp.full((), fill, x.dtype))
 
     def unpack(self, x: jax.Array) -> jax.Array:
         """[B, NC * C, ...] -> [B, T, ...]."""

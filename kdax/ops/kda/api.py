@@ -163,13 +163,14 @@ def chunk_kda(
     def layout_then(core):
         return lambda q, k, v, g, beta, h0, cu: core(q, k, v, g, beta, h0, chunk_layout(q.shape[1], chunk_size, cu))
 
-    gpu = lambda *a: chunk_kda_pallas_gpu(*a, input_dtype=q.dtype)  # called after validation
+    gate = (A_log, dt_bias, lower_bound) if use_gate_in_kernel else None  # the GPU kernels apply it themselves
+    gpu = lambda *a: chunk_kda_pallas_gpu(*a, input_dtype=q.dtype, gate=gate, g_dtype=g.dtype)  # after validation
     cores = {
         "xla": _repeated_qk(layout_then(chunk_kda_xla)),
         "pallas_tpu": layout_then(chunk_kda_pallas_tpu),
         "pallas_gpu": layout_then(gpu),
     }
-    return _dispatch(cores, **args)
+    return _dispatch(cores, gate_in_core=("pallas_gpu",), **args)
 
 
 def fused_recurrent_kda(
@@ -183,15 +184,17 @@ def fused_recurrent_kda(
 
 
 def _dispatch(
-    cores, *, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+    cores, *, gate_in_core=(), q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
     use_gate_in_kernel, A_log, dt_bias, lower_bound, use_beta_sigmoid_in_kernel, allow_neg_eigval, cu_seqlens,
     chunk_size, backend,
 ):  # fmt: skip
-    """Validate, apply the in-op options, and run the backend's core (or the naive reference)."""
+    """Validate, apply the in-op options, and run the backend's core (or the naive reference).
+    The cores of ``gate_in_core`` get the raw gate logits and apply the gate themselves."""
     N = _validate(q, k, v, g, beta, scale, initial_state, use_gate_in_kernel, A_log, dt_bias, lower_bound,
                   use_beta_sigmoid_in_kernel, allow_neg_eigval, cu_seqlens, chunk_size, backend)  # fmt: skip
     backend = _resolve_backend(backend, cores)
-    q, k, g, beta = _preprocess(q, k, g, beta, use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias,
+    gate = use_gate_in_kernel and backend not in gate_in_core
+    q, k, g, beta = _preprocess(q, k, g, beta, use_qk_l2norm_in_kernel, gate, A_log, dt_bias,
                                 lower_bound, use_beta_sigmoid_in_kernel, allow_neg_eigval)  # fmt: skip
     if backend == "naive":
         return _naive(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)

@@ -1,7 +1,9 @@
 """The element-wise parts of KDA that run before the recurrence: gate, L2 norm, beta.
 
-All three are plain differentiable jnp; every backend applies them the same way, so
-gradients with respect to ``A_log`` and ``dt_bias`` come from ordinary autodiff.
+All three are plain differentiable jnp, applied by XLA before the core, so gradients with
+respect to ``A_log`` and ``dt_bias`` come from ordinary autodiff; the one exception is the
+gate on ``backend="pallas_gpu"``, whose kernels apply :func:`log_decay` to the raw logits
+as they load them (docs/kda_gpu.md).
 """
 
 from __future__ import annotations
@@ -31,17 +33,23 @@ def kda_gate(
     With ``lower_bound`` (< 0): ``lower_bound * sigmoid(exp(A_log)[h] * (g + dt_bias))``,
     or ``lower_bound * sigmoid(g + dt_bias)`` when ``A_log`` is None.
     """
+    if lower_bound is None and A_log is None:
+        raise ValueError("kda_gate: A_log is required unless lower_bound is given")
     HV, K = g.shape[-2:]
     x = _f32(g)
-    if dt_bias is not None:
-        x = x + _f32(dt_bias).reshape(HV, K)
+    a = None if A_log is None else jnp.exp(_f32(A_log)).reshape(HV, 1)
+    b = None if dt_bias is None else _f32(dt_bias).reshape(HV, K)
+    return log_decay(x, a, b, lower_bound)
+
+
+def log_decay(x: jax.Array, a: jax.Array | None, b: jax.Array | None, lower_bound: float | None) -> jax.Array:
+    """:func:`kda_gate` on logits x with ``a = exp(A_log)`` and ``b = dt_bias`` broadcast to x
+    (None: 1 and 0). Plain jnp, so the GPU kernels apply it to their tiles as XLA does."""
+    if b is not None:
+        x = x + b
     if lower_bound is None:
-        if A_log is None:
-            raise ValueError("kda_gate: A_log is required unless lower_bound is given")
-        return -jnp.exp(_f32(A_log)).reshape(HV, 1) * jax.nn.softplus(x)
-    if A_log is not None:
-        x = jnp.exp(_f32(A_log)).reshape(HV, 1) * x
-    return lower_bound * jax.nn.sigmoid(x)
+        return -a * jax.nn.softplus(x)
+    return lower_bound * jax.nn.sigmoid(x if a is None else a * x)
 
 
 def l2norm(x: jax.Array, axis: int = -1) -> jax.Array:

@@ -31,6 +31,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from kdax.ops.common.varlen import ChunkLayout
+from kdax.ops.kda.gate import log_decay
 from kdax.ops.kda.tiles import StateProducts, Tiles, gated, last_row, pad_last
 from kdax.ops.kda.xla import LOG2E
 
@@ -74,6 +75,39 @@ def _params(cfg: Config, kernel: str) -> pltriton.CompilerParams:
     return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Gate:
+    """How the kernels get the natural-log decay from their g input: as it is, or (``logits``)
+    from raw gate logits by :func:`~kdax.ops.kda.gate.log_decay` with per-head parameters
+    p [2, Kp] (row 0 exp(A_log), row 1 dt_bias), so that XLA never writes the float32 decay.
+    Padding holds -inf logits, which gives decay 0 as the zero padding of a decay does."""
+
+    logits: bool = False
+    lower_bound: float | None = None
+
+    @property
+    def fill(self) -> float:  # of padding slots and key columns
+        return -jnp.inf if self.logits else 0.0
+
+    def __call__(self, x, p_ref, cols=slice(None)):  # x [rows, BK] of g, p_ref [2, Kp] or [2, BK] -> float32 decay
+        x = x.astype(jnp.float32)
+        if not self.logits:
+            return x
+        a, b = p_ref[pl.ds(0, 1), cols], p_ref[pl.ds(1, 1), cols]
+        return jnp.where(x > -jnp.inf, log_decay(x, a, b, self.lower_bound), 0.0)
+
+    def vjp(self, g, p, dG):
+        """Cotangents of g [B, L, HV, Kp] and p [HV, 2, Kp] from the decay's dG (float32), in XLA;
+        padding contributes nothing to dp."""
+        if not self.logits:
+            return dG.astype(g.dtype), jnp.zeros_like(p)
+        real = g > -jnp.inf
+        decay = lambda x, p: log_decay(x, p[:, 0], p[:, 1], self.lower_bound)
+        _, pull = jax.vjp(decay, jnp.where(real, g.astype(jnp.float32), 0.0), p)
+        dg, dp = pull(jnp.where(real, dG, 0.0))
+        return dg.astype(g.dtype), dp
+
+
 # ----------------------------------------------------------------------------- kernels
 
 
@@ -108,8 +142,8 @@ def _block_gates(tiles, g_rows, nb):
     return G, before, end
 
 
-def _intra_kernel(tiles, BK, q_ref, k_ref, v_ref, g_ref, b_ref, aqk_ref, w_ref, u_ref, qg_ref, kd_ref, dec_ref,
-                  *pair_refs):  # fmt: skip
+def _intra_kernel(tiles, gate, BK, q_ref, k_ref, v_ref, g_ref, gp_ref, b_ref, aqk_ref, w_ref, u_ref, qg_ref, kd_ref,
+                  dec_ref, *pair_refs):  # fmt: skip
     """Grid (B, HV, chunks). Writes Aqk [C, C], w, q_g, k_d [C, K], u [C, V], decay [1, K],
     and for the backward (two more refs) Kkk and T [C, C].
 
@@ -127,7 +161,7 @@ def _intra_kernel(tiles, BK, q_ref, k_ref, v_ref, g_ref, b_ref, aqk_ref, w_ref, 
         return _rows(ref, i, S, slice(None) if kb is None else pl.ds(kb * BK, BK))
 
     def gates(kb):
-        return _block_gates(tiles, lambda i: rows(g_ref, i, kb), nb)
+        return _block_gates(tiles, lambda i: gate(rows(g_ref, i, kb), gp_ref, pl.ds(kb * BK, BK)), nb)
 
     def pairs(kb, acc):
         G, before, _ = gates(kb)
@@ -249,8 +283,9 @@ def _values_kernel(tiles, BK, BV, aqk_ref, t_ref, w_ref, kd_ref, u_ref, v_ref, b
         ref[...] = x
 
 
-def _keys_kernel(tiles, BK, BV, q_ref, k_ref, g_ref, b_ref, kkk_ref, t_ref, w_ref, sin_ref, dso_ref, do_ref, vn_ref,
-                 dvn_ref, d_ref, dakku_ref, dbeta_v_ref, dkkk_ref, db_ref, dq_ref, dk_ref, dG_ref, dGe_ref):  # fmt: skip
+def _keys_kernel(tiles, gate, BK, BV, q_ref, k_ref, g_ref, gp_ref, b_ref, kkk_ref, t_ref, w_ref, sin_ref, dso_ref,
+                 do_ref, vn_ref, dvn_ref, d_ref, dakku_ref, dbeta_v_ref, dkkk_ref, db_ref, dq_ref, dk_ref, dG_ref,
+                 dGe_ref):  # fmt: skip
     """Grid (B, HV, chunks): walks the key columns in blocks of BK for the column-wise gradients
     (``Tiles.grads_keys``), summing the [C, C] and [C, 1] terms for dKkk and dbeta; each
     block's products with the states (``Tiles.state_products``) summed over blocks of BV value
@@ -270,7 +305,7 @@ def _keys_kernel(tiles, BK, BV, q_ref, k_ref, g_ref, b_ref, kkk_ref, t_ref, w_re
 
         zero = jnp.zeros((C, BK), f32)
         P = lax.fori_loop(0, do_ref.shape[1] // BV, values, StateProducts(zero, zero, zero, jnp.zeros((1, BK), f32)))
-        G = tiles.cumsum(_cols(g_ref, kb, BK) * LOG2E)
+        G = tiles.cumsum(gate(_cols(g_ref, kb, BK), gp_ref, cols) * LOG2E)
         Kg = tiles.grads_keys(_cols32(q_ref, kb, BK), _cols32(k_ref, kb, BK), beta, G, T, _cols(w_ref, kb, BK), P, d)
         dq_ref[:, cols], dk_ref[:, cols], dG_ref[:, cols], dGe_ref[:, cols] = Kg.dq, Kg.dk, Kg.dG, Kg.dG_end
         return acc[0] + Kg.dAkk_w, acc[1] + Kg.dbeta
@@ -279,8 +314,8 @@ def _keys_kernel(tiles, BK, BV, q_ref, k_ref, g_ref, b_ref, kkk_ref, t_ref, w_re
     dkkk_ref[...], db_ref[...] = tiles.grads_pairs(beta, kkk_ref[...], dAkk, dbeta)
 
 
-def _levels_kernel(tiles, q_ref, k_ref, g_ref, daqk_ref, dkkk_ref, dq_ref, dk_ref, dG_ref, dGe_ref, dq_out, dk_out,
-                   dg_out):  # fmt: skip
+def _levels_kernel(tiles, gate, q_ref, k_ref, g_ref, gp_ref, daqk_ref, dkkk_ref, dq_ref, dk_ref, dG_ref, dGe_ref, dq_out,
+                   dk_out, dg_out):  # fmt: skip
     """Grid (B, HV, chunks, K-blocks): add the share of the pair products Aqk and Kkk to dq, dk
     and dG, on the intra kernel's row blocks (a diagonal block by ``Tiles.grads_levels``, an
     off-diagonal one through its two factors), and turn dG into dg (reverse cumsum). One row
@@ -289,10 +324,11 @@ def _levels_kernel(tiles, q_ref, k_ref, g_ref, daqk_ref, dkkk_ref, dq_ref, dk_re
     C, wide = daqk_ref.shape[0], tiles.wide
     S = min(SUB, C)
     nb = C // S
-    _, before, _ = _block_gates(tiles, lambda i: _rows(g_ref, i, S), nb)
+    decay = [gate(_rows(g_ref, i, S), gp_ref) for i in range(nb)]
+    _, before, _ = _block_gates(tiles, lambda i: decay[i], nb)
 
     def block(i):  # q, k and the cumulative log2 gate of row block i, [S, BK] each
-        return _rows(q_ref, i, S), _rows(k_ref, i, S), before[i] + tiles.cumsum(_rows(g_ref, i, S) * LOG2E)
+        return _rows(q_ref, i, S), _rows(k_ref, i, S), before[i] + tiles.cumsum(decay[i] * LOG2E)
 
     def pair(ref, i, j):  # block (i, j) of a [C, C] ref
         return ref[pl.ds(i * S, S), pl.ds(j * S, S)]
@@ -393,7 +429,11 @@ def _per_chunk_row(d: int):  # row c of [B, HV, NC, d] on grid (b, h, c)
     return pl.BlockSpec((None, None, 1, d), lambda b, h, c: (b, h, c, 0))
 
 
-def _run_intra(q, k, v, g, beta, C, groups, tiles, cfg, backward=False):
+def _gate_spec(Kp: int):  # per-head gate parameters [HV, 2, Kp] on grid (b, h, c)
+    return pl.BlockSpec((None, 2, Kp), lambda b, h, c: (h, 0, 0))
+
+
+def _run_intra(q, k, v, g, gp, beta, C, groups, tiles, cfg, gate, backward=False):
     """Intra-chunk kernel: Aqk [B, HV, L, C], w [.., Kp], u [.., Vp], q_g, k_d [.., Kp], decay [B, HV, NC, Kp],
     and with ``backward`` also Kkk (float32), T [B, HV, L, C]; the [C, D] ones in :func:`_stored` dtype."""
     B, L, HV, Vp = v.shape
@@ -403,23 +443,24 @@ def _run_intra(q, k, v, g, beta, C, groups, tiles, cfg, backward=False):
     dtypes = (sd,) * 5 + ((f32, sd) if backward else ())
     tiled = [jax.ShapeDtypeStruct((B, HV, L, d), t) for d, t in zip(widths, dtypes)]
     return pl.pallas_call(
-        functools.partial(_intra_kernel, tiles, cfg.block_k),
+        functools.partial(_intra_kernel, tiles, gate, cfg.block_k),
         grid=(B, HV, NC),
-        in_specs=[tok(Kp, groups), tok(Kp, groups), tok(Vp), tok(Kp), tok(1)],
+        in_specs=[tok(Kp, groups), tok(Kp, groups), tok(Vp), tok(Kp), _gate_spec(Kp), tok(1)],
         out_specs=[spec(d) for d in widths[:5]] + [_per_chunk_row(Kp)] + [spec(d) for d in widths[5:]],
         out_shape=tiled[:5] + [jax.ShapeDtypeStruct((B, HV, NC, Kp), f32)] + tiled[5:],
         compiler_params=_params(cfg, "intra"), interpret=_interpret(cfg),
-    )(q, k, v, g, beta)  # fmt: skip
+    )(q, k, v, g, gp, beta)  # fmt: skip
 
 
-def _forward(q, k, v, g, beta, h0t, ranges, C, groups, tiles, cfg):
+def _forward(q, k, v, g, gp, beta, h0t, ranges, C, groups, tiles, cfg, gate):
     """Token-major inputs on the padded slot axis: q, k [B, L, H, Kp], v [B, L, HV, Vp] (in :func:`_stored`
-    dtype); g [B, L, HV, Kp] (natural log), beta [B, L, HV, 1] (float32); h0t [B, N, HV, Vp, Kp];
+    dtype); g [B, L, HV, Kp] (natural-log decay or logits, :class:`_Gate`) and its parameters gp
+    [HV, 2, Kp]; beta [B, L, HV, 1] (float32); h0t [B, N, HV, Vp, Kp];
     ranges (start, end) int32 [N] chunk range of each sequence. Returns o [B, L, HV, Vp] (v's dtype),
     final [B, N, HV, Vp, Kp], S_in [B, HV, NC, Vp, Kp] (stored dtype)."""
     B, L, HV, Vp = v.shape
     Kp, NC, N, BV, f32, sd = k.shape[-1], L // C, h0t.shape[1], cfg.block_v, jnp.float32, _stored(tiles)
-    aqk, w, u, q_g, k_d, dec = _run_intra(q, k, v, g, beta, C, groups, tiles, cfg)
+    aqk, w, u, q_g, k_d, dec = _run_intra(q, k, v, g, gp, beta, C, groups, tiles, cfg, gate)
     seq, state = _seq_range(N), _seq_state(BV, Kp)
     v_new, s_in, final = pl.pallas_call(
         functools.partial(_state_kernel, tiles, C),
@@ -446,12 +487,13 @@ def _forward(q, k, v, g, beta, h0t, ranges, C, groups, tiles, cfg):
     return o, final, s_in
 
 
-def _backward(q, k, v, g, beta, ranges, S_in, do, dfinal_t, C, groups, tiles, cfg):
-    """Cotangents of the inputs of :func:`_forward` (dq, dk summed over each group's value heads)."""
+def _backward(q, k, v, g, gp, beta, ranges, S_in, do, dfinal_t, C, groups, tiles, cfg, gate):
+    """Cotangents of q, k, v, the decay (float32), beta and h0t (dq, dk summed over each group's
+    value heads)."""
     B, L, HV, Vp = v.shape
     H, Kp, NC, N, BV = k.shape[2], k.shape[-1], L // C, dfinal_t.shape[1], cfg.block_v
     f32, sd = jnp.float32, _stored(tiles)
-    aqk, w, u, q_g, k_d, dec, kkk, T = _run_intra(q, k, v, g, beta, C, groups, tiles, cfg, backward=True)
+    aqk, w, u, q_g, k_d, dec, kkk, T = _run_intra(q, k, v, g, gp, beta, C, groups, tiles, cfg, gate, backward=True)
     seq, state = _seq_range(N), _seq_state(BV, Kp)
     dS_out, dh0t = pl.pallas_call(
         functools.partial(_dstate_kernel, tiles, C),
@@ -476,47 +518,49 @@ def _backward(q, k, v, g, beta, ranges, S_in, do, dfinal_t, C, groups, tiles, cf
         compiler_params=_params(cfg, "values"), interpret=_interpret(cfg),
     )(aqk, T, w, k_d, u, v, beta, S_in, do, dS_out)  # fmt: skip
     dkkk, dbeta, dq, dk, dG, dG_end = pl.pallas_call(
-        functools.partial(_keys_kernel, tiles, BK, BV),
+        functools.partial(_keys_kernel, tiles, gate, BK, BV),
         grid=(B, HV, NC),
-        in_specs=[qk, qk, tok(Kp), tok(1), spec(C), spec(C), spec(Kp), st, st, tok(Vp), spec(Vp), spec(Vp), spec(1),
-                  spec(C), spec(1)],
+        in_specs=[qk, qk, tok(Kp), _gate_spec(Kp), tok(1), spec(C), spec(C), spec(Kp), st, st, tok(Vp), spec(Vp),
+                  spec(Vp), spec(1), spec(C), spec(1)],
         out_specs=[spec(C), tok(1), spec(Kp), spec(Kp), spec(Kp), _per_chunk_row(Kp)],
         out_shape=[jax.ShapeDtypeStruct((B, HV, L, C), f32), jax.ShapeDtypeStruct(beta.shape, f32)]
         + [jax.ShapeDtypeStruct((B, HV, L, Kp), f32)] * 3 + [jax.ShapeDtypeStruct((B, HV, NC, Kp), f32)],
         compiler_params=_params(cfg, "keys"), interpret=_interpret(cfg),
-    )(q, k, g, beta, kkk, T, w, S_in, dS_out, do, v_new, dv_new, d, dakk_u, dbeta_v)  # fmt: skip
+    )(q, k, g, gp, beta, kkk, T, w, S_in, dS_out, do, v_new, dv_new, d, dakk_u, dbeta_v)  # fmt: skip
     cols = pl.BlockSpec((None, None, C, BK), lambda b, h, c, kb: (b, h, c, kb))
     pair = pl.BlockSpec((None, None, C, C), lambda b, h, c, kb: (b, h, c, 0))
     row = pl.BlockSpec((None, None, 1, BK), lambda b, h, c, kb: (b, h, c, kb))
+    gp_cols = pl.BlockSpec((None, 2, BK), lambda b, h, c, kb: (h, 0, kb))
     dqk = q.dtype if groups == 1 else f32  # summed over the group in XLA otherwise
     dq, dk, dg = pl.pallas_call(
-        functools.partial(_levels_kernel, tiles),
+        functools.partial(_levels_kernel, tiles, gate),
         grid=(B, HV, NC, Kp // BK),
-        in_specs=[_token_cols(C, BK, groups)] * 2 + [_token_cols(C, BK), pair, pair, cols, cols, cols, row],
+        in_specs=[_token_cols(C, BK, groups)] * 2 + [_token_cols(C, BK), gp_cols, pair, pair, cols, cols, cols, row],
         out_specs=[_token_cols(C, BK)] * 3,
         out_shape=[jax.ShapeDtypeStruct((B, L, HV, Kp), t) for t in (dqk, dqk, f32)],
         compiler_params=_params(cfg, "levels"), interpret=_interpret(cfg),
-    )(q, k, g, daqk, dkkk, dq, dk, dG, dG_end)  # fmt: skip
+    )(q, k, g, gp, daqk, dkkk, dq, dk, dG, dG_end)  # fmt: skip
     dq, dk = (x.reshape(B, L, H, groups, Kp).sum(3).astype(q.dtype) for x in (dq, dk))
     return dq, dk, dv, dg, dbeta, dh0t
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
-def _core(q, k, v, g, beta, h0t, ranges, C, groups, tiles, cfg):
-    o, final, _ = _forward(q, k, v, g, beta, h0t, ranges, C, groups, tiles, cfg)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11, 12))
+def _core(q, k, v, g, gp, beta, h0t, ranges, C, groups, tiles, cfg, gate):
+    o, final, _ = _forward(q, k, v, g, gp, beta, h0t, ranges, C, groups, tiles, cfg, gate)
     return o, final
 
 
-def _core_fwd(q, k, v, g, beta, h0t, ranges, C, groups, tiles, cfg):
-    o, final, S_in = _forward(q, k, v, g, beta, h0t, ranges, C, groups, tiles, cfg)
-    return (o, final), (q, k, v, g, beta, ranges, S_in)
+def _core_fwd(q, k, v, g, gp, beta, h0t, ranges, C, groups, tiles, cfg, gate):
+    o, final, S_in = _forward(q, k, v, g, gp, beta, h0t, ranges, C, groups, tiles, cfg, gate)
+    return (o, final), (q, k, v, g, gp, beta, ranges, S_in)
 
 
-def _core_bwd(C, groups, tiles, cfg, res, cts):
-    q, k, v, g, beta, ranges, S_in = res
+def _core_bwd(C, groups, tiles, cfg, gate, res, cts):
+    q, k, v, g, gp, beta, ranges, S_in = res
     do, dfinal_t = cts
-    grads = _backward(q, k, v, g, beta, ranges, S_in, do, dfinal_t, C, groups, tiles, cfg)
-    return grads + ((None, None),)
+    dq, dk, dv, dG, dbeta, dh0t = _backward(q, k, v, g, gp, beta, ranges, S_in, do, dfinal_t, C, groups, tiles, cfg,
+                                            gate)  # fmt: skip
+    return (dq, dk, dv, *gate.vjp(g, gp, dG), dbeta, dh0t, (None, None))
 
 
 _core.defvjp(_core_fwd, _core_bwd)
@@ -526,12 +570,26 @@ def _pow2(n: int) -> int:  # smallest power of two >= max(n, 16)
     return max(16, 1 << (n - 1).bit_length())
 
 
-def chunk_kda_pallas_gpu(q, k, v, g, beta, h0, layout: ChunkLayout, input_dtype=jnp.float32, cfg: Config | None = None):
+def _gate_params(gate, HV: int, K: int, Kp: int):  # [HV, 2, Kp]: exp(A_log), dt_bias (zeros when g is the decay)
+    f32 = jnp.float32
+    if gate is None:
+        return jnp.zeros((HV, 2, Kp), f32)
+    A_log, dt_bias, _ = gate
+    a = jnp.ones((HV,), f32) if A_log is None else jnp.exp(A_log.astype(f32))
+    b = jnp.zeros((HV, K), f32) if dt_bias is None else dt_bias.astype(f32).reshape(HV, K)
+    return jnp.stack([jnp.broadcast_to(a[:, None], (HV, Kp)), pad_last(b, Kp)], axis=1)
+
+
+def chunk_kda_pallas_gpu(q, k, v, g, beta, h0, layout: ChunkLayout, input_dtype=jnp.float32, cfg: Config | None = None,
+                         gate=None, g_dtype=None):  # fmt: skip
     """Core chunked KDA with the GPU kernels, on prepared float32 inputs.
 
     q, k: [B, T, H, K] (q scaled, not repeated over value heads); v: [B, T, HV, V];
-    g: [B, T, HV, K] natural-log decay; beta: [B, T, HV]; h0: [B, N, HV, K, V];
-    input_dtype: the caller's dtype (chooses the matmul precision under "auto").
+    g: [B, T, HV, K] natural-log decay, or with ``gate = (A_log [HV] | None, dt_bias [HV * K] | None,
+    lower_bound | None)`` the raw logits that the kernels turn into the decay as
+    :func:`~kdax.ops.kda.gate.kda_gate` does; beta: [B, T, HV]; h0: [B, N, HV, K, V];
+    input_dtype: the caller's dtype (chooses the matmul precision under "auto");
+    g_dtype: the caller's dtype of g (bfloat16 or float16 g is read as such).
     Returns (o [B, T, HV, V], final [B, N, HV, K, V]); o in bfloat16 under precision "bf16".
 
     The kernels read q, k, v (rounded to :func:`_stored` dtype), g and beta token-major as they
@@ -552,9 +610,13 @@ def chunk_kda_pallas_gpu(q, k, v, g, beta, h0, layout: ChunkLayout, input_dtype=
     tiles = _tiles(cfg, input_dtype)
     sd = _stored(tiles)
     qt, kt = (pad_last(layout.pack(x.astype(sd)), Kp) for x in (q, k))
-    vt, gt = pad_last(layout.pack(v.astype(sd)), Vp), pad_last(layout.pack(g), Kp)
+    kgate = _Gate(gate is not None, None if gate is None else gate[2])
+    if g_dtype in (jnp.bfloat16, jnp.float16):
+        g = g.astype(g_dtype)
+    vt, gt = pad_last(layout.pack(v.astype(sd)), Vp), pad_last(layout.pack(g, kgate.fill), Kp, kgate.fill)
     bt = layout.pack(beta[..., None])
     h0t = pad_last(jnp.swapaxes(pad_last(h0, Vp), -1, -2), Kp)  # [B, N, HV, Vp, Kp]
     ranges = (layout.seq_chunk_start, layout.seq_chunk_end)
-    o, final = _core(qt, kt, vt, gt, bt, h0t, ranges, layout.chunk_size, HV // H, tiles, cfg)
+    gp = _gate_params(gate, HV, K, Kp)
+    o, final = _core(qt, kt, vt, gt, gp, bt, h0t, ranges, layout.chunk_size, HV // H, tiles, cfg, kgate)
     return layout.unpack(o[..., :V]), jnp.swapaxes(final, -1, -2)[..., :K, :V]

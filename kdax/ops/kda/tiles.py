@@ -332,8 +332,8 @@ class Tiles:
 # ----------------------------------------------------------------------------- wrapper layout
 
 
-def pad_last(x: jax.Array, n: int) -> jax.Array:
-    return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, n - x.shape[-1])])
+def pad_last(x: jax.Array, n: int, fill: float = 0.0) -> jax.Array:
+    return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, n - x.shape[-1])], constant_values=fill)
 
 
 def head_major(layout: ChunkLayout, x: jax.Array, width: int | None) -> jax.Array:

@@ -6,6 +6,7 @@ only these kernels have."""
 import functools
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -65,7 +66,9 @@ def test_float32_inputs_within_bars_with_gpu_matmuls(case, monkeypatch):
 
 
 @pytest.mark.parametrize("precision", ["bf16", "tf32"])
-@pytest.mark.parametrize("case", [c for c in CASES if c.name in ("T65_gva_h0", "strong_decay_varlen")], ids=str)
+@pytest.mark.parametrize(
+    "case", [c for c in CASES if c.name in ("T65_gva_h0", "strong_decay_varlen", "gate_varlen_K60")], ids=str
+)
 def test_bf16_inputs_within_bars_with_gpu_matmuls(case, precision, monkeypatch):
     """bfloat16 inputs with the matmuls of precision="bf16" (what "auto" picks) and "tf32",
     the GPU's TF32 rounding emulated here."""
@@ -75,18 +78,18 @@ def test_bf16_inputs_within_bars_with_gpu_matmuls(case, precision, monkeypatch):
     assert_close_to_reference(chunk_kda_gpu, case, jnp.bfloat16)
 
 
-def _pallas_call_outputs(fn, *args):  # dtypes of every pallas_call's outputs in fn's jaxpr, in order
-    outs = []
+def _pallas_calls(fn, *args, side="outvars"):  # dtypes of every pallas_call's outputs (or invars) in fn's jaxpr
+    found = []
 
     def walk(jaxpr):
         for eqn in jaxpr.eqns:
             if eqn.primitive.name == "pallas_call":
-                outs.append(tuple(v.aval.dtype for v in eqn.outvars))
+                found.append(tuple(v.aval.dtype for v in getattr(eqn, side)))
             for sub in jax.extend.core.jaxprs_in_params(eqn.params):
                 walk(sub)
 
     walk(jax.make_jaxpr(fn)(*args).jaxpr)
-    return outs
+    return found
 
 
 def test_bf16_inputs_store_intermediates_in_bf16():
@@ -94,13 +97,48 @@ def test_bf16_inputs_store_intermediates_in_bf16():
     B, T, H, K = 1, 64, 1, 16
     x = jnp.zeros((B, T, H, K), jnp.bfloat16)
     b = jnp.zeros((B, T, H), jnp.bfloat16)
-    intra, state, output = _pallas_call_outputs(lambda *a: chunk_kda_gpu(*a)[0], x, x, x, x, b)
+    intra, state, output = _pallas_calls(lambda *a: chunk_kda_gpu(*a)[0], x, x, x, x, b)
     bf16, f32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
     assert intra == (bf16,) * 5 + (f32,)  # Aqk, w, u, q_g, k_d; decay
     assert state == (bf16, bf16, f32)  # v_new, S_in; final state
     assert output == (bf16,)
-    intra32 = _pallas_call_outputs(lambda *a: chunk_kda_gpu(*a)[0], *(a.astype(f32) for a in (x, x, x, x, b)))[0]
+    intra32 = _pallas_calls(lambda *a: chunk_kda_gpu(*a)[0], *(a.astype(f32) for a in (x, x, x, x, b)))[0]
     assert intra32 == (f32,) * 6
+
+
+def test_gate_logits_are_read_by_the_kernels():
+    """With use_gate_in_kernel the kernels read the bf16 logits: no float32 decay in HBM."""
+    B, T, H, K = 1, 64, 1, 16
+    x = jnp.zeros((B, T, H, K), jnp.bfloat16)
+    b = jnp.zeros((B, T, H), jnp.bfloat16)
+    gate = {"use_gate_in_kernel": True, "A_log": jnp.zeros((H,)), "dt_bias": jnp.zeros((H * K,))}
+
+    def loss(q, k, v, g, beta):
+        return chunk_kda_gpu(q, k, v, g, beta, **gate)[0].astype(jnp.float32).sum()
+
+    calls = _pallas_calls(jax.grad(loss, argnums=3), x, x, x, x, b, side="invars")
+    intra, _, _, intra_again, _, _, keys, levels = calls  # forward: intra, state, output; backward: intra, ...
+    for ins, at in ((intra, 3), (intra_again, 3), (keys, 2), (levels, 2)):  # g is input `at`, its parameters next
+        assert ins[at : at + 2] == (jnp.bfloat16, jnp.float32)
+
+
+@pytest.mark.parametrize("A_log", [-200.0, 0.5])
+def test_gate_in_kernels_equals_the_gate_in_xla(A_log):
+    """The sigmoid form on varlen padding, with exp(A_log) that underflows to 0 (a * -inf would be nan)."""
+    case = Case("sigmoid_varlen", lengths=(1, 40, 9), H=1, HV=2, K=24, V=16, chunk_size=16)
+    (q, k, v, g, beta), kw = make_inputs(case)
+    kw.update(use_gate_in_kernel=True, lower_bound=-3.0, dt_bias=jnp.linspace(-1, 1, 2 * 24))
+
+    def run(backend, A_log, dt_bias, g):
+        o, s = kdax.chunk_kda(q, k, v, g, beta, A_log=A_log, **{**kw, "dt_bias": dt_bias}, backend=backend)
+        return o, s, jax.grad(lambda *a: jnp.sum(kdax.chunk_kda(q, k, v, a[2], beta, A_log=a[0], **{
+            **kw, "dt_bias": a[1]}, backend=backend)[0] ** 2), argnums=(0, 1, 2))(A_log, dt_bias, g)
+
+    A = jnp.asarray([A_log, 0.3])
+    for got, want in zip(jax.tree.leaves(run("pallas_gpu", A, kw["dt_bias"], g)),
+                         jax.tree.leaves(run("xla", A, kw["dt_bias"], g))):  # fmt: skip
+        assert np.all(np.isfinite(got))
+        np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5)
 
 
 def test_tf32_rounding_helper():
@@ -153,17 +191,28 @@ N_FWD, N_BWD = 3, 5  # kernels: intra, state, output; intra, state cotangent, va
 @pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
 def test_lowers_for_cuda(dtype, dim, varlen, monkeypatch):
     """Forward alone, and forward + backward: every kernel lowers through Triton."""
+    _assert_lowers_for_cuda(dtype, dim, varlen, monkeypatch)
+
+
+@pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["softplus", "sigmoid"])
+def test_gate_in_kernels_lowers_for_cuda(lower_bound, monkeypatch):
+    HV, K = 4, 128
+    gate = {"use_gate_in_kernel": True, "A_log": jnp.zeros((HV,)), "dt_bias": jnp.zeros((HV * K,))}
+    _assert_lowers_for_cuda(jnp.bfloat16, K, True, monkeypatch, lower_bound=lower_bound, **gate)
+
+
+def _assert_lowers_for_cuda(dtype, dim, varlen, monkeypatch, **options):
     monkeypatch.setattr(pallas_gpu, "CONFIG", pallas_gpu.Config(interpret=False))
     B, T, H, HV = (1, 130, 2, 4) if varlen else (2, 130, 2, 4)
     cu = jnp.asarray([0, 1, 100, 130], jnp.int32) if varlen else None
     shapes = [(B, T, H, dim), (B, T, H, dim), (B, T, HV, dim), (B, T, HV, dim), (B, T, HV)]
     args = [jax.ShapeDtypeStruct(s, dtype) for s in shapes]
-    fwd = jax.jit(lambda *a: chunk_kda_gpu(*a, cu_seqlens=cu, output_final_state=True))
+    fwd = jax.jit(lambda *a: chunk_kda_gpu(*a, cu_seqlens=cu, output_final_state=True, **options))
     triton = "__gpu$xla.gpu.triton"
     assert fwd.trace(*args).lower(lowering_platforms=("cuda",)).as_text().count(triton) == N_FWD
 
     def loss(*a):
-        o, s = chunk_kda_gpu(*a, cu_seqlens=cu, output_final_state=True)
+        o, s = chunk_kda_gpu(*a, cu_seqlens=cu, output_final_state=True, **options)
         return o.astype(jnp.float32).sum() + s.sum()
 
     grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
