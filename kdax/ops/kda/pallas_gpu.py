@@ -324,6 +324,9 @@ def _levels_kernel(tiles, gate, q_ref, k_ref, g_ref, gp_ref, daqk_ref, dkkk_ref,
     C, wide = daqk_ref.shape[0], tiles.wide
     S = min(SUB, C)
     nb = C // S
+    # Each block's decay held, its cumulative gate rebuilt per use in block(): the compiled
+    # code is the same as holding G (the cumsums are common subexpressions) with less spill
+    # (112 B against 128 per thread, bf16 with gate logits: scripts/gpu_compile_report.py).
     decay = [gate(_rows(g_ref, i, S), gp_ref) for i in range(nb)]
     _, before, _ = _block_gates(tiles, lambda i: decay[i], nb)
 
