@@ -4,6 +4,8 @@ Every chunked backend works on a padded token axis of ``n_chunks * chunk_size`` 
 in which each sequence starts on a chunk boundary, so no chunk mixes two sequences.
 Sequence boundaries (``cu_seqlens``) may be traced; only their number ``N`` is static,
 so the padded length is the static bound ``sum(ceil(L_n / C)) <= (T + N (C - 1)) // C``.
+Traced offsets are not checked: malformed ones give meaningless values, but never a chunk
+range outside the layout.
 """
 
 from __future__ import annotations
@@ -68,10 +70,13 @@ def chunk_layout(num_tokens: int, chunk_size: int, cu_seqlens: jax.Array | None 
     cu = cu_seqlens.astype(i32)
     N = cu.shape[0] - 1
     NC = max(1, (T + N * (C - 1)) // C)
-    lengths = cu[1:] - cu[:-1]  # [N]
+    # A traced cu_seqlens cannot be checked: clamping keeps malformed offsets (decreasing, or
+    # past T) from sending the kernels' chunk loops outside the NC chunks. Valid ones are unchanged.
+    lengths = jnp.maximum(cu[1:] - cu[:-1], 0)  # [N]
     n_seq_chunks = (lengths + C - 1) // C  # [N]
-    chunk_end = jnp.cumsum(n_seq_chunks)  # [N] exclusive end chunk of each sequence
-    chunk_start = chunk_end - n_seq_chunks  # [N]
+    ends = jnp.cumsum(n_seq_chunks)
+    chunk_end = jnp.minimum(ends, NC)  # [N] exclusive end chunk of each sequence
+    chunk_start = jnp.minimum(ends - n_seq_chunks, NC)  # [N]
     c = jnp.arange(NC, dtype=i32)
     # Sequence of each chunk; chunks past the last sequence get N - 1 and hold no tokens.
     chunk_seq = jnp.minimum(jnp.searchsorted(chunk_end, c, side="right"), N - 1).astype(i32)

@@ -154,7 +154,8 @@ def chunk_kda(
 
     q, k: [B, T, H, K]; v: [B, T, HV, V] (HV a multiple of H); g: [B, T, HV, K] log-space
     decay (raw logits when ``use_gate_in_kernel``); beta: [B, T, HV]; initial_state:
-    [N, HV, K, V]; cu_seqlens: [N + 1] int offsets of packed sequences (B must be 1).
+    [N, HV, K, V]; cu_seqlens: [N + 1] int offsets of packed sequences (B must be 1; checked
+    when concrete, trusted when traced: malformed traced offsets give meaningless values).
 
     Returns ``(o [B, T, HV, V] in q's dtype, final_state [N, HV, K, V] float32 or None)``.
     """

@@ -47,3 +47,15 @@ def test_varlen_equals_separate_runs(fn):
     assert rel_rms(o1, o2) < 1e-6 and rel_rms(s1, s2) < 1e-6
     for a, e in zip(g1, g2):
         assert rel_rms(a, e) < 1e-5
+
+
+@pytest.mark.parametrize("cu", [[0, 200], [0, 65, 0, 65], [0, 65, -30, 65]], ids=["past_T", "decreasing", "negative"])
+def test_traced_malformed_cu_seqlens_stays_inside_the_layout(cu):
+    """Traced offsets cannot be checked; the GPU kernels loop over each sequence's chunk range
+    unmasked, so the layout must keep those ranges inside its NC chunks whatever the offsets."""
+    from kdax.ops.common.varlen import chunk_layout
+
+    lay = jax.jit(lambda c: chunk_layout(65, 64, c))(jnp.asarray(cu, jnp.int32))
+    NC = lay.n_chunks
+    start, end = np.asarray(lay.seq_chunk_start), np.asarray(lay.seq_chunk_end)
+    assert np.all(0 <= start) and np.all(start <= end) and np.all(end <= NC), (start, end, NC)
