@@ -1,27 +1,43 @@
 #!/usr/bin/env bash
-# Everything kdax measures on a CUDA GPU, one stage per call (each fits in 10 minutes):
-#   scripts/gpu_session.sh tests     pallas_gpu compiled for real: every shared case, fp32 and bf16
-#   scripts/gpu_session.sh tune      the launch table (kdax bench --gpu-tune)
-#   scripts/gpu_session.sh compare   kdax bench --gpu-compare-fla (FLA in its own process)
-# Expects jax with CUDA, torch and triton installed; FLA's wheels in .wheels/ (installed to
-# /tmp/site). Results go to $OUT (default ./gpu_out).
+# Everything kdax measures on a CUDA GPU, one stage per call of at most 10 minutes (Triton
+# compiles take most of it), in order of importance:
+#   scripts/gpu_session.sh compare [BxT,...]       kdax bench --gpu-compare-fla, FLA in its own process;
+#                                                  default 1x8192 (the acceptance shape), then e.g.
+#                                                  1x2048,1x32768 and 8x2048,8x8192,8x32768
+#   scripts/gpu_session.sh tests                   pallas_gpu compiled for real: every shared case,
+#                                                  fp32 and bf16, on 8 pytest workers
+#   scripts/gpu_session.sh tune [KERNELS] [BVxBK]  kdax bench --gpu-tune: the block sizes (KERNELS
+#                                                  none, the default), then one or two kernels'
+#                                                  launches per call at the blocks found
+# Expects jax with CUDA, torch and triton; FLA's wheels in .wheels/ (installed to /tmp/site).
+# Results and logs go to $OUT (default ./gpu_out) as they are made, so a stage cut short keeps them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
 if compgen -G ".wheels/*.whl" > /dev/null; then
-  pip install -q --no-deps --target /tmp/site .wheels/*.whl
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .wheels/*.whl
 fi
-export PYTHONPATH="$PWD:/tmp/site:${PYTHONPATH:-}" XLA_PYTHON_CLIENT_PREALLOCATE=false
+export PYTHONPATH="$PWD:/tmp/site:${PYTHONPATH:-}" XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
-python -c "import jax; print('jax', jax.__version__, jax.devices())" | tee -a "$OUT/gpu.txt"
-case "${1:-tests}" in
-  tests) python -m pytest -q -p no:cacheprovider tests/ops/kda/test_chunk.py tests/ops/kda/test_pallas_gpu.py \
-           tests/ops/kda/test_fla_parity.py \
-           -k "pallas_gpu or gpu" 2>&1 | tee "$OUT/tests.txt" | tail -30 ;;
-  tune) python -m kdax.bench.cli bench --gpu-tune --repeats 10 | tee "$OUT/tune.json" ;;
-  compare) python -m kdax.bench.cli bench --gpu-compare-fla --repeats 20 --json > "$OUT/compare.json"
-           python -c "import json,sys; from kdax.bench.fla_compare import format_compare; \
-print(format_compare(json.load(open(sys.argv[1]))))" "$OUT/compare.json" | tee "$OUT/compare.md" ;;
-  *) echo "unknown stage $1" >&2; exit 2 ;;
+python3 -c "import jax; assert jax.default_backend() == 'gpu', jax.devices(); print('jax', jax.__version__, jax.devices())" \
+  | tee -a "$OUT/gpu.txt"
+stage=${1:-compare}
+case "$stage" in
+  tests)
+    python3 -m pytest -q -p no:cacheprovider -n 8 --durations=15 tests/ops/kda/test_chunk.py \
+      tests/ops/kda/test_pallas_gpu.py tests/ops/kda/test_fla_parity.py -k "pallas_gpu or gpu" 2>&1 | tee "$OUT/tests.txt" ;;
+  tune)
+    name="tune-${2:-none}"
+    python3 -m kdax.bench.cli bench --gpu-tune --repeats 10 --tune-kernels "${2:-none}" ${3:+--tune-blocks "$3"} \
+      > "$OUT/$name.json" 2> >(tee "$OUT/$name.log" >&2)
+    cat "$OUT/$name.json" ;;
+  compare)
+    shapes=${2:-1x8192}
+    name="compare-${shapes//,/_}"
+    python3 -m kdax.bench.cli bench --gpu-compare-fla --repeats 20 --shapes "$shapes" --workdir "$OUT/$name" --json \
+      > "$OUT/$name.json"
+    python3 -c "import json,sys; from kdax.bench.fla_compare import format_compare; \
+print(format_compare(json.load(open(sys.argv[1]))))" "$OUT/$name.json" | tee "$OUT/$name.md" ;;
+  *) echo "unknown stage $stage (compare, tests, tune)" >&2; exit 2 ;;
 esac

@@ -29,11 +29,12 @@ def test_counts_scale():
 
 
 def test_kdax_worker_and_comparison(tiny, tmp_path, monkeypatch, capsys):
-    kd = fla_compare._kdax_worker([(1, 40)], 1, str(tmp_path / "kd.npz"))
+    kd = fla_compare._kdax_worker([(1, 40)], 1, str(tmp_path / "kd"))
     assert {(r["impl"], r["mode"]) for r in kd["rows"]} == {
         (f"kdax {b}", m) for b in ("pallas_gpu", "xla") for m in ("fwd", "fwd+bwd")
     }
     assert all(r["ms"] > 0 and r["error"] is None for r in kd["rows"])
+    assert json.loads((tmp_path / "kd.json").read_text()) == kd  # saved after each shape
 
     def worker(impl, shapes, repeats, out, python):
         if impl == "kdax":
@@ -71,3 +72,8 @@ def test_gpu_tune_runs_its_sweep(monkeypatch):
     assert res["block_v"] == res["block_k"] == 16 and res["launch"] == dict.fromkeys(pallas_gpu.LAUNCH, (2, 3))
     assert res["fwd_bwd_ms"] > 0 and len(lines) == 1 + len(pallas_gpu.LAUNCH)  # each config timed once
     assert pallas_gpu.CONFIG is before
+    lines.clear()
+    res = gpu_tune.tune(B=1, T=20, H=1, K=16, V=16, repeats=1, kernels=(), blocks=(32, 16), log=lines.append)
+    assert (res["block_v"], res["block_k"], res["launch"]) == (32, 16, {}) and len(lines) == 1  # blocks kept, no sweep
+    with pytest.raises(ValueError, match="kernels"):
+        gpu_tune.tune(kernels=["state", "nope"])

@@ -18,37 +18,37 @@ from kdax.train import TrainConfig
 
 
 def _bench(ns: argparse.Namespace) -> int:
-    meta = {
-        "date": datetime.date.today().isoformat(),
-        "jax": jax.__version__,
-        "device": f"{jax.devices()[0].device_kind} ({platform.processor() or platform.machine()})",
-        "command": "kdax " + " ".join(sys.argv[1:]),
-    }
-    if ns.gpu_tune:
-        from kdax.bench import gpu_tune
-
-        result = gpu_tune.tune(ns.B, ns.T, ns.H, ns.K, ns.V, ns.repeats)
-        print(json.dumps({"meta": meta, "tuned": result}, indent=2))
-        return 0
-    if ns.gpu_compare_fla:
+    meta = {"date": datetime.date.today().isoformat(), "jax": jax.__version__, "command": "kdax " + " ".join(sys.argv[1:])}
+    given = {d: getattr(ns, d) for d in "BTHKV" if getattr(ns, d) is not None}
+    if ns.gpu_compare_fla:  # the workers use the GPU; this process need not
         from kdax.bench import fla_compare
 
-        result = fla_compare.compare(repeats=ns.repeats, python=ns.fla_python)
+        result = fla_compare.compare(ns.shapes or fla_compare.SHAPES, ns.repeats, python=ns.fla_python, workdir=ns.workdir)
         result["meta"].update(date=meta["date"], command=meta["command"])
         print(json.dumps(result, indent=2) if ns.json else fla_compare.format_compare(result))
         return 0
+    meta["device"] = f"{jax.devices()[0].device_kind} ({platform.processor() or platform.machine()})"
+    if ns.gpu_tune:  # its own default shape (B=1 T=8192 H=16 K=V=128) where none is given
+        from kdax.bench import gpu_tune
+
+        kernels = None if ns.tune_kernels == "all" else [k for k in ns.tune_kernels.split(",") if k != "none"]
+        blocks = None if ns.tune_blocks is None else ns.tune_blocks[0]
+        result = gpu_tune.tune(**given, repeats=ns.repeats, kernels=kernels, blocks=blocks)
+        print(json.dumps({"meta": meta, "tuned": result}, indent=2))
+        return 0
+    B, T, H, K, V = ({"B": 1, "T": 1024, "H": 4, "K": 64, "V": 64} | given).values()
     if ns.model:
         from kdax.bench import model
 
-        row = model.run(ns.model, ns.B, ns.T, ns.decode_steps, ns.repeats, ns.dtype)
+        row = model.run(ns.model, B, T, ns.decode_steps, ns.repeats, ns.dtype)
         print(json.dumps({"meta": meta, "model": row}, indent=2) if ns.json else
               f"# {meta['device']}, jax {meta['jax']}, {meta['date']}\n{model.format_row(row)}")  # fmt: skip
         return 0
     if ns.memory:
-        result = {"meta": meta, "memory": kda.peak_memory(ns.B, ns.T, ns.H, ns.K, ns.V, ns.chunk_size)}
+        result = {"meta": meta, "memory": kda.peak_memory(B, T, H, K, V, ns.chunk_size)}
         print(json.dumps(result, indent=2))
         return 0
-    rows = kda.run(ns.B, ns.T, ns.H, ns.K, ns.V, ns.dtype, ns.chunk_size, ns.backends.split(","), ns.repeats,
+    rows = kda.run(B, T, H, K, V, ns.dtype, ns.chunk_size, ns.backends.split(","), ns.repeats,
                    check_error=not ns.no_error, progress=not ns.json)  # fmt: skip
     if ns.json:
         print(json.dumps({"meta": meta, "rows": [dataclasses.asdict(r) for r in rows]}, indent=2))
@@ -58,15 +58,25 @@ def _bench(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _pairs(text: str) -> list[tuple[int, int]]:  # "1x2048,8x8192" -> [(1, 2048), (8, 8192)]
+    try:
+        pairs = [tuple(int(n) for n in item.split("x")) for item in text.split(",")]
+    except ValueError:
+        pairs = []
+    if not pairs or any(len(p) != 2 or min(p) < 1 for p in pairs):
+        raise argparse.ArgumentTypeError(f"expected AxB[,AxB...] of positive integers, got {text!r}")
+    return pairs
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kdax", description="kdax: Kimi Delta Attention for JAX")
     sub = parser.add_subparsers(dest="command", required=True)
     b = sub.add_parser("bench", help="time KDA backends against the naive scan, with errors vs float64")
-    b.add_argument("--B", type=int, default=1)
-    b.add_argument("--T", type=int, default=1024)
-    b.add_argument("--H", type=int, default=4)
-    b.add_argument("--K", type=int, default=64)
-    b.add_argument("--V", type=int, default=64)
+    b.add_argument("--B", type=int, help="default 1 (--gpu-tune: B=1 T=8192 H=16 K=V=128)")
+    b.add_argument("--T", type=int, help="default 1024")
+    b.add_argument("--H", type=int, help="default 4")
+    b.add_argument("--K", type=int, help="default 64")
+    b.add_argument("--V", type=int, help="default 64")
     b.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     b.add_argument("--chunk-size", type=int, default=64)
     b.add_argument("--backends", default="xla,naive", help="comma-separated, e.g. xla,naive")
@@ -76,7 +86,11 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--memory", action="store_true", help="peak memory of forward+backward (default T: use --T)")
     b.add_argument("--gpu-compare-fla", action="store_true",
                    help="on a CUDA GPU: kdax pallas_gpu and xla against FLA's chunk_kda (separate processes)")  # fmt: skip
+    b.add_argument("--shapes", type=_pairs, help="--gpu-compare-fla: BxT,... (default: B 1, 8 x T 2048, 8192, 32768)")
+    b.add_argument("--workdir", help="--gpu-compare-fla: keep the workers' results here")
     b.add_argument("--gpu-tune", action="store_true", help="on a CUDA GPU: measure the pallas_gpu launch table")
+    b.add_argument("--tune-kernels", default="all", help="--gpu-tune: kernels whose launch to sweep (a,b,...|none)")
+    b.add_argument("--tune-blocks", type=_pairs, help="--gpu-tune: block_v x block_k to keep (e.g. 32x16), not sweep")
     b.add_argument("--fla-python", default=sys.executable, help="python that runs the workers (FLA and kdax)")
     b.add_argument("--model", choices=["tiny", "24x2048"],
                    help="prefill (--B x --T prompt) and decode (--decode-steps) tokens/s of a model, random weights")  # fmt: skip

@@ -4,8 +4,11 @@ The two run in separate processes (``python -m kdax.bench.fla_compare worker ...
 the same inputs: each draws them from the same seeded NumPy generator and rounds to
 bfloat16 the same way. Both use the in-op options of a Kimi Linear layer (q/k L2 norm,
 the gate ``-exp(A_log) softplus(g + dt_bias)``, beta = sigmoid) and the loss
-0.5 sum(o^2) for the backward. FLA is timed with CUDA events, JAX with
-``block_until_ready`` around each call (median of ``repeats``, after warm-up).
+0.5 sum(o^2) for the backward. Both time batches of back-to-back calls (about
+:data:`BATCH_MS` each, at most 10 calls) so that launch overhead is amortised the same
+way: FLA with CUDA events around the batch, JAX with a host clock around it and one
+``block_until_ready`` at its end; the median over ``repeats`` batches, after warm-up.
+Each worker rewrites its results after every shape, so a run cut short keeps what it timed.
 
 TFLOP/s and GB/s use the algorithmic counts of :func:`flops` and :func:`min_bytes`
 (the same for every implementation), against a bf16 matmul peak and a device-to-device
@@ -15,6 +18,7 @@ copy bandwidth measured in the FLA process.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -27,6 +31,35 @@ import numpy as np
 SHAPES = [(1, 2048), (1, 8192), (1, 32768), (8, 2048), (8, 8192), (8, 32768)]  # (B, T)
 H, K, V, CHUNK = 16, 128, 128, 64
 SMALL = (1, 512, 4)  # (B, T, H) of the error check
+BATCH_MS = 5.0  # length of one timed batch of calls
+
+
+def _calls_per_batch(ms_once: float) -> int:
+    return max(1, min(10, round(BATCH_MS / max(ms_once, 1e-3))))
+
+
+def jax_ms(f, args, repeats: int) -> float:
+    """Median ms per call of a jitted or compiled ``f(*args)`` (see the module docstring)."""
+    import jax
+
+    for _ in range(2):
+        jax.block_until_ready(f(*args))
+    t0 = time.perf_counter()
+    jax.block_until_ready(f(*args))
+    n = _calls_per_batch((time.perf_counter() - t0) * 1e3)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            out = f(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) * 1e3 / n)
+    return float(np.median(times))
+
+
+def _save(result: dict, out: str) -> None:
+    with open(out + ".json", "w") as f:
+        json.dump(result, f)
 
 
 def flops(B, T, H, K, V, C=CHUNK, backward=False):
@@ -56,24 +89,26 @@ def inputs(B, T, H, K, V, seed=0):
 # ----------------------------------------------------------------------------- workers
 
 
-def _fla_worker(shapes, repeats, small_out):
+def _fla_worker(shapes, repeats, out):
     import torch
     from fla.ops.kda import chunk_kda
 
     dev = "cuda"
 
     def event_ms(fn):
-        for _ in range(3):
-            fn()
-        times = []
-        for _ in range(repeats):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+        def batch(n):
             s.record()
-            fn()
+            for _ in range(n):
+                fn()
             e.record()
             torch.cuda.synchronize()
-            times.append(s.elapsed_time(e))
-        return float(np.median(times))
+            return s.elapsed_time(e) / n
+
+        batch(1), batch(1)
+        n = _calls_per_batch(batch(1))
+        return float(np.median([batch(n) for _ in range(repeats)]))
 
     def peaks():  # bf16 matmul TFLOP/s on random data, device-to-device copy GB/s (read + write)
         a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
@@ -93,12 +128,12 @@ def _fla_worker(shapes, repeats, small_out):
                          use_beta_sigmoid_in_kernel=True)  # fmt: skip
         return o
 
-    def fwd_bwd(t, A_log, dt_bias):
+    def fwd_bwd(t, A_log, dt_bias):  # fresh gradients, as JAX returns (no accumulation into .grad)
         o = run(t, A_log, dt_bias)
-        (0.5 * o.float().square().sum()).backward()
-        return o
+        return o, torch.autograd.grad(0.5 * o.float().square().sum(), t)
 
-    rows = []
+    result = {"rows": [], "peak_tflops": peak_tflops, "copy_gbs": copy_gbs, "device": torch.cuda.get_device_name()}
+    rows = result["rows"]
     for B, T in shapes:
         t, A_log, dt_bias = make(B, T, H)
         with torch.no_grad():
@@ -106,80 +141,71 @@ def _fla_worker(shapes, repeats, small_out):
         rows.append({"B": B, "T": T, "impl": "fla", "mode": "fwd", "ms": ms})
         ms = event_ms(lambda t=t, A_log=A_log, dt_bias=dt_bias: fwd_bwd(t, A_log, dt_bias))
         rows.append({"B": B, "T": T, "impl": "fla", "mode": "fwd+bwd", "ms": ms})
+        print(f"fla B={B} T={T}: {rows[-2]['ms']:.3f} / {ms:.3f} ms", file=sys.stderr, flush=True)
+        _save(result, out)
         del t
         torch.cuda.empty_cache()
     t, A_log, dt_bias = make(*SMALL)
-    o = fwd_bwd(t, A_log, dt_bias)
-    small = [o.detach()] + [x.grad for x in t]
-    np.savez(small_out, **{f"fla_{i}": x.float().cpu().numpy() for i, x in enumerate(small)})
-    return {"rows": rows, "peak_tflops": peak_tflops, "copy_gbs": copy_gbs, "device": torch.cuda.get_device_name()}
+    o, grads = fwd_bwd(t, A_log, dt_bias)
+    np.savez(out + ".npz", **{f"fla_{i}": x.detach().float().cpu().numpy() for i, x in enumerate([o, *grads])})
+    return result
 
 
-def _kdax_worker(shapes, repeats, small_out, backends=("pallas_gpu", "xla")):
+def _kdax_worker(shapes, repeats, out, backends=("pallas_gpu", "xla")):
     import jax
     import jax.numpy as jnp
 
     import kdax
 
+    bf16, f32 = jnp.bfloat16, jnp.float32
+
     def make(B, T, Hh):
         q, k, v, g, beta, A_log, dt_bias = inputs(B, T, Hh, K, V)
-        return [jnp.asarray(z, jnp.bfloat16) for z in (q, k, v, g, beta)], jnp.asarray(A_log), jnp.asarray(dt_bias)
+        return [jnp.asarray(z, bf16) for z in (q, k, v, g, beta)] + [jnp.asarray(A_log), jnp.asarray(dt_bias)]
 
-    def fns(backend, A_log, dt_bias):
-        def op(*a):
-            o, _ = kdax.chunk_kda(*a, A_log=A_log, dt_bias=dt_bias, use_qk_l2norm_in_kernel=True,
+    def fns(backend):
+        def op(q, k, v, g, beta, A_log, dt_bias):
+            o, _ = kdax.chunk_kda(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, use_qk_l2norm_in_kernel=True,
                                   use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, backend=backend)  # fmt: skip
             return o
 
-        loss = lambda *a: 0.5 * jnp.sum(jnp.square(op(*a).astype(jnp.float32)))
-        return jax.jit(op), jax.jit(jax.value_and_grad(loss, argnums=tuple(range(5))))
+        loss = lambda *a: 0.5 * jnp.sum(jnp.square(op(*a).astype(f32)))
+        return {"fwd": jax.jit(op), "fwd+bwd": jax.jit(jax.value_and_grad(loss, argnums=tuple(range(5))))}
 
-    def wall_ms(f, args):
-        for _ in range(3):
-            jax.block_until_ready(f(*args))
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            jax.block_until_ready(f(*args))
-            times.append((time.perf_counter() - t0) * 1e3)
-        return float(np.median(times))
-
-    rows = []
+    result = {"rows": [], "device": str(jax.devices()[0].device_kind), "jax": jax.__version__}
     for B, T in shapes:
-        args, A_log, dt_bias = make(B, T, H)
+        args = make(B, T, H)
         for backend in backends:
-            fwd, bwd = fns(backend, A_log, dt_bias)
-            for mode, f in (("fwd", fwd), ("fwd+bwd", bwd)):
+            for mode, f in fns(backend).items():
                 try:
-                    ms = wall_ms(f, args)
+                    ms, err = jax_ms(f, args, repeats), None
                 except jax.errors.JaxRuntimeError as e:  # e.g. out of memory: reported, not hidden
                     ms, err = None, f"{type(e).__name__}: {str(e)[:200]}"
-                else:
-                    err = None
-                rows.append({"B": B, "T": T, "impl": f"kdax {backend}", "mode": mode, "ms": ms, "error": err})
-            del fwd, bwd
-    args, A_log, dt_bias = make(*SMALL)
+                result["rows"].append({"B": B, "T": T, "impl": f"kdax {backend}", "mode": mode, "ms": ms, "error": err})
+                print(f"kdax {backend} B={B} T={T} {mode}: {ms if err is None else err}", file=sys.stderr, flush=True)
+        _save(result, out)
+        del args
+    args = make(*SMALL)
     small = {}
     for backend in backends:
-        fwd, bwd = fns(backend, A_log, dt_bias)
-        small[backend] = [np.asarray(x, np.float32) for x in (fwd(*args), *bwd(*args)[1])]
+        fwd, bwd = fns(backend).values()
+        small[backend] = [np.asarray(x, f32) for x in (fwd(*args), *bwd(*args)[1])]
     with jax.enable_x64(True):
         a64 = [jnp.asarray(np.asarray(x, np.float32), jnp.float64) for x in args]
-        fwd64, bwd64 = fns("naive", jnp.asarray(A_log, jnp.float64), jnp.asarray(dt_bias, jnp.float64))
+        fwd64, bwd64 = fns("naive").values()
         small["fp64"] = [np.asarray(fwd64(*a64))] + [np.asarray(x) for x in bwd64(*a64)[1]]
-    np.savez(small_out, **{f"{b}_{i}": x for b, xs in small.items() for i, x in enumerate(xs)})
-    return {"rows": rows, "device": str(jax.devices()[0].device_kind), "jax": jax.__version__}
+    np.savez(out + ".npz", **{f"{b}_{i}": x for b, xs in small.items() for i, x in enumerate(xs)})
+    return result
 
 
 # ----------------------------------------------------------------------------- orchestration
 
 
-def _worker(impl, shapes, repeats, out, python):
+def _worker(impl, shapes, repeats, out, python):  # its progress and errors go to our stderr
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
     cmd = [python, "-m", "kdax.bench.fla_compare", "worker", impl, out, str(repeats), json.dumps(shapes)]
-    proc = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True)
-    if proc.returncode:
-        raise RuntimeError(f"the {impl} worker failed ({' '.join(cmd[:5])}):\n{proc.stderr[-3000:]}")
+    if subprocess.run(cmd, check=False, env=env).returncode:
+        raise RuntimeError(f"the {impl} worker failed ({' '.join(cmd[:5])}); its error is above")
     with open(out + ".json") as f:
         return json.load(f)
 
@@ -188,9 +214,12 @@ def _rel(x, ref):
     return float(np.linalg.norm(np.float64(x) - ref) / np.linalg.norm(np.float64(ref)))
 
 
-def compare(shapes=SHAPES, repeats=20, python=sys.executable) -> dict:
-    """Run both workers; return rows with TFLOP/s, GB/s and the ratio to FLA, and the errors."""
-    with tempfile.TemporaryDirectory() as d:
+def compare(shapes=SHAPES, repeats=20, python=sys.executable, workdir=None) -> dict:
+    """Run both workers; return rows with TFLOP/s, GB/s and the ratio to FLA, and the errors.
+    ``workdir``: where the workers write (kept), else a temporary folder."""
+    if workdir:
+        os.makedirs(workdir, exist_ok=True)
+    with contextlib.nullcontext(workdir) if workdir else tempfile.TemporaryDirectory() as d:
         fla = _worker("fla", shapes, repeats, os.path.join(d, "fla"), python)
         kd = _worker("kdax", shapes, repeats, os.path.join(d, "kdax"), python)
         f_small, k_small = np.load(os.path.join(d, "fla.npz")), np.load(os.path.join(d, "kdax.npz"))
@@ -254,9 +283,7 @@ def main(argv):
     ns = p.parse_args(argv)
     shapes = [tuple(s) for s in json.loads(ns.shapes)]
     run = _fla_worker if ns.impl == "fla" else _kdax_worker
-    result = run(shapes, ns.repeats, ns.out + ".npz")
-    with open(ns.out + ".json", "w") as f:
-        json.dump(result, f)
+    _save(run(shapes, ns.repeats, ns.out), ns.out)
     return 0
 
 

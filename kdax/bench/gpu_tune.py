@@ -3,29 +3,37 @@
 At one shape (default B=1, T=8192, H=16, K=V=128 bf16, the in-op options of
 :mod:`kdax.bench.fla_compare`), first ``block_v`` and ``block_k``, then each kernel's
 (num_warps, num_stages) in turn with the others at their best so far (coordinate
-descent), timing forward+backward. Prints each trial and the table to put in LAUNCH.
+descent), timing forward+backward (:func:`~kdax.bench.fla_compare.jax_ms`). Logs each trial to stderr as it
+goes; returns the table to put in LAUNCH.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
-import time
-
-import numpy as np
+import sys
 
 BLOCK_V, BLOCK_K = (16, 32, 64), (16, 32, 64)
 WARPS, STAGES = (2, 4, 8), (1, 2, 3)
 
 
-def tune(B=1, T=8192, H=16, K=128, V=128, repeats=10, log=print) -> dict:
+_stderr = functools.partial(print, file=sys.stderr, flush=True)
+
+
+def tune(B=1, T=8192, H=16, K=128, V=128, repeats=10, kernels=None, blocks=None, log=_stderr) -> dict:
+    """kernels: those whose launch to sweep (default all of LAUNCH); blocks: (block_v, block_k) to
+    keep instead of sweeping them. Each trial compiles forward+backward anew, so on a GPU with a
+    10-minute limit per call split the sweep: blocks with kernels=(), then a few kernels at a time."""
     import jax
     import jax.numpy as jnp
 
     import kdax
-    from kdax.bench.fla_compare import inputs
+    from kdax.bench.fla_compare import inputs, jax_ms
     from kdax.ops.kda import pallas_gpu
 
+    if unknown := set(kernels or ()) - set(pallas_gpu.LAUNCH):
+        raise ValueError(f"kernels: expected names among {tuple(pallas_gpu.LAUNCH)}, got {sorted(unknown)}")
     q, k, v, g, beta, A_log, dt_bias = inputs(B, T, H, K, V)
     args = [jnp.asarray(x, jnp.bfloat16) for x in (q, k, v, g, beta)]
 
@@ -38,16 +46,10 @@ def tune(B=1, T=8192, H=16, K=128, V=128, repeats=10, log=print) -> dict:
         pallas_gpu.CONFIG = cfg
         f = jax.jit(jax.grad(loss, argnums=tuple(range(5))))  # a fresh trace: the config is read when tracing
         try:
-            jax.block_until_ready(f(*args))
+            ms = jax_ms(f, args, repeats)
         except jax.errors.JaxRuntimeError as e:  # a launch that does not fit (registers, shared memory)
             log(f"  {cfg}: failed ({str(e)[:120]})")
             return float("inf")
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            jax.block_until_ready(f(*args))
-            times.append(time.perf_counter() - t0)
-        ms = float(np.median(times)) * 1e3
         log(f"  block_v={cfg.block_v} block_k={cfg.block_k} launch={dict(cfg.launch)}: {ms:.3f} ms")
         return ms
 
@@ -59,9 +61,9 @@ def tune(B=1, T=8192, H=16, K=128, V=128, repeats=10, log=print) -> dict:
         return timed[cfg]
 
     try:
-        best = min((pallas_gpu.Config(block_v=bv, block_k=bk) for bv, bk in itertools.product(BLOCK_V, BLOCK_K)),
-                   key=time_of)  # fmt: skip
-        for kernel in pallas_gpu.LAUNCH:
+        sweep = itertools.product(BLOCK_V, BLOCK_K) if blocks is None else [blocks]
+        best = min((pallas_gpu.Config(block_v=bv, block_k=bk) for bv, bk in sweep), key=time_of)
+        for kernel in pallas_gpu.LAUNCH if kernels is None else kernels:
             launch = {**pallas_gpu.LAUNCH, **dict(best.launch)}
             trials = [dataclasses.replace(best, launch=tuple({**launch, kernel: ws}.items()))
                       for ws in itertools.product(WARPS, STAGES)]  # fmt: skip
