@@ -2,17 +2,19 @@
 what the compiler made of it: registers per thread, spill stack, shared memory, and the
 instruction mix (tensor-core HGMMA/HMMA, FFMA, exp2 on MUFU, local-memory LDL/STL).
 
-    python scripts/gpu_compile_report.py [--T 8192] [--dtype bfloat16] [--gate-logits] [--kernels intra keys]
+    python scripts/gpu_compile_report.py [--T 8192] [--K 128 --V 128 --chunk-size 64]
+        [--dtype bfloat16] [--gate-logits] [--kernels intra keys]
 
-JAX lowers the forward and the backward of ``chunk_kda(backend="pallas_gpu")`` at
-B = 1, H = 16, K = V = 128 for CUDA (``lowering_platforms=("cuda",)``), g the log decay or, with
-``--gate-logits``, raw logits with the gate in the kernels (A_log and dt_bias, as ``kdax bench
---gpu-compare-fla`` runs); each kernel's Triton
-IR is then compiled with the ``triton`` package (``pip install triton``), with the
-(num_warps, num_stages) of ``pallas_gpu.LAUNCH``, and the cubin inspected with the
-``cuobjdump`` that ships with it. The Triton inside XLA (what runs on a GPU) is a different
-build, so counts can differ a little; shared memory over the 227 KiB an H100 block may use
-means the kernel cannot launch. Exit status 1 when a kernel is over that limit.
+JAX lowers the forward and the backward of ``chunk_kda(backend="pallas_gpu")`` at B = 1,
+H = 16 (K = V = 128 unless given) for CUDA (``lowering_platforms=("cuda",)``), g the log
+decay or, with ``--gate-logits``, raw logits with the gate in the kernels (A_log and
+dt_bias, as ``kdax bench --gpu-compare-fla`` runs); each kernel's Triton IR is then
+compiled with the ``triton`` package (``pip install triton``), with the (num_warps,
+num_stages) the kernels get (``pallas_gpu.LAUNCH`` fitted to the tiles), and the cubin
+inspected with the ``cuobjdump`` that ships with it. The Triton inside XLA (what runs on a
+GPU) is a different build, so counts can differ a little; shared memory over the 227 KiB
+an H100 block may use means the kernel cannot launch. Exit status 1 when a kernel is over
+that limit.
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ KERNELS = {"_intra_kernel": "intra", "_state_kernel": "state", "_output_kernel":
            "_dstate_kernel": "dstate", "_values_kernel": "values", "_keys_kernel": "keys", "_levels_kernel": "levels"}  # fmt: skip
 
 
-def triton_modules(T: int, dtype, cfg: pallas_gpu.Config, gate_logits: bool = False) -> list[tuple[str, str]]:
+def triton_modules(T: int, dtype, cfg: pallas_gpu.Config, gate_logits: bool = False, K: int = 128, V: int = 128,
+                   chunk_size: int = 64) -> list[tuple[str, str]]:  # fmt: skip
     """(launch-table name, Triton IR text) of each kernel of the forward and backward, in order."""
     mods = []
     lower = pallas_call_registration.lowering.lower_jaxpr_to_triton_module
@@ -49,14 +52,14 @@ def triton_modules(T: int, dtype, cfg: pallas_gpu.Config, gate_logits: bool = Fa
         mods.append((KERNELS[jaxpr.debug_info.func_name], result.module.operation.get_asm()))
         return result
 
-    B, H, K = 1, 16, 128
+    B, H = 1, 16
     gate = {"use_gate_in_kernel": True, "A_log": jnp.zeros((H,)), "dt_bias": jnp.zeros((H * K,))} if gate_logits else {}
 
     def loss(*a):
-        o, s = chunk_kda(*a, backend="pallas_gpu", output_final_state=True, **gate)
+        o, s = chunk_kda(*a, backend="pallas_gpu", output_final_state=True, chunk_size=chunk_size, **gate)
         return o.astype(jnp.float32).sum() + s.sum()
 
-    args = [jax.ShapeDtypeStruct(s, dtype) for s in [(B, T, H, K)] * 4 + [(B, T, H)]]
+    args = [jax.ShapeDtypeStruct(s, dtype) for s in [(B, T, H, K)] * 2 + [(B, T, H, V), (B, T, H, K), (B, T, H)]]
     cfg, pallas_gpu.CONFIG = pallas_gpu.CONFIG, cfg
     pallas_call_registration.lowering.lower_jaxpr_to_triton_module = capture
     try:
@@ -91,6 +94,9 @@ def compile_report(name: str, ttir: str, launch: dict, workdir: str) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--T", type=int, default=8192)
+    p.add_argument("--K", type=int, default=128)
+    p.add_argument("--V", type=int, default=128)
+    p.add_argument("--chunk-size", type=int, default=64)
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--precision", default=pallas_gpu.CONFIG.precision, choices=("auto", *pallas_gpu.PRECISIONS))
     p.add_argument("--block-v", type=int, default=pallas_gpu.CONFIG.block_v)
@@ -99,20 +105,19 @@ def main(argv=None) -> int:
     p.add_argument("--launch", nargs="*", default=[], metavar="KERNEL=WARPS,STAGES", help="override pallas_gpu.LAUNCH")
     p.add_argument("--kernels", nargs="*", default=list(pallas_gpu.LAUNCH), help="launch-table names")
     a = p.parse_args(argv)
-    launch = {**pallas_gpu.LAUNCH}
-    for item in a.launch:
-        name, ws = item.split("=")
-        launch[name] = tuple(int(x) for x in ws.split(","))
-    cfg = pallas_gpu.Config(block_v=a.block_v, block_k=a.block_k, precision=a.precision, launch=tuple(launch.items()),
+    given = {name: tuple(int(x) for x in ws.split(",")) for name, ws in (item.split("=") for item in a.launch)}
+    cfg = pallas_gpu.Config(block_v=a.block_v, block_k=a.block_k, precision=a.precision, launch=tuple(given.items()),
                             interpret=False)  # fmt: skip
+    itemsize = jnp.dtype(pallas_gpu._stored(pallas_gpu._tiles(cfg, jnp.dtype(a.dtype)))).itemsize
+    launch = pallas_gpu.LAUNCH | dict(pallas_gpu._fit_launch(cfg, a.chunk_size, pallas_gpu._pow2(a.K), itemsize).launch)
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    print(f"sm_90a, triton {triton.__version__}, jax {jax.__version__}, B=1 T={a.T} H=16 K=V=128 {a.dtype}, "
+    print(f"sm_90a, triton {triton.__version__}, jax {jax.__version__}, B=1 T={a.T} H=16 K={a.K} V={a.V} C={a.chunk_size} {a.dtype}, "
           f"precision={a.precision} block_v={a.block_v} block_k={a.block_k} gate_logits={a.gate_logits}")
     print("| kernel | warps | stages | regs | spill B | smem KiB | HGMMA | HMMA | FFMA | MUFU | LDL | STL |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     over, seen = [], set()
     with tempfile.TemporaryDirectory() as workdir:
-        for name, ttir in triton_modules(a.T, jnp.dtype(a.dtype), cfg, a.gate_logits):
+        for name, ttir in triton_modules(a.T, jnp.dtype(a.dtype), cfg, a.gate_logits, a.K, a.V, a.chunk_size):
             if name in seen or name not in a.kernels:  # the backward's intra: the forward's and two outputs
                 continue
             seen.add(name)

@@ -70,6 +70,17 @@ LAUNCH = {"intra": (8, 1), "state": (4, 2), "output": (4, 2), "dstate": (4, 2), 
           "levels": (8, 1)}
 
 
+def _fit_launch(cfg: Config, C: int, Kp: int, itemsize: int) -> Config:
+    """The state loops' software pipeline keeps each stage's [C, Kp] and [C, C] tiles in shared
+    memory: past 32 KiB a tile (float32 at K = 256 or C = 128) two stages overflow an H100's 227 KiB
+    (compile report in docs/kda_gpu.md), so those loops get one stage unless cfg.launch names them."""
+    launch = dict(cfg.launch)
+    if C * Kp * itemsize > 32 * 1024:
+        for name in ("state", "dstate"):
+            launch.setdefault(name, (LAUNCH[name][0], 1))
+    return dataclasses.replace(cfg, launch=tuple(launch.items()))
+
+
 def _params(cfg: Config, kernel: str) -> pltriton.CompilerParams:
     num_warps, num_stages = dict(cfg.launch).get(kernel, LAUNCH[kernel])
     return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
@@ -612,6 +623,11 @@ def chunk_kda_pallas_gpu(q, k, v, g, beta, h0, layout: ChunkLayout, input_dtype=
     cfg = dataclasses.replace(cfg, block_v=min(cfg.block_v, Vp), block_k=min(cfg.block_k, Kp))
     tiles = _tiles(cfg, input_dtype)
     sd = _stored(tiles)
+    if sd == jnp.float32 and layout.chunk_size > 64:  # compile report in docs/kda_gpu.md
+        raise ValueError(f"chunk_size: pallas_gpu with float32 intermediates supports chunk sizes up to 64 (at "
+                         f"{layout.chunk_size} the values kernel needs 288 KiB of shared memory, over an H100's 227), "
+                         f"got {layout.chunk_size}; use 64 or bfloat16 inputs")  # fmt: skip
+    cfg = _fit_launch(cfg, layout.chunk_size, Kp, jnp.dtype(sd).itemsize)
     qt, kt = (pad_last(layout.pack(x.astype(sd)), Kp) for x in (q, k))
     kgate = _Gate(gate is not None, None if gate is None else gate[2])
     if g_dtype in (jnp.bfloat16, jnp.float16):

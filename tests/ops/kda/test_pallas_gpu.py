@@ -79,13 +79,13 @@ def test_bf16_inputs_within_bars_with_gpu_matmuls(case, precision, monkeypatch):
     assert_close_to_reference(chunk_kda_gpu, case, jnp.bfloat16)
 
 
-def _pallas_calls(fn, *args, side="outvars"):  # dtypes of every pallas_call's outputs (or invars) in fn's jaxpr
+def _pallas_calls(fn, *args, get=lambda eqn: tuple(v.aval.dtype for v in eqn.outvars)):  # get(eqn) of each call
     found = []
 
     def walk(jaxpr):
         for eqn in jaxpr.eqns:
             if eqn.primitive.name == "pallas_call":
-                found.append(tuple(v.aval.dtype for v in getattr(eqn, side)))
+                found.append(get(eqn))
             for sub in jax.extend.core.jaxprs_in_params(eqn.params):
                 walk(sub)
 
@@ -107,6 +107,27 @@ def test_bf16_inputs_store_intermediates_in_bf16():
     assert intra32 == (f32,) * 6
 
 
+def test_chunk128_in_bf16():
+    """C = 128 runs with bf16 intermediates (float32 ones are refused: test_chunk.py)."""
+    assert_close_to_reference(chunk_kda_gpu, next(c for c in CASES if c.name == "chunk128"), jnp.bfloat16)
+
+
+@pytest.mark.parametrize(
+    "dtype, K, C, launch, stages",
+    [(jnp.bfloat16, 256, 64, (), (2, 2)), (jnp.float32, 128, 64, (), (2, 2)), (jnp.float32, 256, 64, (), (1, 1)),
+     (jnp.bfloat16, 256, 128, (), (1, 1)), (jnp.float32, 256, 64, (("dstate", (4, 3)),), (1, 3))],
+)  # fmt: skip
+def test_state_loops_get_one_stage_past_32_kib_a_tile(monkeypatch, dtype, K, C, launch, stages):
+    """Two pipeline stages of [C, Kp] tiles over 32 KiB (float32 at K = 256, bf16 at C = 128 and
+    K = 256) overflow an H100's shared memory (compile report in docs/kda_gpu.md); a launch
+    the config names is kept."""
+    monkeypatch.setattr(pallas_gpu, "CONFIG", pallas_gpu.Config(launch=launch))
+    x, b = jnp.zeros((1, C, 1, K), dtype), jnp.zeros((1, C, 1), dtype)
+    loss = lambda *a: chunk_kda_gpu(*a, chunk_size=C)[0].astype(jnp.float32).sum()
+    params = _pallas_calls(jax.grad(loss), x, x, x, x, b, get=lambda eqn: eqn.params["compiler_params"])
+    assert (params[1].num_stages, params[4].num_stages) == stages  # state; dstate (after the backward's intra)
+
+
 def test_gate_logits_are_read_by_the_kernels():
     """With use_gate_in_kernel the kernels read the bf16 logits: no float32 decay in HBM."""
     B, T, H, K = 1, 64, 1, 16
@@ -117,7 +138,7 @@ def test_gate_logits_are_read_by_the_kernels():
     def loss(q, k, v, g, beta):
         return chunk_kda_gpu(q, k, v, g, beta, **gate)[0].astype(jnp.float32).sum()
 
-    calls = _pallas_calls(jax.grad(loss, argnums=3), x, x, x, x, b, side="invars")
+    calls = _pallas_calls(jax.grad(loss, argnums=3), x, x, x, x, b, get=lambda eqn: tuple(v.aval.dtype for v in eqn.invars))
     intra, _, _, intra_again, _, _, keys, levels = calls  # forward: intra, state, output; backward: intra, ...
     for ins, at in ((intra, 3), (intra_again, 3), (keys, 2), (levels, 2)):  # g is input `at`, its parameters next
         assert ins[at : at + 2] == (jnp.bfloat16, jnp.float32)
