@@ -28,6 +28,7 @@ import sys
 import tempfile
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import triton
 from jax._src.pallas.triton import pallas_call_registration
@@ -42,9 +43,10 @@ KERNELS = {"_intra_kernel": "intra", "_state_kernel": "state", "_output_kernel":
 
 
 def triton_modules(T: int, dtype, cfg: pallas_gpu.Config, gate_logits: bool = False, K: int = 128, V: int = 128,
-                   chunk_size: int = 64) -> list[tuple[str, str]]:  # fmt: skip
-    """(launch-table name, Triton IR text) of each kernel of the forward and backward, in order."""
-    mods = []
+                   chunk_size: int = 64) -> list[tuple[str, str, tuple[int, int]]]:  # fmt: skip
+    """(launch-table name, Triton IR text, (num_warps, num_stages) its pallas_call got) of each
+    kernel of the forward and backward, in order."""
+    mods, launch = [], {}
     lower = pallas_call_registration.lowering.lower_jaxpr_to_triton_module
 
     def capture(jaxpr, *args, **kwargs):
@@ -63,16 +65,27 @@ def triton_modules(T: int, dtype, cfg: pallas_gpu.Config, gate_logits: bool = Fa
     cfg, pallas_gpu.CONFIG = pallas_gpu.CONFIG, cfg
     pallas_call_registration.lowering.lower_jaxpr_to_triton_module = capture
     try:
-        jax.jit(jax.grad(loss, argnums=range(5))).trace(*args).lower(lowering_platforms=("cuda",))
+        traced = jax.jit(jax.grad(loss, argnums=range(5))).trace(*args)
+        traced.lower(lowering_platforms=("cuda",))
     finally:
         pallas_call_registration.lowering.lower_jaxpr_to_triton_module = lower
         pallas_gpu.CONFIG = cfg
-    return mods
+
+    def walk(jaxpr):  # the launch each pallas_call got (pallas_gpu.LAUNCH fitted to the tiles)
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                p = eqn.params["compiler_params"]
+                launch[KERNELS[eqn.params["jaxpr"].debug_info.func_name]] = (p.num_warps, p.num_stages)
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                walk(sub)
+
+    walk(traced.jaxpr.jaxpr)
+    return [(name, ttir, launch[name]) for name, ttir in mods]
 
 
-def compile_report(name: str, ttir: str, launch: dict, workdir: str) -> dict:
+def compile_report(name: str, ttir: str, launch: tuple[int, int], workdir: str) -> dict:
     """Compile one kernel for sm_90a and read its resource usage and SASS instruction mix."""
-    num_warps, num_stages = launch[name]
+    num_warps, num_stages = launch
     path = os.path.join(workdir, f"{name}.ttir")
     with open(path, "w") as f:
         f.write(ttir)
@@ -108,8 +121,6 @@ def main(argv=None) -> int:
     given = {name: tuple(int(x) for x in ws.split(",")) for name, ws in (item.split("=") for item in a.launch)}
     cfg = pallas_gpu.Config(block_v=a.block_v, block_k=a.block_k, precision=a.precision, launch=tuple(given.items()),
                             interpret=False)  # fmt: skip
-    itemsize = jnp.dtype(pallas_gpu._stored(pallas_gpu._tiles(cfg, jnp.dtype(a.dtype)))).itemsize
-    launch = pallas_gpu.LAUNCH | dict(pallas_gpu._fit_launch(cfg, a.chunk_size, pallas_gpu._pow2(a.K), itemsize).launch)
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     print(f"sm_90a, triton {triton.__version__}, jax {jax.__version__}, B=1 T={a.T} H=16 K={a.K} V={a.V} C={a.chunk_size} {a.dtype}, "
           f"precision={a.precision} block_v={a.block_v} block_k={a.block_k} gate_logits={a.gate_logits}")
@@ -117,7 +128,7 @@ def main(argv=None) -> int:
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     over, seen = [], set()
     with tempfile.TemporaryDirectory() as workdir:
-        for name, ttir in triton_modules(a.T, jnp.dtype(a.dtype), cfg, a.gate_logits, a.K, a.V, a.chunk_size):
+        for name, ttir, launch in triton_modules(a.T, jnp.dtype(a.dtype), cfg, a.gate_logits, a.K, a.V, a.chunk_size):
             if name in seen or name not in a.kernels:  # the backward's intra: the forward's and two outputs
                 continue
             seen.add(name)

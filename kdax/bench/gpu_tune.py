@@ -3,8 +3,8 @@
 At one shape (default B=1, T=8192, H=16, K=V=128 bf16, the in-op options of
 :mod:`kdax.bench.fla_compare`), first ``block_v`` and ``block_k``, then each kernel's
 (num_warps, num_stages) in turn with the others at their best so far (coordinate
-descent), timing forward+backward (:func:`~kdax.bench.fla_compare.jax_ms`). Logs each trial to stderr as it
-goes; returns the table to put in LAUNCH.
+descent), timing forward+backward (:func:`~kdax.bench.fla_compare.jax_ms`). Logs each
+trial to stderr as it goes; returns the table to put in LAUNCH.
 """
 
 from __future__ import annotations

@@ -72,8 +72,9 @@ LAUNCH = {"intra": (8, 1), "state": (4, 2), "output": (4, 2), "dstate": (4, 2), 
 
 def _fit_launch(cfg: Config, C: int, Kp: int, itemsize: int) -> Config:
     """The state loops' software pipeline keeps each stage's [C, Kp] and [C, C] tiles in shared
-    memory: past 32 KiB a tile (float32 at K = 256 or C = 128) two stages overflow an H100's 227 KiB
-    (compile report in docs/kda_gpu.md), so those loops get one stage unless cfg.launch names them."""
+    memory: past 32 KiB a tile (float32 at K = 256, bf16 at C = 128 and K = 256) two stages overflow
+    an H100's 227 KiB (compile report in docs/kda_gpu.md), so those loops get one stage unless
+    cfg.launch names them."""
     launch = dict(cfg.launch)
     if C * Kp * itemsize > 32 * 1024:
         for name in ("state", "dstate"):
