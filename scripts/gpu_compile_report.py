@@ -97,7 +97,9 @@ def compile_report(name: str, ttir: str, launch: tuple[int, int], workdir: str) 
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     usage = subprocess.run([tool, "--dump-resource-usage", cubin], capture_output=True, text=True, check=True).stdout
     sass = subprocess.run([tool, "-sass", cubin], capture_output=True, text=True, check=True).stdout
-    ops = collections.Counter(m.split(".")[0] for m in re.findall(r"^\s+/\*[0-9a-f]+\*/\s+([A-Z][A-Z0-9_.]*)", sass, re.MULTILINE))
+    ops = collections.Counter(
+        m.split(".")[0] for m in re.findall(r"^\s+/\*[0-9a-f]+\*/\s+([A-Z][A-Z0-9_.]*)", sass, re.MULTILINE)
+    )
     return dict(kernel=name, warps=num_warps, stages=num_stages,
                 regs=int(re.search(r"REG:(\d+)", usage).group(1)),
                 spill=int(re.search(r"STACK:(\d+)", usage).group(1)),
@@ -122,8 +124,10 @@ def main(argv=None) -> int:
     cfg = pallas_gpu.Config(block_v=a.block_v, block_k=a.block_k, precision=a.precision, launch=tuple(given.items()),
                             interpret=False)  # fmt: skip
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    print(f"sm_90a, triton {triton.__version__}, jax {jax.__version__}, B=1 T={a.T} H=16 K={a.K} V={a.V} C={a.chunk_size} {a.dtype}, "
-          f"precision={a.precision} block_v={a.block_v} block_k={a.block_k} gate_logits={a.gate_logits}")
+    print(
+        f"sm_90a, triton {triton.__version__}, jax {jax.__version__}, B=1 T={a.T} H=16 K={a.K} V={a.V} C={a.chunk_size} {a.dtype}, "
+        f"precision={a.precision} block_v={a.block_v} block_k={a.block_k} gate_logits={a.gate_logits}"
+    )
     print("| kernel | warps | stages | regs | spill B | smem KiB | HGMMA | HMMA | FFMA | MUFU | LDL | STL |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     over, seen = [], set()

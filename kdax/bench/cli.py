@@ -18,12 +18,18 @@ from kdax.train import TrainConfig
 
 
 def _bench(ns: argparse.Namespace) -> int:
-    meta = {"date": datetime.date.today().isoformat(), "jax": jax.__version__, "command": "kdax " + " ".join(sys.argv[1:])}
+    meta = {
+        "date": datetime.date.today().isoformat(),
+        "jax": jax.__version__,
+        "command": "kdax " + " ".join(sys.argv[1:]),
+    }
     given = {d: getattr(ns, d) for d in "BTHKV" if getattr(ns, d) is not None}
     if ns.gpu_compare_fla:  # the workers use the GPU; this process need not
         from kdax.bench import fla_compare
 
-        result = fla_compare.compare(ns.shapes or fla_compare.SHAPES, ns.repeats, python=ns.fla_python, workdir=ns.workdir)
+        result = fla_compare.compare(
+            ns.shapes or fla_compare.SHAPES, ns.repeats, python=ns.fla_python, workdir=ns.workdir
+        )
         result["meta"].update(date=meta["date"], command=meta["command"])
         print(json.dumps(result, indent=2) if ns.json else fla_compare.format_compare(result))
         return 0

@@ -66,8 +66,15 @@ CONFIG = Config()  # what chunk_kda(backend="pallas_gpu") uses; replace it to ch
 
 # (num_warps, num_stages) per kernel at C = 64, K = V = 128. Starting values: not yet
 # measured on a GPU (docs/kda_gpu.md lists the sweep that is to replace them).
-LAUNCH = {"intra": (8, 1), "state": (4, 2), "output": (4, 2), "dstate": (4, 2), "values": (8, 1), "keys": (8, 1),
-          "levels": (8, 1)}
+LAUNCH = {
+    "intra": (8, 1),
+    "state": (4, 2),
+    "output": (4, 2),
+    "dstate": (4, 2),
+    "values": (8, 1),
+    "keys": (8, 1),
+    "levels": (8, 1),
+}
 
 
 def _fit_launch(cfg: Config, C: int, Kp: int, itemsize: int) -> Config:

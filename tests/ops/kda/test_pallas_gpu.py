@@ -138,7 +138,9 @@ def test_gate_logits_are_read_by_the_kernels():
     def loss(q, k, v, g, beta):
         return chunk_kda_gpu(q, k, v, g, beta, **gate)[0].astype(jnp.float32).sum()
 
-    calls = _pallas_calls(jax.grad(loss, argnums=3), x, x, x, x, b, get=lambda eqn: tuple(v.aval.dtype for v in eqn.invars))
+    calls = _pallas_calls(
+        jax.grad(loss, argnums=3), x, x, x, x, b, get=lambda eqn: tuple(v.aval.dtype for v in eqn.invars)
+    )
     intra, _, _, intra_again, _, _, keys, levels = calls  # forward: intra, state, output; backward: intra, ...
     for ins, at in ((intra, 3), (intra_again, 3), (keys, 2), (levels, 2)):  # g is input `at`, its parameters next
         assert ins[at : at + 2] == (jnp.bfloat16, jnp.float32)
