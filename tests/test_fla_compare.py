@@ -17,6 +17,7 @@ def tiny(monkeypatch):
     monkeypatch.setattr(fla_compare, "K", 16)
     monkeypatch.setattr(fla_compare, "V", 32)
     monkeypatch.setattr(fla_compare, "SMALL", (1, 40, 2))
+    monkeypatch.setattr(fla_compare, "PROFILE_CALLS", 1)
 
 
 def test_counts_scale():
@@ -35,6 +36,9 @@ def test_kdax_worker_and_comparison(tiny, tmp_path, monkeypatch, capsys):
     }
     assert all(r["ms"] > 0 and r["error"] is None for r in kd["rows"])
     assert json.loads((tmp_path / "kd.json").read_text()) == kd  # saved after each shape
+    # off GPU the trace has no GPU streams: the profile reports that, and the timings stand
+    assert kd["profile"]["B"] == 1 and kd["profile"]["T"] == 40
+    assert all(kd["profile"][m].startswith("ValueError: no GPU stream lines") for m in ("fwd", "fwd+bwd"))
 
     def worker(impl, shapes, repeats, out, python):
         if impl == "kdax":
@@ -43,7 +47,8 @@ def test_kdax_worker_and_comparison(tiny, tmp_path, monkeypatch, capsys):
         small = np.load(tmp_path / "kd.npz")  # stand-in for FLA: the xla backend's results
         np.savez(out + ".npz", **{f"fla_{i}": small[f"xla_{i}"] for i in range(6)})
         rows = [dict(r, impl="fla") for r in kd["rows"] if r["impl"] == "kdax xla"]
-        return {"rows": rows, "peak_tflops": 900.0, "copy_gbs": 3000.0, "device": "stand-in"}
+        profile = {"B": 1, "T": 40, "calls": 1, "fwd": fla_compare.kernel_profile(FLA_EVENTS, 1), "fwd+bwd": "stand-in"}
+        return {"rows": rows, "peak_tflops": 900.0, "copy_gbs": 3000.0, "device": "stand-in", "profile": profile}
 
     monkeypatch.setattr(fla_compare, "_worker", worker)
     res = fla_compare.compare(shapes=[(1, 40)], repeats=1)
@@ -55,6 +60,51 @@ def test_kdax_worker_and_comparison(tiny, tmp_path, monkeypatch, capsys):
     assert {r["vs_fla"] for r in res["rows"] if r["impl"] == "fla"} == {1.0}
     table = fla_compare.format_compare(res)
     assert "kdax pallas_gpu" in table and "time / FLA" in table and "vs fp64 reference" in table
+    fla_fwd = table.split("\nfla fwd, B=1 T=40, 1 calls traced: 0.100 ms of device time per call in 3 kernels")[1]
+    assert fla_fwd.splitlines()[3:6] == [
+        "| chunk_fwd | 95.0 | 1 | 95% |",
+        "| l2norm | 4.8 | 2 | 5% |",
+        "| other kernels (1) | 0.2 | 1 | 0% |",
+    ]  # under 1% of the time
+    assert "fla fwd+bwd, B=1 T=40, 1 calls traced: the profile failed: stand-in" in table
+    assert "kdax pallas_gpu fwd, B=1 T=40, 1 calls traced: the profile failed: ValueError: no GPU" in table
+
+
+FLA_EVENTS = [("chunk_fwd", 95.0), ("l2norm", 4.5), ("l2norm", 0.3), ("gate", 0.2)]
+
+
+def test_kernel_profile_from_a_gpu_trace():
+    """The device time per kernel of a trace: GPU stream lines only (no host plane, no CUPTI
+    overhead), summed per kernel name and divided by the calls traced."""
+    import jax
+
+    def meta(*names):
+        return " ".join(
+            f'event_metadata {{ key: {i} value {{ id: {i} name: "{n}" }} }}' for i, n in enumerate(names, 1)
+        )
+
+    def events(*pairs):  # (metadata id, µs)
+        return " ".join(f"events {{ metadata_id: {m} offset_ps: 0 duration_ps: {int(us * 1e6)} }}" for m, us in pairs)
+
+    trace = f"""
+    planes {{ id: 1 name: "/host:CPU" lines {{ id: 1 name: "python" {events((1, 50.0))} }} {meta("host_op")} }}
+    planes {{ id: 2 name: "/device:GPU:0"
+      lines {{ id: 7 name: "Stream #13(Kernel)" {events((1, 30.0), (2, 0.5), (1, 40.0))} }}
+      lines {{ id: 8 name: "Stream #14(MemcpyD2D)" {events((3, 2.0))} }}
+      lines {{ id: 9 name: "CUPTI overhead" {events((4, 99.0))} }}
+      {meta("_state_kernel", "loop_fusion", "Memcpy DtoD", "overhead")} }}"""
+    data = jax.profiler.ProfileData.from_text_proto(trace)
+    assert sorted(fla_compare.gpu_stream_events(data)) == sorted(
+        [("_state_kernel", 30.0), ("loop_fusion", 0.5), ("_state_kernel", 40.0), ("Memcpy DtoD", 2.0)]
+    )
+    assert fla_compare.kernel_profile(fla_compare.gpu_stream_events(data), calls=2) == [
+        {"kernel": "_state_kernel", "us": 35.0, "launches": 1.0},
+        {"kernel": "Memcpy DtoD", "us": 1.0, "launches": 0.5},
+        {"kernel": "loop_fusion", "us": 0.25, "launches": 0.5},
+    ]
+    host_only = jax.profiler.ProfileData.from_text_proto(trace.split("planes { id: 2")[0])
+    with pytest.raises(ValueError, match="no GPU stream lines"):
+        fla_compare.gpu_stream_events(host_only)
 
 
 def test_gpu_tune_runs_its_sweep(monkeypatch):

@@ -9,6 +9,9 @@ the gate ``-exp(A_log) softplus(g + dt_bias)``, beta = sigmoid) and the loss
 way: FLA with CUDA events around the batch, JAX with a host clock around it and one
 ``block_until_ready`` at its end; the median over ``repeats`` batches, after warm-up.
 Each worker rewrites its results after every shape, so a run cut short keeps what it timed.
+For the first shape each worker also traces :data:`PROFILE_CALLS` calls of each pass and
+reports the device time per kernel (kdax pallas_gpu with ``jax.profiler``, FLA with
+``torch.profiler``): where the time goes when the ratio is missed.
 
 TFLOP/s and GB/s use the algorithmic counts of :func:`flops` and :func:`min_bytes`
 (the same for every implementation), against a bf16 matmul peak and a device-to-device
@@ -19,6 +22,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
+import glob
 import json
 import os
 import subprocess
@@ -32,6 +37,7 @@ SHAPES = [(1, 2048), (1, 8192), (1, 32768), (8, 2048), (8, 8192), (8, 32768)]  #
 H, K, V, CHUNK = 16, 128, 128, 64
 SMALL = (1, 512, 4)  # (B, T, H) of the error check
 BATCH_MS = 5.0  # length of one timed batch of calls
+PROFILE_CALLS = 5  # calls traced per pass for the per-kernel profile of the first shape
 
 
 def _calls_per_batch(ms_once: float) -> int:
@@ -55,6 +61,53 @@ def jax_ms(f, args, repeats: int) -> float:
         jax.block_until_ready(out)
         times.append((time.perf_counter() - t0) * 1e3 / n)
     return float(np.median(times))
+
+
+def kernel_profile(events, calls: int) -> list[dict]:
+    """Device time per kernel of ``calls`` traced calls: events [(name, µs)] -> rows
+    {"kernel", "us" per call, "launches" per call}, longest first."""
+    total, count = {}, {}
+    for name, us in events:
+        total[name] = total.get(name, 0.0) + us
+        count[name] = count.get(name, 0) + 1
+    rows = [{"kernel": n, "us": total[n] / calls, "launches": count[n] / calls} for n in total]
+    return sorted(rows, key=lambda r: -r["us"])
+
+
+def gpu_stream_events(data) -> list[tuple[str, float]]:
+    """[(name, µs)] of every event on the stream lines of a ``jax.profiler.ProfileData``'s GPU
+    planes: kernels, copies and memsets (not the CUPTI overhead line)."""
+    lines = [ln for p in data.planes if p.name.startswith("/device:GPU") for ln in p.lines]
+    streams = [ln for ln in lines if ln.name.startswith("Stream #")]
+    if not streams:
+        names = [p.name for p in data.planes], [ln.name for ln in lines]
+        raise ValueError(f"no GPU stream lines in the trace (planes {names[0]}, GPU lines {names[1]})")
+    return [(e.name, e.duration_ns / 1e3) for ln in streams for e in ln.events]
+
+
+def jax_kernel_profile(f, args, calls: int = PROFILE_CALLS) -> list[dict]:
+    """:func:`kernel_profile` of ``calls`` calls of a compiled ``f(*args)`` on a GPU, traced by jax.profiler."""
+    import jax
+
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d):
+            for _ in range(calls):
+                out = f(*args)
+            jax.block_until_ready(out)
+        (path,) = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
+        return kernel_profile(gpu_stream_events(jax.profiler.ProfileData.from_file(path)), calls)
+
+
+def _profiled(B, T, passes: dict) -> dict:
+    """The profile entry of a worker's result: per pass, :func:`kernel_profile` rows, from
+    ``passes`` {pass: a function returning them}; an error is reported in place of the rows."""
+    out = {"B": B, "T": T, "calls": PROFILE_CALLS}
+    for mode, rows in passes.items():
+        try:
+            out[mode] = rows()
+        except Exception as e:  # noqa: BLE001 (a profiler that fails must not cost the timings)
+            out[mode] = f"{type(e).__name__}: {str(e)[:300]}"
+    return out
 
 
 def _save(result: dict, out: str) -> None:
@@ -117,6 +170,18 @@ def _fla_worker(shapes, repeats, out):
         y = torch.empty_like(x)
         return 2 * 8192**3 / event_ms(lambda: a @ a) / 1e9, 2 * x.numel() / event_ms(lambda: y.copy_(x)) / 1e6
 
+    def profile(fn):
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as trace
+
+        with trace(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(PROFILE_CALLS):
+                fn()
+            torch.cuda.synchronize()
+        cuda = torch.autograd.DeviceType.CUDA
+        events = [(e.name, e.time_range.elapsed_us()) for e in prof.events() if e.device_type == cuda]
+        return kernel_profile(events, PROFILE_CALLS)
+
     peak_tflops, copy_gbs = peaks()
 
     def make(B, T, Hh):
@@ -135,16 +200,24 @@ def _fla_worker(shapes, repeats, out):
 
     result = {"rows": [], "peak_tflops": peak_tflops, "copy_gbs": copy_gbs, "device": torch.cuda.get_device_name()}
     rows = result["rows"]
+
+    def passes(t, A_log, dt_bias):  # the timed calls on one shape's inputs
+        def fwd():
+            with torch.no_grad():
+                return run(t, A_log, dt_bias)
+
+        return {"fwd": fwd, "fwd+bwd": lambda: fwd_bwd(t, A_log, dt_bias)}
+
     for B, T in shapes:
-        t, A_log, dt_bias = make(B, T, H)
-        with torch.no_grad():
-            ms = event_ms(lambda t=t, A_log=A_log, dt_bias=dt_bias: run(t, A_log, dt_bias))
-        rows.append({"B": B, "T": T, "impl": "fla", "mode": "fwd", "ms": ms})
-        ms = event_ms(lambda t=t, A_log=A_log, dt_bias=dt_bias: fwd_bwd(t, A_log, dt_bias))
-        rows.append({"B": B, "T": T, "impl": "fla", "mode": "fwd+bwd", "ms": ms})
-        print(f"fla B={B} T={T}: {rows[-2]['ms']:.3f} / {ms:.3f} ms", file=sys.stderr, flush=True)
+        fs = passes(*make(B, T, H))
+        for mode, fn in fs.items():
+            rows.append({"B": B, "T": T, "impl": "fla", "mode": mode, "ms": event_ms(fn)})
+        print(f"fla B={B} T={T}: {rows[-2]['ms']:.3f} / {rows[-1]['ms']:.3f} ms", file=sys.stderr, flush=True)
         _save(result, out)
-        del t
+        if (B, T) == shapes[0]:
+            result["profile"] = _profiled(B, T, {mode: functools.partial(profile, fn) for mode, fn in fs.items()})
+            _save(result, out)
+        del fs
         torch.cuda.empty_cache()
     t, A_log, dt_bias = make(*SMALL)
     o, grads = fwd_bwd(t, A_log, dt_bias)
@@ -176,8 +249,10 @@ def _kdax_worker(shapes, repeats, out, backends=("pallas_gpu", "xla")):
     result = {"rows": [], "device": str(jax.devices()[0].device_kind), "jax": jax.__version__}
     for B, T in shapes:
         args = make(B, T, H)
+        timed = {}  # backend -> its jitted passes, compiled by the timing (the profile reuses them)
         for backend in backends:
-            for mode, f in fns(backend).items():
+            timed[backend] = fs = fns(backend)
+            for mode, f in fs.items():
                 try:
                     ms, err = jax_ms(f, args, repeats), None
                 except jax.errors.JaxRuntimeError as e:  # e.g. out of memory: reported, not hidden
@@ -185,6 +260,10 @@ def _kdax_worker(shapes, repeats, out, backends=("pallas_gpu", "xla")):
                 result["rows"].append({"B": B, "T": T, "impl": f"kdax {backend}", "mode": mode, "ms": ms, "error": err})
                 print(f"kdax {backend} B={B} T={T} {mode}: {ms if err is None else err}", file=sys.stderr, flush=True)
         _save(result, out)
+        if (B, T) == shapes[0] and "pallas_gpu" in timed:  # after every timing of the shape
+            passes = {mode: functools.partial(jax_kernel_profile, f, args) for mode, f in timed["pallas_gpu"].items()}
+            result["profile"] = _profiled(B, T, passes)
+            _save(result, out)
         del args
     args = make(*SMALL)
     small = {}
@@ -249,7 +328,40 @@ def compare(shapes=SHAPES, repeats=20, python=sys.executable, workdir=None) -> d
         rows.append(r)
     rows.sort(key=lambda r: (r["B"], r["T"], r["mode"], r["impl"]))
     meta = {"device": fla["device"], "jax": kd["jax"], "peak_tflops": fla["peak_tflops"], "copy_gbs": fla["copy_gbs"]}
-    return {"meta": meta, "rows": rows, "errors": errors, "small_case": dict(zip(("B", "T", "H"), SMALL))}
+    profiles = {"fla": fla.get("profile"), "kdax pallas_gpu": kd.get("profile")}
+    small = dict(zip(("B", "T", "H"), SMALL))
+    return {"meta": meta, "rows": rows, "errors": errors, "small_case": small, "profiles": profiles}
+
+
+def format_profiles(res: dict, min_share: float = 0.01) -> list[str]:
+    """Per implementation and pass: the kernels taking at least ``min_share`` of the device
+    time (the rest summed in one row), against the timed ms of the same shape."""
+    timed = {(r["impl"], r["B"], r["T"], r["mode"]): r["ms"] for r in res["rows"]}
+    out = []
+    for impl, prof in (res.get("profiles") or {}).items():
+        for mode in ("fwd", "fwd+bwd"):
+            if not prof or mode not in prof:
+                continue
+            head = f"\n{impl} {mode}, B={prof['B']} T={prof['T']}, {prof['calls']} calls traced"
+            if isinstance(prof[mode], str):
+                out.append(f"{head}: the profile failed: {prof[mode]}")
+                continue
+            kernels = prof[mode]
+            total = sum(r["us"] for r in kernels)
+            ms = timed.get((impl, prof["B"], prof["T"], mode))
+            out.append(f"{head}: {total / 1e3:.3f} ms of device time per call in {len(kernels)} kernels"
+                       + (f" ({ms:.3f} ms timed)" if ms else ""))  # fmt: skip
+            out += ["| kernel | µs per call | launches per call | share |", "|---|---|---|---|"]
+            shown = [r for r in kernels if r["us"] >= min_share * total]
+            rest = kernels[len(shown) :]
+            if rest:
+                shown.append({"kernel": f"other kernels ({len(rest)})", "us": sum(r["us"] for r in rest),
+                              "launches": sum(r["launches"] for r in rest)})  # fmt: skip
+            for r in shown:
+                name = r["kernel"].replace("|", "/")
+                name = name if len(name) <= 80 else name[:77] + "..."
+                out.append(f"| {name} | {r['us']:.1f} | {r['launches']:g} | {100 * r['us'] / total:.0f}% |")
+    return out
 
 
 def format_compare(res: dict) -> str:
@@ -271,7 +383,7 @@ def format_compare(res: dict) -> str:
     for name, e in res["errors"].items():
         fla = f"vs FLA {e['vs_fla']:.2e}, " if "vs_fla" in e else ""
         out.append(f"  {name}: {fla}vs fp64 reference {e['vs_fp64']:.2e}")
-    return "\n".join(out)
+    return "\n".join(out + format_profiles(res))
 
 
 def main(argv):
