@@ -8,7 +8,7 @@ import numpy as np
 
 from kdax.ops.common.varlen import chunk_layout
 from kdax.ops.kda.gate import beta_activation, kda_gate, l2norm
-from kdax.ops.kda.pallas_gpu import chunk_kda_pallas_gpu
+from kdax.ops.kda.pallas_gpu import chunk_fits, chunk_kda_pallas_gpu
 from kdax.ops.kda.pallas_tpu import chunk_kda_pallas_tpu
 from kdax.ops.kda.recurrent import fused_recurrent_kda_xla
 from kdax.ops.kda.reference import naive_recurrent_kda
@@ -110,10 +110,12 @@ def _preprocess(q, k, g, beta, use_qk_l2norm_in_kernel, use_gate_in_kernel, A_lo
     return q, k, g, beta
 
 
-def _resolve_backend(backend: str, cores: dict) -> str:
-    if backend == "auto":  # the fastest core this op has for the default device
+def _resolve_backend(backend: str, cores: dict, dtype, chunk_size: int | None) -> str:
+    if backend == "auto":  # the fastest core this op has for the default device and these inputs, else xla
         kernels = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(jax.default_backend())
-        return kernels if kernels in cores else "xla"
+        if kernels not in cores or dtype == jnp.float64:  # the kernels compute in float32 at most
+            return "xla"
+        return kernels if kernels != "pallas_gpu" or chunk_fits(dtype, chunk_size) else "xla"
     if backend != "naive" and backend not in cores:
         raise NotImplementedError(f"backend={backend!r}: not available for this op in this version")
     return backend
@@ -193,7 +195,7 @@ def _dispatch(
     The cores of ``gate_in_core`` get the raw gate logits and apply the gate themselves."""
     N = _validate(q, k, v, g, beta, scale, initial_state, use_gate_in_kernel, A_log, dt_bias, lower_bound,
                   use_beta_sigmoid_in_kernel, allow_neg_eigval, cu_seqlens, chunk_size, backend)  # fmt: skip
-    backend = _resolve_backend(backend, cores)
+    backend = _resolve_backend(backend, cores, q.dtype, chunk_size)
     gate = use_gate_in_kernel and backend not in gate_in_core
     q, k, g, beta = _preprocess(q, k, g, beta, use_qk_l2norm_in_kernel, gate, A_log, dt_bias,
                                 lower_bound, use_beta_sigmoid_in_kernel, allow_neg_eigval)  # fmt: skip

@@ -602,6 +602,25 @@ def _gate_params(gate, HV: int, K: int, Kp: int):  # [HV, 2, Kp]: exp(A_log), dt
     return jnp.stack([jnp.broadcast_to(a[:, None], (HV, Kp)), pad_last(b, Kp)], axis=1)
 
 
+def _checked(cfg: Config | None) -> Config:  # cfg (CONFIG when None), its fields checked
+    cfg = CONFIG if cfg is None else cfg
+    if cfg.precision not in ("auto", *PRECISIONS):
+        raise ValueError(f"cfg.precision: expected 'auto' or one of {tuple(PRECISIONS)}, got {cfg.precision!r}")
+    for name in ("block_v", "block_k"):
+        if (n := getattr(cfg, name)) < 16 or n & (n - 1):
+            raise ValueError(f"cfg.{name}: expected a power of two >= 16, got {n}")
+    if unknown := set(dict(cfg.launch)) - set(LAUNCH):
+        raise ValueError(f"cfg.launch: expected kernels among {tuple(LAUNCH)}, got {sorted(unknown)}")
+    return cfg
+
+
+def chunk_fits(input_dtype, chunk_size: int, cfg: Config | None = None) -> bool:
+    """Whether the kernels take this chunk size for inputs of ``input_dtype``: any with bfloat16
+    intermediates, up to 64 with float32 ones (at 128 the values kernel needs more shared memory
+    than an H100 block may use)."""
+    return chunk_size <= 64 or _stored(_tiles(_checked(cfg), input_dtype)) != jnp.float32
+
+
 def chunk_kda_pallas_gpu(q, k, v, g, beta, h0, layout: ChunkLayout, input_dtype=jnp.float32, cfg: Config | None = None,
                          gate=None, g_dtype=None):  # fmt: skip
     """Core chunked KDA with the GPU kernels, on prepared float32 inputs.
@@ -617,24 +636,17 @@ def chunk_kda_pallas_gpu(q, k, v, g, beta, h0, layout: ChunkLayout, input_dtype=
     The kernels read q, k, v (rounded to :func:`_stored` dtype), g and beta token-major as they
     come: with no cu_seqlens, T a multiple of the chunk and K, V powers of two >= 16, XLA
     makes no copy of them (under "bf16", the float32 the caller upcast to folds back)."""
-    cfg = CONFIG if cfg is None else cfg
-    if cfg.precision not in ("auto", *PRECISIONS):
-        raise ValueError(f"cfg.precision: expected 'auto' or one of {tuple(PRECISIONS)}, got {cfg.precision!r}")
-    for name in ("block_v", "block_k"):
-        if (n := getattr(cfg, name)) < 16 or n & (n - 1):
-            raise ValueError(f"cfg.{name}: expected a power of two >= 16, got {n}")
-    if unknown := set(dict(cfg.launch)) - set(LAUNCH):
-        raise ValueError(f"cfg.launch: expected kernels among {tuple(LAUNCH)}, got {sorted(unknown)}")
+    cfg = _checked(cfg)
+    if not chunk_fits(input_dtype, layout.chunk_size, cfg):  # compile report in docs/kda_gpu.md
+        raise ValueError(f"chunk_size: pallas_gpu with float32 intermediates supports chunk sizes up to 64 (at "
+                         f"{layout.chunk_size} the values kernel needs 288 KiB of shared memory, over an H100's 227), "
+                         f"got {layout.chunk_size}; use 64 or bfloat16 inputs")  # fmt: skip
     H, K = q.shape[2:]
     HV, V = v.shape[2:]
     Kp, Vp = _pow2(K), _pow2(V)
     cfg = dataclasses.replace(cfg, block_v=min(cfg.block_v, Vp), block_k=min(cfg.block_k, Kp))
     tiles = _tiles(cfg, input_dtype)
     sd = _stored(tiles)
-    if sd == jnp.float32 and layout.chunk_size > 64:  # compile report in docs/kda_gpu.md
-        raise ValueError(f"chunk_size: pallas_gpu with float32 intermediates supports chunk sizes up to 64 (at "
-                         f"{layout.chunk_size} the values kernel needs 288 KiB of shared memory, over an H100's 227), "
-                         f"got {layout.chunk_size}; use 64 or bfloat16 inputs")  # fmt: skip
     cfg = _fit_launch(cfg, layout.chunk_size, Kp, jnp.dtype(sd).itemsize)
     qt, kt = (pad_last(layout.pack(x.astype(sd)), Kp) for x in (q, k))
     kgate = _Gate(gate is not None, None if gate is None else gate[2])

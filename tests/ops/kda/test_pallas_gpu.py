@@ -245,10 +245,31 @@ def _assert_lowers_for_cuda(dtype, dim, varlen, monkeypatch, **options):
     assert grad.trace(*args).lower(lowering_platforms=("cuda",)).as_text().count(triton) == N_FWD + N_BWD
 
 
-def test_auto_picks_the_gpu_kernels_on_gpu(monkeypatch):
+def test_auto_picks_the_gpu_kernels_on_gpu_where_they_fit(monkeypatch):
     cores = {"xla": None, "pallas_tpu": None, "pallas_gpu": None}
+    pick = lambda dtype, C, cores=cores: api._resolve_backend("auto", cores, dtype, C)
     monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
-    assert api._resolve_backend("auto", cores) == "xla"
+    assert pick(jnp.float32, 64) == "xla"
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert api._resolve_backend("auto", cores) == "pallas_gpu"
-    assert api._resolve_backend("auto", {"xla": None}) == "xla"  # fused_recurrent_kda has no GPU kernel
+    assert pick(jnp.float32, 64) == pick(jnp.bfloat16, 64) == pick(jnp.bfloat16, 128) == "pallas_gpu"
+    assert pick(jnp.float32, 128) == "xla"  # float32 intermediates at C = 128 do not fit (shared memory)
+    assert pick(jnp.float64, 64) == "xla"  # the kernels compute in float32 at most
+    assert pick(jnp.float32, None, {"xla": None}) == "xla"  # fused_recurrent_kda has no GPU kernel
+    monkeypatch.setattr(pallas_gpu, "CONFIG", pallas_gpu.Config(precision="tf32"))
+    assert pick(jnp.bfloat16, 128) == "xla"  # a float32 precision for bf16 inputs: float32 intermediates
+
+
+def test_auto_on_gpu_runs_xla_where_the_kernels_do_not_fit(monkeypatch):
+    """What backend="pallas_gpu" refuses, "auto" on a GPU computes with xla, to its precision."""
+    case = next(c for c in CASES if c.name == "chunk128")
+    args, kwargs = make_inputs(case, jnp.float32)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    with pytest.raises(ValueError, match="chunk_size: pallas_gpu with float32 intermediates"):
+        chunk_kda_gpu(*args, **kwargs)
+    auto, xla = (kdax.chunk_kda(*args, **kwargs, backend=b) for b in ("auto", "xla"))
+    np.testing.assert_array_equal(auto[0], xla[0])
+    with jax.enable_x64(True):
+        args64 = [a.astype(jnp.float64) for a in args]
+        o, _ = kdax.chunk_kda(*args64, **dict(kwargs, chunk_size=64))
+        o_ref, _ = kdax.chunk_kda(*args64, **dict(kwargs, chunk_size=64), backend="naive")
+        assert o.dtype == jnp.float64 and float(jnp.max(jnp.abs(o - o_ref))) < 1e-10

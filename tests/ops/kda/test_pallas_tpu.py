@@ -91,7 +91,9 @@ def test_lowers_for_tpu(pipeline, dtype, dim, varlen, monkeypatch):
 
 def test_auto_picks_the_tpu_kernels_on_tpu(monkeypatch):
     cores = {"xla": None, "pallas_tpu": None}
-    assert api._resolve_backend("auto", cores) == "xla"  # this machine has no TPU
+    pick = lambda dtype, cores=cores: api._resolve_backend("auto", cores, dtype, 64)
+    assert pick(jnp.float32) == "xla"  # this machine has no TPU
     monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
-    assert api._resolve_backend("auto", cores) == "pallas_tpu"
-    assert api._resolve_backend("auto", {"xla": None}) == "xla"  # fused_recurrent_kda has no TPU kernel
+    assert pick(jnp.float32) == pick(jnp.bfloat16) == "pallas_tpu"
+    assert pick(jnp.float64) == "xla"  # the kernels compute in float32 at most
+    assert pick(jnp.float32, {"xla": None}) == "xla"  # fused_recurrent_kda has no TPU kernel
