@@ -9,6 +9,7 @@ the gate ``-exp(A_log) softplus(g + dt_bias)``, beta = sigmoid) and the loss
 way: FLA with CUDA events around the batch, JAX with a host clock around it and one
 ``block_until_ready`` at its end; the median over ``repeats`` batches, after warm-up.
 Each worker rewrites its results after every shape, so a run cut short keeps what it timed.
+kdax compiles each pass ahead of time and reports the seconds it took.
 For the first shape each worker also traces :data:`PROFILE_CALLS` calls of each pass and
 reports the device time per kernel (kdax pallas_gpu with ``jax.profiler``, FLA with
 ``torch.profiler``): where the time goes when the ratio is missed.
@@ -249,19 +250,26 @@ def _kdax_worker(shapes, repeats, out, backends=("pallas_gpu", "xla")):
     result = {"rows": [], "device": str(jax.devices()[0].device_kind), "jax": jax.__version__}
     for B, T in shapes:
         args = make(B, T, H)
-        timed = {}  # backend -> its jitted passes, compiled by the timing (the profile reuses them)
+        profiled = {}  # pass -> pallas_gpu compiled for it
         for backend in backends:
-            timed[backend] = fs = fns(backend)
-            for mode, f in fs.items():
+            for mode, f in fns(backend).items():
+                ms = compile_s = None
                 try:
-                    ms, err = jax_ms(f, args, repeats), None
+                    t0 = time.perf_counter()
+                    f = f.lower(*args).compile()
+                    compile_s, err = time.perf_counter() - t0, None
+                    ms = jax_ms(f, args, repeats)
                 except jax.errors.JaxRuntimeError as e:  # e.g. out of memory: reported, not hidden
-                    ms, err = None, f"{type(e).__name__}: {str(e)[:200]}"
-                result["rows"].append({"B": B, "T": T, "impl": f"kdax {backend}", "mode": mode, "ms": ms, "error": err})
-                print(f"kdax {backend} B={B} T={T} {mode}: {ms if err is None else err}", file=sys.stderr, flush=True)
+                    err = f"{type(e).__name__}: {str(e)[:200]}"
+                if backend == "pallas_gpu" and err is None:
+                    profiled[mode] = f
+                row = {"B": B, "T": T, "impl": f"kdax {backend}", "mode": mode, "ms": ms, "error": err}
+                result["rows"].append(dict(row, compile_s=compile_s))
+                print(f"kdax {backend} B={B} T={T} {mode}: {ms if err is None else err}, compiled in {compile_s} s",
+                      file=sys.stderr, flush=True)  # fmt: skip
         _save(result, out)
-        if (B, T) == shapes[0] and "pallas_gpu" in timed:  # after every timing of the shape
-            passes = {mode: functools.partial(jax_kernel_profile, f, args) for mode, f in timed["pallas_gpu"].items()}
+        if (B, T) == shapes[0]:  # after every timing of the shape
+            passes = {mode: functools.partial(jax_kernel_profile, f, args) for mode, f in profiled.items()}
             result["profile"] = _profiled(B, T, passes)
             _save(result, out)
         del args
@@ -368,15 +376,19 @@ def format_compare(res: dict) -> str:
     m = res["meta"]
     pk, bw = m["peak_tflops"], m["copy_gbs"]
     out = [f"# {m['device']}: measured bf16 matmul {pk:.0f} TFLOP/s, copy {bw:.0f} GB/s; H={H} K=V={K} bf16"]
-    out.append("| B | T | pass | impl | median ms | TFLOP/s (% peak) | GB/s (% copy) | time / FLA |")
-    out.append("|---|---|---|---|---|---|---|---|")
+    out.append("| B | T | pass | impl | median ms | TFLOP/s (% peak) | GB/s (% copy) | time / FLA | compile s |")
+    out.append("|---|---|---|---|---|---|---|---|---|")
     for r in res["rows"]:
+        compile_s = f"{r['compile_s']:.1f}" if r.get("compile_s") else ""
         if r["ms"] is None:
-            out.append(f"| {r['B']} | {r['T']} | {r['mode']} | {r['impl']} | failed: {r.get('error')} | | | |")
+            out.append(
+                f"| {r['B']} | {r['T']} | {r['mode']} | {r['impl']} | failed: {r.get('error')} | | | | {compile_s} |"
+            )
             continue
         out.append(
             f"| {r['B']} | {r['T']} | {r['mode']} | {r['impl']} | {r['ms']:.3f} | {r['tflops']:.1f} "
-            f"({100 * r['tflops'] / pk:.0f}%) | {r['gbs']:.0f} ({100 * r['gbs'] / bw:.0f}%) | {r['vs_fla']:.2f} |"
+            f"({100 * r['tflops'] / pk:.0f}%) | {r['gbs']:.0f} ({100 * r['gbs'] / bw:.0f}%) | {r['vs_fla']:.2f} "
+            f"| {compile_s} |"
         )
     s = res["small_case"]
     out.append(f"\nmax rel. error over o and every gradient, B={s['B']} T={s['T']} H={s['H']} bf16:")
