@@ -51,7 +51,7 @@ class Config:
     ``precision``: of the matmuls, "ieee" (float32 on the FMA units), "tf32x3" (float32 as
     three TF32 tensor-core products), "tf32", "bf16" (bulk matmuls on bfloat16 operands and
     intermediates stored in bfloat16; TF32 for the triangular inverse and the pairwise
-    factorisation's backward) or "auto" (tf32x3 for float32 inputs, bf16 for bfloat16).
+    factorisation's backward) or "auto" (bf16 for bfloat16 inputs, tf32x3 for float32 and float16).
     In the interpreter, float32 matmuls are exact whatever the precision.
     ``launch``: {kernel: (num_warps, num_stages)} overriding :data:`LAUNCH`. ``interpret``: None = interpret unless on GPU."""
 
@@ -393,7 +393,7 @@ def _stored(tiles: Tiles):  # dtype of the intermediates that feed only bulk mat
 def _tiles(cfg: Config, input_dtype) -> Tiles:
     name = cfg.precision
     if name == "auto":
-        name = "tf32x3" if input_dtype == jnp.float32 else "bf16"
+        name = "bf16" if input_dtype == jnp.bfloat16 else "tf32x3"  # bf16 would lose float16's 3 extra bits
     precision, operands = PRECISIONS[name]
     if isinstance(precision, lax.DotAlgorithmPreset) and _interpret(cfg):
         precision = lax.Precision.HIGHEST  # no such algorithm on CPU; float32 there is exact anyway

@@ -34,6 +34,14 @@ def test_chunk_bf16(backend, case):
     assert_close_to_reference(functools.partial(kdax.chunk_kda, backend=backend), case, jnp.bfloat16)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_chunk_fp16(backend):
+    """float16 inputs: float32 intermediates in every backend (bfloat16 ones would drop float16's
+    three extra mantissa bits and miss these bars), so errors of float16's own rounding."""
+    case = next(c for c in CASES if c.name == "T65_gva_h0")
+    assert_close_to_reference(functools.partial(kdax.chunk_kda, backend=backend), case, jnp.float16)
+
+
 @pytest.mark.parametrize("case", [c for c in CASES if c.name in ("T65_gva_h0", "varlen", "strong_decay_varlen",
                                                                  "chunk32_varlen", "T1000")], ids=str)  # fmt: skip
 def test_chunk_xla_all_chunks_per_step(case, monkeypatch):
