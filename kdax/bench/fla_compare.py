@@ -347,9 +347,7 @@ def format_profiles(res: dict, min_share: float = 0.01) -> list[str]:
     timed = {(r["impl"], r["B"], r["T"], r["mode"]): r["ms"] for r in res["rows"]}
     out = []
     for impl, prof in (res.get("profiles") or {}).items():
-        for mode in ("fwd", "fwd+bwd"):
-            if not prof or mode not in prof:
-                continue
+        for mode in (m for m in ("fwd", "fwd+bwd") if prof and m in prof):
             head = f"\n{impl} {mode}, B={prof['B']} T={prof['T']}, {prof['calls']} calls traced"
             if isinstance(prof[mode], str):
                 out.append(f"{head}: the profile failed: {prof[mode]}")
