@@ -15,7 +15,8 @@ from kdax.nn import Attention, GatedMLP, KimiDeltaAttention, RMSNorm, ShortConvo
 
 class ModelCache(NamedTuple):
     """Decoding caches of a batch of B rows: per layer a :class:`KDACache` (KDA layers) or
-    the (k, v) cache [B, max_length, kv_heads, head_dim] (attention layers); lengths [B]
+    the (k, v) cache [B, slots, kv_heads, head_dim] (attention layers; slots = max_length,
+    or the window of a sliding-window layer, see :meth:`Attention.init_cache`); lengths [B]
     int32, the tokens stored so far in each row (the next token's position)."""
 
     layers: tuple

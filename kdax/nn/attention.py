@@ -1,5 +1,6 @@
 """Softmax attention for the hybrid's full-attention layers (FLA's ``Attention``): GQA, RoPE,
-causal, optional sliding window, a preallocated KV cache for decoding."""
+causal, optional sliding window, a preallocated KV cache for decoding (a ring buffer of
+window_size slots for sliding-window layers)."""
 
 from __future__ import annotations
 
@@ -48,15 +49,20 @@ class Attention(nnx.Module):
         self.o_proj = nnx.Linear(hidden_size, hidden_size, use_bias=False, rngs=rngs)
 
     def init_cache(self, batch_size: int, max_length: int, dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
-        """Zeroed (k, v) cache, each [batch_size, max_length, num_kv_heads, head_dim]."""
-        shape = (batch_size, max_length, self.num_kv_heads, self.head_dim)
+        """Zeroed (k, v) cache for rows of up to max_length tokens, each [batch_size, slots,
+        num_kv_heads, head_dim]: slots = max_length, or min(window_size, max_length) with a
+        window (a ring buffer: position p lives in slot p % slots)."""
+        slots = max_length if self.window_size is None else min(self.window_size, max_length)
+        shape = (batch_size, slots, self.num_kv_heads, self.head_dim)
         return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
 
     def __call__(self, x, *, positions=None, segment_ids=None, cache=None):
         """x: [B, T, hidden]; positions: [B, T] RoPE positions (default 0..T-1); segment_ids:
         [B, T], tokens attend only within their segment (packed sequences, padding).
-        With ``cache`` (k, v from :meth:`init_cache`), row b's tokens are written at cache
-        slots positions[b, 0] + t and attend to every slot <= their position (segment_ids unused).
+        With ``cache`` (k, v from :meth:`init_cache`) each row holds one sequence whose tokens
+        before positions[b, 0] are cached: row b's tokens are at positions[b, 0] + t, attend to
+        the cached ones and to each other, and are stored; tokens outside the row's first
+        segment (padding after it, when segment_ids is given) are not stored.
         Returns (y [B, T, hidden] in x's dtype, the updated cache or None)."""
         B, T, _ = x.shape
         H, G, Dh = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
@@ -66,18 +72,23 @@ class Attention(nnx.Module):
         k = rope(self.k_proj(x).reshape(B, T, H, Dh), positions, self.rope_theta)
         v = self.v_proj(x).reshape(B, T, H, Dh)
         if cache is None:
-            i = jnp.arange(T)[:, None]
-            dist = jnp.broadcast_to(i - jnp.arange(T)[None, :], (B, T, T))
+            dist = jnp.broadcast_to(jnp.arange(T)[:, None] - jnp.arange(T)[None, :], (B, T, T))
             allowed = dist >= 0
             if segment_ids is not None:
                 allowed &= segment_ids[:, :, None] == segment_ids[:, None, :]
         else:
-            zero = jnp.zeros((), positions.dtype)
-            write = lambda c, new, p: jax.lax.dynamic_update_slice(c, new.astype(c.dtype), (p, zero, zero))
-            cache = tuple(jax.vmap(write)(c, new, positions[:, 0]) for c, new in zip(cache, (k, v)))
-            k, v = cache
-            dist = positions[:, :, None] - jnp.arange(k.shape[1])[None, None, :]
-            allowed = dist >= 0
+            first = positions[:, :1]  # [B, 1]
+            n = T if segment_ids is None else jnp.sum(segment_ids == segment_ids[:, :1], axis=1, keepdims=True)
+            new_cache = tuple(_store(c, new, first, first + n - 1) for c, new in zip(cache, (k, v)))
+            if self.window_size is not None and T > 1:  # the ring may drop keys that earlier new tokens need
+                key_pos = jnp.concatenate([_slot_positions(first - 1, cache[0].shape[1]), positions], axis=1)
+                k, v = (jnp.concatenate([c.astype(new.dtype), new], axis=1) for c, new in zip(cache, (k, v)))
+            else:
+                key_pos = _slot_positions(first + n - 1, cache[0].shape[1])
+                k, v = new_cache
+            dist = positions[:, :, None] - key_pos[:, None, :]
+            allowed = (dist >= 0) & (key_pos >= 0)[:, None, :]
+            cache = new_cache
         if self.window_size is not None:
             allowed &= dist < self.window_size
         qg = q.reshape(B, T, H, G, Dh).astype(jnp.float32)
@@ -85,3 +96,18 @@ class Attention(nnx.Module):
         scores = jnp.where(allowed[:, None, None], scores, -jnp.inf)
         o = jnp.einsum("bkgts,bskd->btkgd", jax.nn.softmax(scores, axis=-1), v.astype(jnp.float32))
         return self.o_proj(o.reshape(B, T, H * G * Dh).astype(x.dtype)), cache
+
+
+def _slot_positions(last: jax.Array, slots: int) -> jax.Array:
+    """Positions [B, slots] held by a cache whose rows store positions 0..last[b] ([B, 1]),
+    position p in slot p % slots: the newest p <= last in each slot, negative where none."""
+    s = jnp.arange(slots, dtype=last.dtype)
+    return last - (last - s) % slots
+
+
+def _store(cache: jax.Array, new: jax.Array, first: jax.Array, last: jax.Array) -> jax.Array:
+    """cache [B, slots, ...] with new [B, T, ...] (positions first[b] + t) stored up to
+    position last[b] ([B, 1] each); each slot takes the newest position that maps to it."""
+    t = _slot_positions(last, cache.shape[1]) - first  # [B, slots]: index into new, < 0 to keep
+    picked = jnp.take_along_axis(new, jnp.clip(t, 0, new.shape[1] - 1)[:, :, None, None], axis=1)
+    return jnp.where((t >= 0)[:, :, None, None], picked.astype(cache.dtype), cache)

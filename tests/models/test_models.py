@@ -142,12 +142,15 @@ def test_generate_greedy_equals_rerunning_full_forward(model):
 
 
 def test_generate_decode_steps_compile_once(model):
-    """A call compiles its decode step at most once, however many steps it takes."""
+    """A call compiles its decode step at most once, however many steps it takes (none when
+    an earlier call had the same batch and cache shapes: with only windowed attention
+    layers the caches do not depend on the length)."""
     before = generation.decode_sample._cache_size()
     generate(model, _ids(2, 6), 9)
-    assert generation.decode_sample._cache_size() == before + 1
+    after = generation.decode_sample._cache_size()
+    assert after <= before + 1
     generate(model, _ids(2, 6, seed=3), 9)
-    assert generation.decode_sample._cache_size() == before + 1
+    assert generation.decode_sample._cache_size() == after
 
 
 def test_generate_eos_and_sampling(model):

@@ -149,16 +149,36 @@ def test_attention_rope_is_relative():
 
 @pytest.mark.parametrize("window", [None, 4])
 def test_attention_cache_decode_equals_full_run(window):
+    """A 7-token prompt, a 3-token continuation, then single tokens: each call attends to
+    the cache as the full run does; a windowed layer caches only window_size slots."""
     layer = Attention(32, num_heads=4, num_kv_heads=1, window_size=window, rngs=nnx.Rngs(0))
-    x = _x(2, 12, 32)
+    x = _x(2, 14, 32)
     full, _ = layer(x)
     cache = layer.init_cache(2, 16)
-    y, cache = layer(x[:, :7], positions=jnp.broadcast_to(jnp.arange(7), (2, 7)), cache=cache)
-    ys = [y]
-    for t in range(7, 12):
-        y, cache = layer(x[:, t : t + 1], positions=jnp.full((2, 1), t), cache=cache)
+    assert cache[0].shape == (2, 16 if window is None else window, 1, 8)
+    ys = []
+    for a, b in [(0, 7), (7, 10)] + [(t, t + 1) for t in range(10, 14)]:
+        y, cache = layer(x[:, a:b], positions=jnp.broadcast_to(jnp.arange(a, b), (2, b - a)), cache=cache)
         ys.append(y)
     assert rel_rms(jnp.concatenate(ys, axis=1), full) <= 1e-5
+
+
+@pytest.mark.parametrize("window", [None, 4])
+def test_attention_cache_skips_padding(window):
+    """Rows padded after 2 and 6 tokens (segment 1): the padding is not cached, so decoding
+    from each row's length matches the full run of that row."""
+    layer = Attention(32, num_heads=4, num_kv_heads=2, window_size=window, rngs=nnx.Rngs(0))
+    x, lengths = _x(2, 9, 32), [2, 6]
+    full, _ = layer(x)
+    seg = (jnp.arange(7)[None] >= jnp.array(lengths)[:, None]).astype(jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(7), (2, 7))
+    y, cache = layer(x[:, :7], positions=pos, segment_ids=seg, cache=layer.init_cache(2, 12))
+    for b, n in enumerate(lengths):
+        assert rel_rms(y[b, :n], full[b, :n]) <= 1e-5
+    for step in range(3):
+        p = jnp.array(lengths) + step
+        y, cache = layer(x[jnp.arange(2), p][:, None], positions=p[:, None], cache=cache)
+        assert rel_rms(y[:, 0], full[jnp.arange(2), p]) <= 1e-5
 
 
 def test_attention_segments_equal_separate_sequences():
