@@ -3,12 +3,12 @@ what the compiler made of it: registers per thread, spill stack, shared memory, 
 instruction mix (tensor-core HGMMA/HMMA, FFMA, exp2 on MUFU, local-memory LDL/STL).
 
     python scripts/gpu_compile_report.py [--T 8192] [--K 128 --V 128 --chunk-size 64]
-        [--dtype bfloat16] [--gate-logits] [--kernels intra keys]
+        [--dtype bfloat16] [--fla-options] [--kernels intra keys]
 
 JAX lowers the forward and the backward of ``chunk_kda(backend="pallas_gpu")`` at B = 1,
 H = 16 (K = V = 128 unless given) for CUDA (``lowering_platforms=("cuda",)``), g the log
-decay or, with ``--gate-logits``, raw logits with the gate in the kernels (A_log and
-dt_bias, as ``kdax bench --gpu-compare-fla`` runs); each kernel's Triton IR is then
+decay or, with ``--fla-options``, the in-kernel options ``kdax bench --gpu-compare-fla``
+runs (raw gate logits with A_log and dt_bias, the L2 norm of q and k, the beta sigmoid); each kernel's Triton IR is then
 compiled with the ``triton`` package (``pip install triton``), with the (num_warps,
 num_stages) the kernels get (``pallas_gpu.LAUNCH`` fitted to the tiles), and the cubin
 inspected with the ``cuobjdump`` that ships with it. The Triton inside XLA (what runs on a
@@ -42,7 +42,7 @@ KERNELS = {"_intra_kernel": "intra", "_state_kernel": "state", "_output_kernel":
            "_dstate_kernel": "dstate", "_values_kernel": "values", "_keys_kernel": "keys", "_levels_kernel": "levels"}  # fmt: skip
 
 
-def triton_modules(T: int, dtype, cfg: pallas_gpu.Config, gate_logits: bool = False, K: int = 128, V: int = 128,
+def triton_modules(T: int, dtype, cfg: pallas_gpu.Config, fla_options: bool = False, K: int = 128, V: int = 128,
                    chunk_size: int = 64) -> list[tuple[str, str, tuple[int, int]]]:  # fmt: skip
     """(launch-table name, Triton IR text, (num_warps, num_stages) its pallas_call got) of each
     kernel of the forward and backward, in order."""
@@ -55,10 +55,12 @@ def triton_modules(T: int, dtype, cfg: pallas_gpu.Config, gate_logits: bool = Fa
         return result
 
     B, H = 1, 16
-    gate = {"use_gate_in_kernel": True, "A_log": jnp.zeros((H,)), "dt_bias": jnp.zeros((H * K,))} if gate_logits else {}
+    fla = {"use_gate_in_kernel": True, "A_log": jnp.zeros((H,)), "dt_bias": jnp.zeros((H * K,)),
+           "use_qk_l2norm_in_kernel": True, "use_beta_sigmoid_in_kernel": True}  # fmt: skip
+    options = fla if fla_options else {}
 
     def loss(*a):
-        o, s = chunk_kda(*a, backend="pallas_gpu", output_final_state=True, chunk_size=chunk_size, **gate)
+        o, s = chunk_kda(*a, backend="pallas_gpu", output_final_state=True, chunk_size=chunk_size, **options)
         return o.astype(jnp.float32).sum() + s.sum()
 
     args = [jax.ShapeDtypeStruct(s, dtype) for s in [(B, T, H, K)] * 2 + [(B, T, H, V), (B, T, H, K), (B, T, H)]]
@@ -116,7 +118,7 @@ def main(argv=None) -> int:
     p.add_argument("--precision", default=pallas_gpu.CONFIG.precision, choices=("auto", *pallas_gpu.PRECISIONS))
     p.add_argument("--block-v", type=int, default=pallas_gpu.CONFIG.block_v)
     p.add_argument("--block-k", type=int, default=pallas_gpu.CONFIG.block_k)
-    p.add_argument("--gate-logits", action="store_true", help="gate logits in, the gate applied in the kernels")
+    p.add_argument("--fla-options", action="store_true", help="gate, L2 norm and beta sigmoid in the op, as vs FLA")
     p.add_argument("--launch", nargs="*", default=[], metavar="KERNEL=WARPS,STAGES", help="override pallas_gpu.LAUNCH")
     p.add_argument("--kernels", nargs="*", default=list(pallas_gpu.LAUNCH), help="launch-table names")
     a = p.parse_args(argv)
@@ -126,13 +128,13 @@ def main(argv=None) -> int:
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     print(
         f"sm_90a, triton {triton.__version__}, jax {jax.__version__}, B=1 T={a.T} H=16 K={a.K} V={a.V} C={a.chunk_size} {a.dtype}, "
-        f"precision={a.precision} block_v={a.block_v} block_k={a.block_k} gate_logits={a.gate_logits}"
+        f"precision={a.precision} block_v={a.block_v} block_k={a.block_k} fla_options={a.fla_options}"
     )
     print("| kernel | warps | stages | regs | spill B | smem KiB | HGMMA | HMMA | FFMA | MUFU | LDL | STL |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     over, seen = [], set()
     with tempfile.TemporaryDirectory() as workdir:
-        for name, ttir, launch in triton_modules(a.T, jnp.dtype(a.dtype), cfg, a.gate_logits, a.K, a.V, a.chunk_size):
+        for name, ttir, launch in triton_modules(a.T, jnp.dtype(a.dtype), cfg, a.fla_options, a.K, a.V, a.chunk_size):
             if name in seen or name not in a.kernels:  # the backward's intra: the forward's and two outputs
                 continue
             seen.add(name)

@@ -132,12 +132,12 @@ def _repeated_qk(core):
 
 
 def _run(core, q, k, v, g, beta, scale, initial_state, N, cu_seqlens, output_final_state):
-    """Cast to the compute dtype, scale q, call core."""
+    """Cast to the compute dtype, scale q (K**-0.5 when scale is None), call core."""
     B, _, _, K = q.shape
     HV, V = v.shape[2:]
     dt = jnp.promote_types(q.dtype, jnp.float32)
     scale = K**-0.5 if scale is None else scale
-    qc = jnp.asarray(q, dt) * scale
+    qc = jnp.asarray(q, dt) if scale == 1 else jnp.asarray(q, dt) * scale
     kc, vc, gc, bc = (jnp.asarray(x, dt) for x in (k, v, g, beta))
     n_per_row = N // B  # 1 without cu_seqlens, N with it (B = 1)
     h0 = jnp.zeros((N, HV, K, V), dt) if initial_state is None else jnp.asarray(initial_state, dt)
@@ -166,14 +166,19 @@ def chunk_kda(
     def layout_then(core):
         return lambda q, k, v, g, beta, h0, cu: core(q, k, v, g, beta, h0, chunk_layout(q.shape[1], chunk_size, cu))
 
-    gate = (A_log, dt_bias, lower_bound) if use_gate_in_kernel else None  # the GPU kernels apply it themselves
-    gpu = lambda *a: chunk_kda_pallas_gpu(*a, input_dtype=q.dtype, gate=gate, g_dtype=g.dtype)  # after validation
+    gate = (A_log, dt_bias, lower_bound) if use_gate_in_kernel else None  # the GPU kernels apply it themselves,
+
+    def gpu(*a):  # and the L2 norm and scale (called once the arguments are validated)
+        s = q.shape[-1] ** -0.5 if scale is None else scale
+        return chunk_kda_pallas_gpu(*a, input_dtype=q.dtype, gate=gate, g_dtype=g.dtype,
+                                    l2norm_qk=use_qk_l2norm_in_kernel, scale=s)  # fmt: skip
+
     cores = {
         "xla": _repeated_qk(layout_then(chunk_kda_xla)),
         "pallas_tpu": layout_then(chunk_kda_pallas_tpu),
         "pallas_gpu": layout_then(gpu),
     }
-    return _dispatch(cores, gate_in_core=("pallas_gpu",), **args)
+    return _dispatch(cores, options_in_core=("pallas_gpu",), **args)
 
 
 def fused_recurrent_kda(
@@ -187,20 +192,23 @@ def fused_recurrent_kda(
 
 
 def _dispatch(
-    cores, *, gate_in_core=(), q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+    cores, *, options_in_core=(), q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
     use_gate_in_kernel, A_log, dt_bias, lower_bound, use_beta_sigmoid_in_kernel, allow_neg_eigval, cu_seqlens,
     chunk_size, backend,
 ):  # fmt: skip
     """Validate, apply the in-op options, and run the backend's core (or the naive reference).
-    The cores of ``gate_in_core`` get the raw gate logits and apply the gate themselves."""
+    The cores of ``options_in_core`` get the raw gate logits and unnormalised, unscaled q and k,
+    and apply the gate, the L2 norm and the scale themselves."""
     N = _validate(q, k, v, g, beta, scale, initial_state, use_gate_in_kernel, A_log, dt_bias, lower_bound,
                   use_beta_sigmoid_in_kernel, allow_neg_eigval, cu_seqlens, chunk_size, backend)  # fmt: skip
     backend = _resolve_backend(backend, cores, q.dtype, chunk_size)
-    gate = use_gate_in_kernel and backend not in gate_in_core
-    q, k, g, beta = _preprocess(q, k, g, beta, use_qk_l2norm_in_kernel, gate, A_log, dt_bias,
-                                lower_bound, use_beta_sigmoid_in_kernel, allow_neg_eigval)  # fmt: skip
+    in_core = backend in options_in_core
+    norm, gate = (use_qk_l2norm_in_kernel, use_gate_in_kernel) if not in_core else (False, False)
+    q, k, g, beta = _preprocess(q, k, g, beta, norm, gate, A_log, dt_bias, lower_bound, use_beta_sigmoid_in_kernel,
+                                allow_neg_eigval)  # fmt: skip
     if backend == "naive":
         return _naive(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
+    scale = 1.0 if in_core else scale
     return _run(cores[backend], q, k, v, g, beta, scale, initial_state, N, cu_seqlens, output_final_state)
 
 

@@ -31,7 +31,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from kdax.ops.common.varlen import ChunkLayout
-from kdax.ops.kda.gate import log_decay
+from kdax.ops.kda.gate import L2NORM_EPS, l2norm, log_decay
 from kdax.ops.kda.tiles import StateProducts, Tiles, gated, last_row, pad_last
 from kdax.ops.kda.xla import LOG2E
 
@@ -127,6 +127,22 @@ class _Gate:
         return dg.astype(g.dtype), dp
 
 
+@dataclasses.dataclass(frozen=True)
+class _QK:
+    """What the forward's intra kernel does to the q and k rows it reads: the L2 norm of each
+    (``l2norm``, with the row sums of squares taken over every key column first) and q times
+    ``scale``, so that XLA writes no normalised or scaled copy of q and k in the forward. The
+    backward's kernels read the copies :meth:`prepare` makes, and its VJP pulls dq, dk back."""
+
+    l2norm: bool = False
+    scale: float = 1.0
+
+    def prepare(self, q, k):  # in XLA, as the intra kernel sees them: q, k [B, L, H, Kp], their dtype
+        f32 = jnp.float32
+        qn, kn = (l2norm(x.astype(f32)) if self.l2norm else x.astype(f32) for x in (q, k))
+        return (qn * self.scale).astype(q.dtype), kn.astype(k.dtype)
+
+
 # ----------------------------------------------------------------------------- kernels
 
 
@@ -161,8 +177,8 @@ def _block_gates(tiles, g_rows, nb):
     return G, before, end
 
 
-def _intra_kernel(tiles, gate, BK, q_ref, k_ref, v_ref, g_ref, gp_ref, b_ref, aqk_ref, w_ref, u_ref, qg_ref, kd_ref,
-                  dec_ref, *pair_refs):  # fmt: skip
+def _intra_kernel(tiles, gate, qk, BK, q_ref, k_ref, v_ref, g_ref, gp_ref, b_ref, aqk_ref, w_ref, u_ref, qg_ref,
+                  kd_ref, dec_ref, *pair_refs):  # fmt: skip
     """Grid (B, HV, chunks). Writes Aqk [C, C], w, q_g, k_d [C, K], u [C, V], decay [1, K],
     and for the backward (two more refs) Kkk and T [C, C].
 
@@ -170,7 +186,7 @@ def _intra_kernel(tiles, gate, BK, q_ref, k_ref, v_ref, g_ref, gp_ref, b_ref, aq
     by the dyadic levels (``Tiles.pairs``), block (i, j < i) by one product around the
     reference row just before block i (both factors <= 1); T by block forward substitution.
     Walks the key columns in blocks of BK twice: summing the pair blocks, then writing w,
-    q_g, k_d and decay."""
+    q_g, k_d and decay (a third walk first for the row norms when ``qk.l2norm``)."""
     C, f32 = aqk_ref.shape[0], jnp.float32
     S = min(SUB, C)
     nb = C // S
@@ -182,9 +198,24 @@ def _intra_kernel(tiles, gate, BK, q_ref, k_ref, v_ref, g_ref, gp_ref, b_ref, aq
     def gates(kb):
         return _block_gates(tiles, lambda i: gate(rows(g_ref, i, kb), gp_ref, pl.ds(kb * BK, BK)), nb)
 
+    n_kb = q_ref.shape[1] // BK
+    q_scale, k_scale = [qk.scale] * nb, [1.0] * nb  # of the rows of each row block: [S, 1] or scalars
+    if qk.l2norm:
+
+        def squares(kb, acc):
+            return tuple(a + jnp.sum(x * x, axis=1, keepdims=True)
+                         for a, x in zip(acc, [rows(r, i, kb) for r in (q_ref, k_ref) for i in range(nb)]))  # fmt: skip
+
+        ss = lax.fori_loop(0, n_kb, squares, (jnp.zeros((S, 1), f32),) * (2 * nb))
+        q_scale = [qk.scale * lax.rsqrt(x + L2NORM_EPS) for x in ss[:nb]]
+        k_scale = [lax.rsqrt(x + L2NORM_EPS) for x in ss[nb:]]
+
+    def qk_rows(i, kb):  # row block i of q and k as the math sees them (normalised, q scaled), float32
+        return rows(q_ref, i, kb) * q_scale[i], rows(k_ref, i, kb) * k_scale[i]
+
     def pairs(kb, acc):
         G, before, _ = gates(kb)
-        q, k = [rows(q_ref, i, kb) for i in range(nb)], [rows(k_ref, i, kb) for i in range(nb)]
+        q, k = zip(*[qk_rows(i, kb) for i in range(nb)])
         blocks = {}
         for i in range(nb):
             blocks[i, i] = tiles.pairs(q[i], k[i], G[i])
@@ -195,7 +226,7 @@ def _intra_kernel(tiles, gate, BK, q_ref, k_ref, v_ref, g_ref, gp_ref, b_ref, aq
         return tuple(a + b for a, b in zip(acc, (x for ij in lower for x in blocks[ij])))
 
     zero = jnp.zeros((S, S), f32)
-    acc = lax.fori_loop(0, q_ref.shape[1] // BK, pairs, (zero,) * (2 * len(lower)))
+    acc = lax.fori_loop(0, n_kb, pairs, (zero,) * (2 * len(lower)))
     Aqk, Kkk = dict(zip(lower, acc[0::2])), dict(zip(lower, acc[1::2]))
     beta = [rows(b_ref, i) for i in range(nb)]
     T, wide = {}, tiles.wide
@@ -216,7 +247,7 @@ def _intra_kernel(tiles, gate, BK, q_ref, k_ref, v_ref, g_ref, gp_ref, b_ref, aq
         G, _, end = gates(kb)
         bk_g = []
         for i in range(nb):
-            q_g, k_g, k_d, decay = gated(rows(q_ref, i, kb), rows(k_ref, i, kb), G[i], end)
+            q_g, k_g, k_d, decay = gated(*qk_rows(i, kb), G[i], end)
             bk_g.append(beta[i] * k_g)
             w = sum(tiles.dot(T[i, j], bk_g[j]) for j in range(i + 1))
             for ref, x in zip((w_ref, qg_ref, kd_ref), (w, q_g, k_d)):
@@ -224,7 +255,7 @@ def _intra_kernel(tiles, gate, BK, q_ref, k_ref, v_ref, g_ref, gp_ref, b_ref, aq
         _put(dec_ref, (slice(None), cols), decay)
         return carry
 
-    lax.fori_loop(0, q_ref.shape[1] // BK, outputs, 0)
+    lax.fori_loop(0, n_kb, outputs, 0)
 
 
 def _chunk(ref, c, C):  # rows of chunk c of a [slots, D] ref
@@ -455,9 +486,10 @@ def _gate_spec(Kp: int):  # per-head gate parameters [HV, 2, Kp] on grid (b, h, 
     return pl.BlockSpec((None, 2, Kp), lambda b, h, c: (h, 0, 0))
 
 
-def _run_intra(q, k, v, g, gp, beta, C, groups, tiles, cfg, gate, backward=False):
+def _run_intra(q, k, v, g, gp, beta, C, groups, tiles, cfg, gate, qk, backward=False):
     """Intra-chunk kernel: Aqk [B, HV, L, C], w [.., Kp], u [.., Vp], q_g, k_d [.., Kp], decay [B, HV, NC, Kp],
-    and with ``backward`` also Kkk (float32), T [B, HV, L, C]; the [C, D] ones in :func:`_stored` dtype."""
+    and with ``backward`` also Kkk (float32), T [B, HV, L, C]; the [C, D] ones in :func:`_stored` dtype;
+    q and k as :class:`_QK` ``qk`` says."""
     B, L, HV, Vp = v.shape
     Kp, NC, f32, sd = k.shape[-1], L // C, jnp.float32, _stored(tiles)
     spec, tok = functools.partial(_per_chunk, C), functools.partial(_tokens, C)
@@ -465,7 +497,7 @@ def _run_intra(q, k, v, g, gp, beta, C, groups, tiles, cfg, gate, backward=False
     dtypes = (sd,) * 5 + ((f32, sd) if backward else ())
     tiled = [jax.ShapeDtypeStruct((B, HV, L, d), t) for d, t in zip(widths, dtypes)]
     return pl.pallas_call(
-        functools.partial(_intra_kernel, tiles, gate, cfg.block_k),
+        functools.partial(_intra_kernel, tiles, gate, qk, cfg.block_k),
         grid=(B, HV, NC),
         in_specs=[tok(Kp, groups), tok(Kp, groups), tok(Vp), tok(Kp), _gate_spec(Kp), tok(1)],
         out_specs=[spec(d) for d in widths[:5]] + [_per_chunk_row(Kp)] + [spec(d) for d in widths[5:]],
@@ -474,15 +506,15 @@ def _run_intra(q, k, v, g, gp, beta, C, groups, tiles, cfg, gate, backward=False
     )(q, k, v, g, gp, beta)  # fmt: skip
 
 
-def _forward(q, k, v, g, gp, beta, h0t, ranges, C, groups, tiles, cfg, gate):
-    """Token-major inputs on the padded slot axis: q, k [B, L, H, Kp], v [B, L, HV, Vp] (in :func:`_stored`
-    dtype); g [B, L, HV, Kp] (natural-log decay or logits, :class:`_Gate`) and its parameters gp
-    [HV, 2, Kp]; beta [B, L, HV, 1] (float32); h0t [B, N, HV, Vp, Kp];
+def _forward(q, k, v, g, gp, beta, h0t, ranges, C, groups, tiles, cfg, gate, qk):
+    """Token-major inputs on the padded slot axis: q, k [B, L, H, Kp] (as :class:`_QK` ``qk`` takes
+    them), v [B, L, HV, Vp] (in :func:`_stored` dtype); g [B, L, HV, Kp] (natural-log decay or
+    logits, :class:`_Gate`) and its parameters gp [HV, 2, Kp]; beta [B, L, HV, 1] (float32); h0t [B, N, HV, Vp, Kp];
     ranges (start, end) int32 [N] chunk range of each sequence. Returns o [B, L, HV, Vp] (v's dtype),
     final [B, N, HV, Vp, Kp], S_in [B, HV, NC, Vp, Kp] (stored dtype)."""
     B, L, HV, Vp = v.shape
     Kp, NC, N, BV, f32, sd = k.shape[-1], L // C, h0t.shape[1], cfg.block_v, jnp.float32, _stored(tiles)
-    aqk, w, u, q_g, k_d, dec = _run_intra(q, k, v, g, gp, beta, C, groups, tiles, cfg, gate)
+    aqk, w, u, q_g, k_d, dec = _run_intra(q, k, v, g, gp, beta, C, groups, tiles, cfg, gate, qk)
     seq, state = _seq_range(N), _seq_state(BV, Kp)
     v_new, s_in, final = pl.pallas_call(
         functools.partial(_state_kernel, tiles, C),
@@ -510,12 +542,12 @@ def _forward(q, k, v, g, gp, beta, h0t, ranges, C, groups, tiles, cfg, gate):
 
 
 def _backward(q, k, v, g, gp, beta, ranges, S_in, do, dfinal_t, C, groups, tiles, cfg, gate):
-    """Cotangents of q, k, v, the decay (float32), beta and h0t (dq, dk summed over each group's
-    value heads)."""
+    """Cotangents of q, k (prepared: :meth:`_QK.prepare`), v, the decay (float32), beta and h0t
+    (dq, dk summed over each group's value heads)."""
     B, L, HV, Vp = v.shape
     H, Kp, NC, N, BV = k.shape[2], k.shape[-1], L // C, dfinal_t.shape[1], cfg.block_v
     f32, sd = jnp.float32, _stored(tiles)
-    aqk, w, u, q_g, k_d, dec, kkk, T = _run_intra(q, k, v, g, gp, beta, C, groups, tiles, cfg, gate, backward=True)
+    aqk, w, u, q_g, k_d, dec, kkk, T = _run_intra(q, k, v, g, gp, beta, C, groups, tiles, cfg, gate, _QK(), True)
     seq, state = _seq_range(N), _seq_state(BV, Kp)
     dS_out, dh0t = pl.pallas_call(
         functools.partial(_dstate_kernel, tiles, C),
@@ -566,23 +598,24 @@ def _backward(q, k, v, g, gp, beta, ranges, S_in, do, dfinal_t, C, groups, tiles
     return dq, dk, dv, dg, dbeta, dh0t
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11, 12))
-def _core(q, k, v, g, gp, beta, h0t, ranges, C, groups, tiles, cfg, gate):
-    o, final, _ = _forward(q, k, v, g, gp, beta, h0t, ranges, C, groups, tiles, cfg, gate)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11, 12, 13))
+def _core(q, k, v, g, gp, beta, h0t, ranges, C, groups, tiles, cfg, gate, qk):
+    o, final, _ = _forward(q, k, v, g, gp, beta, h0t, ranges, C, groups, tiles, cfg, gate, qk)
     return o, final
 
 
-def _core_fwd(q, k, v, g, gp, beta, h0t, ranges, C, groups, tiles, cfg, gate):
-    o, final, S_in = _forward(q, k, v, g, gp, beta, h0t, ranges, C, groups, tiles, cfg, gate)
+def _core_fwd(q, k, v, g, gp, beta, h0t, ranges, C, groups, tiles, cfg, gate, qk):
+    o, final, S_in = _forward(q, k, v, g, gp, beta, h0t, ranges, C, groups, tiles, cfg, gate, qk)
     return (o, final), (q, k, v, g, gp, beta, ranges, S_in)
 
 
-def _core_bwd(C, groups, tiles, cfg, gate, res, cts):
+def _core_bwd(C, groups, tiles, cfg, gate, qk, res, cts):
     q, k, v, g, gp, beta, ranges, S_in = res
     do, dfinal_t = cts
-    dq, dk, dv, dG, dbeta, dh0t = _backward(q, k, v, g, gp, beta, ranges, S_in, do, dfinal_t, C, groups, tiles, cfg,
+    (qp, kp), pull = jax.vjp(qk.prepare, q, k)
+    dq, dk, dv, dG, dbeta, dh0t = _backward(qp, kp, v, g, gp, beta, ranges, S_in, do, dfinal_t, C, groups, tiles, cfg,
                                             gate)  # fmt: skip
-    return (dq, dk, dv, *gate.vjp(g, gp, dG), dbeta, dh0t, (None, None))
+    return (*pull((dq, dk)), dv, *gate.vjp(g, gp, dG), dbeta, dh0t, (None, None))
 
 
 _core.defvjp(_core_fwd, _core_bwd)
@@ -622,10 +655,11 @@ def chunk_fits(input_dtype, chunk_size: int, cfg: Config | None = None) -> bool:
 
 
 def chunk_kda_pallas_gpu(q, k, v, g, beta, h0, layout: ChunkLayout, input_dtype=jnp.float32, cfg: Config | None = None,
-                         gate=None, g_dtype=None):  # fmt: skip
+                         gate=None, g_dtype=None, l2norm_qk: bool = False, scale: float = 1.0):  # fmt: skip
     """Core chunked KDA with the GPU kernels, on prepared float32 inputs.
 
-    q, k: [B, T, H, K] (q scaled, not repeated over value heads); v: [B, T, HV, V];
+    q, k: [B, T, H, K] (not repeated over value heads; the kernels take the L2 norm of both
+    when ``l2norm_qk`` and scale q by ``scale``); v: [B, T, HV, V];
     g: [B, T, HV, K] natural-log decay, or with ``gate = (A_log [HV] | None, dt_bias [HV * K] | None,
     lower_bound | None)`` the raw logits that the kernels turn into the decay as
     :func:`~kdax.ops.kda.gate.kda_gate` does; beta: [B, T, HV]; h0: [B, N, HV, K, V];
@@ -657,5 +691,6 @@ def chunk_kda_pallas_gpu(q, k, v, g, beta, h0, layout: ChunkLayout, input_dtype=
     h0t = pad_last(jnp.swapaxes(pad_last(h0, Vp), -1, -2), Kp)  # [B, N, HV, Vp, Kp]
     ranges = (layout.seq_chunk_start, layout.seq_chunk_end)
     gp = _gate_params(gate, HV, K, Kp)
-    o, final = _core(qt, kt, vt, gt, gp, bt, h0t, ranges, layout.chunk_size, HV // H, tiles, cfg, kgate)
+    qk = _QK(l2norm_qk, float(scale))
+    o, final = _core(qt, kt, vt, gt, gp, bt, h0t, ranges, layout.chunk_size, HV // H, tiles, cfg, kgate, qk)
     return layout.unpack(o[..., :V]), jnp.swapaxes(final, -1, -2)[..., :K, :V]

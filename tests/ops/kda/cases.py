@@ -82,15 +82,21 @@ CASES = [
     Case(
         "gate_lower_bound_A_log", T=40, options=(("use_gate_in_kernel", True), ("lower_bound", -3.0), ("A_log", True))
     ),
-    Case(  # padding slots and key columns around gate logits (the GPU kernels apply the gate)
-        "gate_varlen_K60",
+    Case(  # padding slots and key columns around gate logits, L2 norm and scale (the GPU kernels apply them)
+        "gate_l2_varlen_K60",
         lengths=(1, 30, 64, 7),
         H=1,
         HV=2,
         K=60,
         initial_state=True,
         chunk_size=32,
-        options=(("use_gate_in_kernel", True), ("A_log", True), ("dt_bias", True)),
+        options=(
+            ("use_gate_in_kernel", True),
+            ("A_log", True),
+            ("dt_bias", True),
+            ("use_qk_l2norm_in_kernel", True),
+            ("scale", 0.2),
+        ),
     ),
     Case("chunk16", T=100, chunk_size=16, initial_state=True),
     Case("chunk32_varlen", lengths=(5, 33, 1, 40), chunk_size=32),

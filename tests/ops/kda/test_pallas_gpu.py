@@ -66,7 +66,7 @@ def test_float32_inputs_within_bars_with_gpu_matmuls(case, monkeypatch):
 
 
 _GPU_MATMUL_CASES = [(c, p) for c in CASES if c.name in ("T65_gva_h0", "strong_decay_varlen") for p in ("bf16", "tf32")]
-_GATE_CASE = next(c for c in CASES if c.name == "gate_varlen_K60")  # gate logits in the kernels, -inf padding
+_GATE_CASE = next(c for c in CASES if c.name == "gate_l2_varlen_K60")  # gate logits, L2 norm in the kernels
 
 
 @pytest.mark.parametrize(("case", "precision"), _GPU_MATMUL_CASES + [(_GATE_CASE, "bf16")], ids=str)
@@ -144,6 +144,29 @@ def test_gate_logits_are_read_by_the_kernels():
     intra, _, _, intra_again, _, _, keys, levels = calls  # forward: intra, state, output; backward: intra, ...
     for ins, at in ((intra, 3), (intra_again, 3), (keys, 2), (levels, 2)):  # g is input `at`, its parameters next
         assert ins[at : at + 2] == (jnp.bfloat16, jnp.float32)
+
+
+def _xla_primitives(jaxpr, found=None):  # names of the primitives outside the pallas_call kernels
+    found = set() if found is None else found
+    for eqn in jaxpr.eqns:
+        found.add(eqn.primitive.name)
+        if eqn.primitive.name != "pallas_call":
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                _xla_primitives(sub, found)
+    return found
+
+
+def test_l2_norm_and_scale_are_applied_by_the_kernels():
+    """With use_qk_l2norm_in_kernel the forward normalises and scales q and k in the intra
+    kernel: no rsqrt and no multiply in XLA, which reads q and k as they come (bf16, no copies).
+    The backward prepares them in XLA for its kernels."""
+    x = jnp.ones((1, 64, 1, 16), jnp.bfloat16)
+    b = jnp.zeros((1, 64, 1), jnp.bfloat16)
+    run = lambda q, k: chunk_kda_gpu(q, k, x, x, b, use_qk_l2norm_in_kernel=True, scale=0.3)[0]
+    forward = _xla_primitives(jax.make_jaxpr(run)(x, x).jaxpr)
+    assert "pallas_call" in forward and not forward & {"rsqrt", "mul", "div"}
+    loss = lambda q, k: run(q, k).astype(jnp.float32).sum()
+    assert "rsqrt" in _xla_primitives(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(x, x).jaxpr)
 
 
 def test_gate_in_kernels_equals_the_gate_in_xla():
