@@ -55,9 +55,8 @@ def triton_modules(T: int, dtype, cfg: pallas_gpu.Config, fla_options: bool = Fa
         return result
 
     B, H = 1, 16
-    fla = {"use_gate_in_kernel": True, "A_log": jnp.zeros((H,)), "dt_bias": jnp.zeros((H * K,)),
-           "use_qk_l2norm_in_kernel": True, "use_beta_sigmoid_in_kernel": True}  # fmt: skip
-    options = fla if fla_options else {}
+    options = {"use_gate_in_kernel": True, "A_log": jnp.zeros((H,)), "dt_bias": jnp.zeros((H * K,)),
+               "use_qk_l2norm_in_kernel": True, "use_beta_sigmoid_in_kernel": True} if fla_options else {}  # fmt: skip
 
     def loss(*a):
         o, s = chunk_kda(*a, backend="pallas_gpu", output_final_state=True, chunk_size=chunk_size, **options)

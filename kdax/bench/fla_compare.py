@@ -263,8 +263,8 @@ def _kdax_worker(shapes, repeats, out, backends=("pallas_gpu", "xla")):
                     err = f"{type(e).__name__}: {str(e)[:200]}"
                 if backend == "pallas_gpu" and err is None:
                     profiled[mode] = f
-                row = {"B": B, "T": T, "impl": f"kdax {backend}", "mode": mode, "ms": ms, "error": err}
-                result["rows"].append(dict(row, compile_s=compile_s))
+                result["rows"].append({"B": B, "T": T, "impl": f"kdax {backend}", "mode": mode, "ms": ms,
+                                       "error": err, "compile_s": compile_s})  # fmt: skip
                 print(f"kdax {backend} B={B} T={T} {mode}: {ms if err is None else err}, compiled in {compile_s} s",
                       file=sys.stderr, flush=True)  # fmt: skip
         _save(result, out)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -132,12 +134,11 @@ def _repeated_qk(core):
 
 
 def _run(core, q, k, v, g, beta, scale, initial_state, N, cu_seqlens, output_final_state):
-    """Cast to the compute dtype, scale q (K**-0.5 when scale is None), call core."""
+    """Cast to the compute dtype, scale q (unless scale is None: the core scales it), call core."""
     B, _, _, K = q.shape
     HV, V = v.shape[2:]
     dt = jnp.promote_types(q.dtype, jnp.float32)
-    scale = K**-0.5 if scale is None else scale
-    qc = jnp.asarray(q, dt) if scale == 1 else jnp.asarray(q, dt) * scale
+    qc = jnp.asarray(q, dt) if scale is None else jnp.asarray(q, dt) * scale
     kc, vc, gc, bc = (jnp.asarray(x, dt) for x in (k, v, g, beta))
     n_per_row = N // B  # 1 without cu_seqlens, N with it (B = 1)
     h0 = jnp.zeros((N, HV, K, V), dt) if initial_state is None else jnp.asarray(initial_state, dt)
@@ -164,19 +165,15 @@ def chunk_kda(
     args = dict(locals())
 
     def layout_then(core):
-        return lambda q, k, v, g, beta, h0, cu: core(q, k, v, g, beta, h0, chunk_layout(q.shape[1], chunk_size, cu))
+        def run(q, k, v, g, beta, h0, cu, **options):
+            return core(q, k, v, g, beta, h0, chunk_layout(q.shape[1], chunk_size, cu), **options)
 
-    gate = (A_log, dt_bias, lower_bound) if use_gate_in_kernel else None  # the GPU kernels apply it themselves,
-
-    def gpu(*a):  # and the L2 norm and scale (called once the arguments are validated)
-        s = q.shape[-1] ** -0.5 if scale is None else scale
-        return chunk_kda_pallas_gpu(*a, input_dtype=q.dtype, gate=gate, g_dtype=g.dtype,
-                                    l2norm_qk=use_qk_l2norm_in_kernel, scale=s)  # fmt: skip
+        return run
 
     cores = {
         "xla": _repeated_qk(layout_then(chunk_kda_xla)),
         "pallas_tpu": layout_then(chunk_kda_pallas_tpu),
-        "pallas_gpu": layout_then(gpu),
+        "pallas_gpu": layout_then(chunk_kda_pallas_gpu),
     }
     return _dispatch(cores, options_in_core=("pallas_gpu",), **args)
 
@@ -198,18 +195,22 @@ def _dispatch(
 ):  # fmt: skip
     """Validate, apply the in-op options, and run the backend's core (or the naive reference).
     The cores of ``options_in_core`` get the raw gate logits and unnormalised, unscaled q and k,
-    and apply the gate, the L2 norm and the scale themselves."""
+    with keyword arguments saying how to apply the gate, the L2 norm and the scale themselves."""
     N = _validate(q, k, v, g, beta, scale, initial_state, use_gate_in_kernel, A_log, dt_bias, lower_bound,
                   use_beta_sigmoid_in_kernel, allow_neg_eigval, cu_seqlens, chunk_size, backend)  # fmt: skip
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
     backend = _resolve_backend(backend, cores, q.dtype, chunk_size)
-    in_core = backend in options_in_core
-    norm, gate = (use_qk_l2norm_in_kernel, use_gate_in_kernel) if not in_core else (False, False)
-    q, k, g, beta = _preprocess(q, k, g, beta, norm, gate, A_log, dt_bias, lower_bound, use_beta_sigmoid_in_kernel,
-                                allow_neg_eigval)  # fmt: skip
+    core = cores.get(backend)
+    if backend in options_in_core:
+        gate = (A_log, dt_bias, lower_bound) if use_gate_in_kernel else None
+        core = functools.partial(core, input_dtype=q.dtype, g_dtype=g.dtype, gate=gate,
+                                 l2norm_qk=use_qk_l2norm_in_kernel, scale=scale)  # fmt: skip
+        use_qk_l2norm_in_kernel, use_gate_in_kernel, scale = False, False, None
+    q, k, g, beta = _preprocess(q, k, g, beta, use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias,
+                                lower_bound, use_beta_sigmoid_in_kernel, allow_neg_eigval)  # fmt: skip
     if backend == "naive":
         return _naive(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
-    scale = 1.0 if in_core else scale
-    return _run(cores[backend], q, k, v, g, beta, scale, initial_state, N, cu_seqlens, output_final_state)
+    return _run(core, q, k, v, g, beta, scale, initial_state, N, cu_seqlens, output_final_state)
 
 
 def _naive(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):

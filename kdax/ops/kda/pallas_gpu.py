@@ -509,7 +509,8 @@ def _run_intra(q, k, v, g, gp, beta, C, groups, tiles, cfg, gate, qk, backward=F
 def _forward(q, k, v, g, gp, beta, h0t, ranges, C, groups, tiles, cfg, gate, qk):
     """Token-major inputs on the padded slot axis: q, k [B, L, H, Kp] (as :class:`_QK` ``qk`` takes
     them), v [B, L, HV, Vp] (in :func:`_stored` dtype); g [B, L, HV, Kp] (natural-log decay or
-    logits, :class:`_Gate`) and its parameters gp [HV, 2, Kp]; beta [B, L, HV, 1] (float32); h0t [B, N, HV, Vp, Kp];
+    logits, :class:`_Gate`) and its parameters gp [HV, 2, Kp]; beta [B, L, HV, 1] (float32);
+    h0t [B, N, HV, Vp, Kp];
     ranges (start, end) int32 [N] chunk range of each sequence. Returns o [B, L, HV, Vp] (v's dtype),
     final [B, N, HV, Vp, Kp], S_in [B, HV, NC, Vp, Kp] (stored dtype)."""
     B, L, HV, Vp = v.shape
@@ -651,7 +652,11 @@ def chunk_fits(input_dtype, chunk_size: int, cfg: Config | None = None) -> bool:
     """Whether the kernels take this chunk size for inputs of ``input_dtype``: any with bfloat16
     intermediates, up to 64 with float32 ones (at 128 the values kernel needs more shared memory
     than an H100 block may use)."""
-    return chunk_size <= 64 or _stored(_tiles(_checked(cfg), input_dtype)) != jnp.float32
+    return _fits(_tiles(_checked(cfg), input_dtype), chunk_size)
+
+
+def _fits(tiles: Tiles, chunk_size: int) -> bool:  # chunk_fits, for the tiles of a checked config
+    return chunk_size <= 64 or _stored(tiles) != jnp.float32
 
 
 def chunk_kda_pallas_gpu(q, k, v, g, beta, h0, layout: ChunkLayout, input_dtype=jnp.float32, cfg: Config | None = None,
@@ -671,7 +676,8 @@ def chunk_kda_pallas_gpu(q, k, v, g, beta, h0, layout: ChunkLayout, input_dtype=
     come: with no cu_seqlens, T a multiple of the chunk and K, V powers of two >= 16, XLA
     makes no copy of them (under "bf16", the float32 the caller upcast to folds back)."""
     cfg = _checked(cfg)
-    if not chunk_fits(input_dtype, layout.chunk_size, cfg):  # compile report in docs/kda_gpu.md
+    tiles = _tiles(cfg, input_dtype)
+    if not _fits(tiles, layout.chunk_size):  # compile report in docs/kda_gpu.md
         raise ValueError(f"chunk_size: pallas_gpu with float32 intermediates supports chunk sizes up to 64 (at "
                          f"{layout.chunk_size} the values kernel needs 288 KiB of shared memory, over an H100's 227), "
                          f"got {layout.chunk_size}; use 64 or bfloat16 inputs")  # fmt: skip
@@ -679,7 +685,6 @@ def chunk_kda_pallas_gpu(q, k, v, g, beta, h0, layout: ChunkLayout, input_dtype=
     HV, V = v.shape[2:]
     Kp, Vp = _pow2(K), _pow2(V)
     cfg = dataclasses.replace(cfg, block_v=min(cfg.block_v, Vp), block_k=min(cfg.block_k, Kp))
-    tiles = _tiles(cfg, input_dtype)
     sd = _stored(tiles)
     cfg = _fit_launch(cfg, layout.chunk_size, Kp, jnp.dtype(sd).itemsize)
     qt, kt = (pad_last(layout.pack(x.astype(sd)), Kp) for x in (q, k))
