@@ -38,6 +38,9 @@ from kdax.ops.kda import pallas_gpu
 from kdax.ops.kda.api import chunk_kda
 
 SMEM_LIMIT = 227 * 1024  # bytes of shared memory one H100 block may use
+H100 = jax.sharding.AbstractMesh(
+    (1,), ("d",), abstract_device=jax.sharding.AbstractDevice(device_kind="NVIDIA H100", num_cores=132, platform="gpu")
+)
 KERNELS = {"_intra_kernel": "intra", "_state_kernel": "state", "_output_kernel": "output",
            "_dstate_kernel": "dstate", "_values_kernel": "values", "_keys_kernel": "keys", "_levels_kernel": "levels"}  # fmt: skip
 
@@ -60,14 +63,15 @@ def triton_modules(T: int, dtype, cfg: pallas_gpu.Config, fla_options: bool = Fa
 
     def loss(*a):
         o, s = chunk_kda(*a, backend="pallas_gpu", output_final_state=True, chunk_size=chunk_size, **options)
-        return o.astype(jnp.float32).sum() + s.sum()
+        return jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(s**2)  # squares: jax >= 0.12 drops kernels of unused o, s
 
     args = [jax.ShapeDtypeStruct(s, dtype) for s in [(B, T, H, K)] * 2 + [(B, T, H, V), (B, T, H, K), (B, T, H)]]
     cfg, pallas_gpu.CONFIG = pallas_gpu.CONFIG, cfg
     pallas_call_registration.lowering.lower_jaxpr_to_triton_module = capture
     try:
-        traced = jax.jit(jax.grad(loss, argnums=range(5))).trace(*args)
-        traced.lower(lowering_platforms=("cuda",))
+        with jax.sharding.use_abstract_mesh(H100):  # jax >= 0.11 lowers for a named GPU only
+            traced = jax.jit(jax.grad(loss, argnums=range(5))).trace(*args)
+            traced.lower(lowering_platforms=("cuda",))
     finally:
         pallas_call_registration.lowering.lower_jaxpr_to_triton_module = lower
         pallas_gpu.CONFIG = cfg
