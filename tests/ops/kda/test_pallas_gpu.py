@@ -79,18 +79,19 @@ def test_bf16_inputs_within_bars_with_gpu_matmuls(case, precision, monkeypatch):
     assert_close_to_reference(chunk_kda_gpu, case, jnp.bfloat16)
 
 
-def _pallas_calls(fn, *args, get=lambda eqn: tuple(v.aval.dtype for v in eqn.outvars)):  # get(eqn) of each call
-    found = []
-
+def _xla_eqns(fn, *args):  # the equations of fn's jaxpr outside the pallas_call kernels, nested ones too
     def walk(jaxpr):
         for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "pallas_call":
-                found.append(get(eqn))
-            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-                walk(sub)
+            yield eqn
+            if eqn.primitive.name != "pallas_call":
+                for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                    yield from walk(sub)
 
-    walk(jax.make_jaxpr(fn)(*args).jaxpr)
-    return found
+    return list(walk(jax.make_jaxpr(fn)(*args).jaxpr))
+
+
+def _pallas_calls(fn, *args, get=lambda eqn: tuple(v.aval.dtype for v in eqn.outvars)):  # get(eqn) of each call
+    return [get(eqn) for eqn in _xla_eqns(fn, *args) if eqn.primitive.name == "pallas_call"]
 
 
 def test_bf16_inputs_store_intermediates_in_bf16():
@@ -146,16 +147,6 @@ def test_gate_logits_are_read_by_the_kernels():
         assert ins[at : at + 2] == (jnp.bfloat16, jnp.float32)
 
 
-def _xla_primitives(jaxpr, found=None):  # names of the primitives outside the pallas_call kernels
-    found = set() if found is None else found
-    for eqn in jaxpr.eqns:
-        found.add(eqn.primitive.name)
-        if eqn.primitive.name != "pallas_call":
-            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-                _xla_primitives(sub, found)
-    return found
-
-
 def test_l2_norm_and_scale_are_applied_by_the_kernels():
     """With use_qk_l2norm_in_kernel the forward normalises and scales q and k in the intra
     kernel: no rsqrt and no multiply in XLA, which reads q and k as they come (bf16, no copies).
@@ -163,10 +154,10 @@ def test_l2_norm_and_scale_are_applied_by_the_kernels():
     x = jnp.ones((1, 64, 1, 16), jnp.bfloat16)
     b = jnp.zeros((1, 64, 1), jnp.bfloat16)
     run = lambda q, k: chunk_kda_gpu(q, k, x, x, b, use_qk_l2norm_in_kernel=True, scale=0.3)[0]
-    forward = _xla_primitives(jax.make_jaxpr(run)(x, x).jaxpr)
+    forward = {eqn.primitive.name for eqn in _xla_eqns(run, x, x)}
     assert "pallas_call" in forward and not forward & {"rsqrt", "mul", "div"}
     loss = lambda q, k: run(q, k).astype(jnp.float32).sum()
-    assert "rsqrt" in _xla_primitives(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(x, x).jaxpr)
+    assert "rsqrt" in {eqn.primitive.name for eqn in _xla_eqns(jax.grad(loss, argnums=(0, 1)), x, x)}
 
 
 def test_gate_in_kernels_equals_the_gate_in_xla():
