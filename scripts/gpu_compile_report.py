@@ -1,6 +1,10 @@
 """Compile every pallas_gpu kernel for an H100 (sm_90a) on a machine without a GPU, and report
-what the compiler made of it: registers per thread, spill stack, shared memory, and the
-instruction mix (tensor-core HGMMA/HMMA, FFMA, exp2 on MUFU, local-memory LDL/STL).
+what the compiler made of it: registers per thread, spill stack, shared memory, the
+instruction mix (tensor-core HGMMA/HMMA, FFMA, exp2 on MUFU, local-memory LDL/STL), the
+matmuls and how many of them are replicated (a result tile smaller than the one the warps
+tile together, e.g. 16 x 16 at 8 warps, so that several warps compute the same product), and
+the instructions one program issues (its SASS, each loop body once, times the warps; "in
+loops": those of one warp inside a loop, which run once per trip).
 
     python scripts/gpu_compile_report.py [--T 8192] [--K 128 --V 128 --chunk-size 64]
         [--dtype bfloat16] [--fla-options] [--kernels intra keys]
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import math
 import os
 import re
 import subprocess
@@ -88,6 +93,26 @@ def triton_modules(T: int, dtype, cfg: pallas_gpu.Config, fla_options: bool = Fa
     return [(name, ttir, launch[name]) for name, ttir in mods]
 
 
+MMA_LAYOUT = re.compile(
+    r"^(#\w+) = #ttg\.nvidia_mma<\{[^}]*warpsPerCTA = \[([\d, ]+)\], instrShape = \[([\d, ]+)\]", re.MULTILINE
+)
+SASS = re.compile(r"^\s+/\*([0-9a-f]+)\*/\s+(?:@!?U?P[T0-9]\s+)?([A-Z][A-Z0-9_.]*)([^;]*);", re.MULTILINE)
+DOT = re.compile(r"(?:tt\.dot|ttng\.warp_group_dot) .*-> tensor<(\d+)x(\d+)x\w+, (#\w+)>")
+
+
+def replicated_dots(ttgir: str) -> list[int]:
+    """For each matmul of a kernel's TritonGPU IR, how many warps compute each element of its
+    result: an MMA layout with warpsPerCTA [wm, wn] and instrShape [im, in, ...] tiles
+    [wm * im, wn * in] per step; a smaller result is repeated across the warps that overhang it."""
+    layouts = {name: ([int(x) for x in warps.split(",")], [int(x) for x in instr.split(",")][:2])
+               for name, warps, instr in MMA_LAYOUT.findall(ttgir)}  # fmt: skip
+    factors = []
+    for rows, cols, layout in DOT.findall(ttgir):
+        warps, instr = layouts[layout]
+        factors.append(math.prod(max(1, w * i // int(n)) for n, w, i in zip((rows, cols), warps, instr)))
+    return factors
+
+
 def compile_report(name: str, ttir: str, launch: tuple[int, int], workdir: str) -> dict:
     """Compile one kernel for sm_90a and read its resource usage and SASS instruction mix."""
     num_warps, num_stages = launch
@@ -102,10 +127,16 @@ def compile_report(name: str, ttir: str, launch: tuple[int, int], workdir: str) 
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     usage = subprocess.run([tool, "--dump-resource-usage", cubin], capture_output=True, text=True, check=True).stdout
     sass = subprocess.run([tool, "-sass", cubin], capture_output=True, text=True, check=True).stdout
-    ops = collections.Counter(
-        m.split(".")[0] for m in re.findall(r"^\s+/\*[0-9a-f]+\*/\s+([A-Z][A-Z0-9_.]*)", sass, re.MULTILINE)
-    )
-    return dict(kernel=name, warps=num_warps, stages=num_stages,
+    sass_ops = [(int(addr, 16), op, rest) for addr, op, rest in SASS.findall(sass)]
+    ops = collections.Counter(op.split(".")[0] for _, op, _ in sass_ops)
+    loops = [(int(target, 16), addr) for addr, op, rest in sass_ops if op == "BRA"
+             for target in re.findall(r"0x([0-9a-f]+)", rest) if int(target, 16) < addr]  # fmt: skip
+    repeats = replicated_dots(kernel.asm["ttgir"])
+    rep = sorted(r for r in repeats if r > 1)
+    replicated = f"{len(rep)} ({rep[0]}{'' if rep[0] == rep[-1] else f'-{rep[-1]}'}x)" if rep else "0"
+    return dict(kernel=name, warps=num_warps, stages=num_stages, dots=len(repeats), replicated=replicated,
+                warp_instrs=len(sass_ops) * num_warps,
+                in_loops=sum(any(a <= addr <= b for a, b in loops) for addr, _, _ in sass_ops),
                 regs=int(re.search(r"REG:(\d+)", usage).group(1)),
                 spill=int(re.search(r"STACK:(\d+)", usage).group(1)),
                 smem=kernel.metadata.shared, **{op: ops[op] for op in ("HGMMA", "HMMA", "FFMA", "MUFU", "LDL", "STL")})  # fmt: skip
@@ -133,8 +164,10 @@ def main(argv=None) -> int:
         f"sm_90a, triton {triton.__version__}, jax {jax.__version__}, B=1 T={a.T} H=16 K={a.K} V={a.V} C={a.chunk_size} {a.dtype}, "
         f"precision={a.precision} block_v={a.block_v} block_k={a.block_k} fla_options={a.fla_options}"
     )
-    print("| kernel | warps | stages | regs | spill B | smem KiB | HGMMA | HMMA | FFMA | MUFU | LDL | STL |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    columns = ["kernel", "warps", "stages", "regs", "spill B", "smem KiB", "HGMMA", "HMMA", "FFMA", "MUFU", "LDL", "STL",
+               "dots", "replicated", "warp-instrs", "in loops"]  # fmt: skip
+    print("| " + " | ".join(columns) + " |")
+    print("|" + "---|" * len(columns))
     over, seen = [], set()
     with tempfile.TemporaryDirectory() as workdir:
         for name, ttir, launch in triton_modules(a.T, jnp.dtype(a.dtype), cfg, a.fla_options, a.K, a.V, a.chunk_size):
@@ -143,7 +176,8 @@ def main(argv=None) -> int:
             seen.add(name)
             r = compile_report(name, ttir, launch, workdir)
             print(f"| {r['kernel']} | {r['warps']} | {r['stages']} | {r['regs']} | {r['spill']} | {r['smem'] / 1024:.0f} | "
-                  f"{r['HGMMA']} | {r['HMMA']} | {r['FFMA']} | {r['MUFU']} | {r['LDL']} | {r['STL']} |", flush=True)  # fmt: skip
+                  f"{r['HGMMA']} | {r['HMMA']} | {r['FFMA']} | {r['MUFU']} | {r['LDL']} | {r['STL']} | {r['dots']} | "
+                  f"{r['replicated']} | {r['warp_instrs']} | {r['in_loops']} |", flush=True)  # fmt: skip
             if r["smem"] > SMEM_LIMIT:
                 over.append(name)
     if over:

@@ -15,7 +15,7 @@ import itertools
 import sys
 
 BLOCK_V, BLOCK_K = (16, 32, 64), (16, 32, 64)
-WARPS, STAGES = (2, 4, 8), (1, 2, 3)
+WARPS, STAGES = (1, 2, 4, 8), (1, 2, 3)
 
 
 _stderr = functools.partial(print, file=sys.stderr, flush=True)

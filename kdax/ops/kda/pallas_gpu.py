@@ -64,28 +64,33 @@ class Config:
 
 CONFIG = Config()  # what chunk_kda(backend="pallas_gpu") uses; replace it to choose another
 
-# (num_warps, num_stages) per kernel at C = 64, K = V = 128. Starting values: not yet
-# measured on a GPU (docs/kda_gpu.md lists the sweep that is to replace them).
+# (num_warps, num_stages) per kernel at C = 64, K = V = 128. Starting values from the
+# compiled code, not yet timed on a GPU (docs/kda_gpu.md, "Warps per program", lists the
+# sweep that is to replace them): intra and levels at 2 warps, since more warps repeat their
+# 16 x 16 products; values and keys at 4, one warp group for their 64-row products.
 LAUNCH = {
-    "intra": (8, 1),
+    "intra": (2, 1),
     "state": (4, 2),
     "output": (4, 2),
     "dstate": (4, 2),
-    "values": (8, 1),
-    "keys": (8, 1),
-    "levels": (8, 1),
+    "values": (4, 1),
+    "keys": (4, 1),
+    "levels": (2, 1),
 }
 
 
 def _fit_launch(cfg: Config, C: int, Kp: int, itemsize: int) -> Config:
-    """The state loops' software pipeline keeps each stage's [C, Kp] and [C, C] tiles in shared
-    memory: past 32 KiB a tile (float32 at K = 256, bf16 at C = 128 and K = 256) two stages overflow
-    an H100's 227 KiB (compile report in docs/kda_gpu.md), so those loops get one stage unless
-    cfg.launch names them."""
+    """LAUNCH adapted to the tiles where cfg.launch does not name the kernel (compile report in
+    docs/kda_gpu.md). The state loops' software pipeline keeps each stage's [C, Kp] and [C, C]
+    tiles in shared memory: past 32 KiB a tile (float32 at K = 256, bf16 at C = 128 and K = 256)
+    two stages overflow an H100's 227 KiB, so those loops get one stage. At C = 128 the intra
+    kernel gets 4 warps: at 2, ptxas gives it 32 registers and 10 KiB of spill per thread."""
     launch = dict(cfg.launch)
     if C * Kp * itemsize > 32 * 1024:
         for name in ("state", "dstate"):
             launch.setdefault(name, (LAUNCH[name][0], 1))
+    if C > 64:
+        launch.setdefault("intra", (4, LAUNCH["intra"][1]))
     return dataclasses.replace(cfg, launch=tuple(launch.items()))
 
 
