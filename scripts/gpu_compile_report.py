@@ -37,7 +37,9 @@ import jax.extend
 import jax.numpy as jnp
 import triton
 from jax._src.pallas.triton import pallas_call_registration
+from triton._C.libtriton import ir
 from triton.backends.compiler import GPUTarget
+from triton.compiler.compiler import make_backend
 
 from kdax.ops.kda import pallas_gpu
 from kdax.ops.kda.api import chunk_kda
@@ -116,11 +118,21 @@ def replicated_dots(ttgir: str) -> list[int]:
 def compile_report(name: str, ttir: str, launch: tuple[int, int], workdir: str) -> dict:
     """Compile one kernel for sm_90a and read its resource usage and SASS instruction mix."""
     num_warps, num_stages = launch
+    target, options = GPUTarget("cuda", 90, 32), {"num_warps": num_warps, "num_stages": num_stages}
     path = os.path.join(workdir, f"{name}.ttir")
     with open(path, "w") as f:
         f.write(ttir)
-    kernel = triton.compile(path, target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": num_warps, "num_stages": num_stages})  # fmt: skip
+    # triton.compile starts a .ttir file after the TTIR passes (canonicalize, combine, CSE, ...),
+    # which XLA runs on the kernels it compiles: run them here first.
+    backend = make_backend(target)
+    context = ir.context()
+    ir.load_dialects(context)
+    backend.load_dialects(context)
+    module = ir.parse_mlir_module(path, context)
+    module.context = context
+    with open(path, "w") as f:
+        f.write(str(backend.make_ttir(module, {}, backend.parse_options(options), target.arch)))
+    kernel = triton.compile(path, target=target, options=options)
     cubin = os.path.join(workdir, f"{name}.cubin")
     with open(cubin, "wb") as f:
         f.write(kernel.asm["cubin"])

@@ -80,17 +80,14 @@ LAUNCH = {
 
 
 def _fit_launch(cfg: Config, C: int, Kp: int, itemsize: int) -> Config:
-    """LAUNCH adapted to the tiles where cfg.launch does not name the kernel (compile report in
-    docs/kda_gpu.md). The state loops' software pipeline keeps each stage's [C, Kp] and [C, C]
-    tiles in shared memory: past 32 KiB a tile (float32 at K = 256, bf16 at C = 128 and K = 256)
-    two stages overflow an H100's 227 KiB, so those loops get one stage. At C = 128 the intra
-    kernel gets 4 warps: at 2, ptxas gives it 32 registers and 10 KiB of spill per thread."""
+    """The state loops' software pipeline keeps each stage's [C, Kp] and [C, C] tiles in shared
+    memory: past 32 KiB a tile (float32 at K = 256, bf16 at C = 128 and K = 256) two stages overflow
+    an H100's 227 KiB (compile report in docs/kda_gpu.md), so those loops get one stage unless
+    cfg.launch names them."""
     launch = dict(cfg.launch)
     if C * Kp * itemsize > 32 * 1024:
         for name in ("state", "dstate"):
             launch.setdefault(name, (LAUNCH[name][0], 1))
-    if C > 64:
-        launch.setdefault("intra", (4, LAUNCH["intra"][1]))
     return dataclasses.replace(cfg, launch=tuple(launch.items()))
 
 
