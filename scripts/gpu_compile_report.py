@@ -115,15 +115,9 @@ def replicated_dots(ttgir: str) -> list[int]:
     return factors
 
 
-def compile_report(name: str, ttir: str, launch: tuple[int, int], workdir: str) -> dict:
-    """Compile one kernel for sm_90a and read its resource usage and SASS instruction mix."""
-    num_warps, num_stages = launch
-    target, options = GPUTarget("cuda", 90, 32), {"num_warps": num_warps, "num_stages": num_stages}
-    path = os.path.join(workdir, f"{name}.ttir")
-    with open(path, "w") as f:
-        f.write(ttir)
-    # triton.compile starts a .ttir file after the TTIR passes (canonicalize, combine, CSE, ...),
-    # which XLA runs on the kernels it compiles: run them here first.
+def _run_ttir_passes(path: str, target: GPUTarget, options: dict) -> None:
+    """Rewrite the .ttir file at path after the TTIR passes (canonicalize, combine, CSE, ...), which
+    XLA runs on the kernels it compiles and triton.compile skips for a .ttir file."""
     backend = make_backend(target)
     context = ir.context()
     ir.load_dialects(context)
@@ -132,6 +126,16 @@ def compile_report(name: str, ttir: str, launch: tuple[int, int], workdir: str) 
     module.context = context
     with open(path, "w") as f:
         f.write(str(backend.make_ttir(module, {}, backend.parse_options(options), target.arch)))
+
+
+def compile_report(name: str, ttir: str, launch: tuple[int, int], workdir: str) -> dict:
+    """Compile one kernel for sm_90a and read its resource usage and SASS instruction mix."""
+    num_warps, num_stages = launch
+    target, options = GPUTarget("cuda", 90, 32), {"num_warps": num_warps, "num_stages": num_stages}
+    path = os.path.join(workdir, f"{name}.ttir")
+    with open(path, "w") as f:
+        f.write(ttir)
+    _run_ttir_passes(path, target, options)
     kernel = triton.compile(path, target=target, options=options)
     cubin = os.path.join(workdir, f"{name}.cubin")
     with open(cubin, "wb") as f:
@@ -141,11 +145,12 @@ def compile_report(name: str, ttir: str, launch: tuple[int, int], workdir: str) 
     sass = subprocess.run([tool, "-sass", cubin], capture_output=True, text=True, check=True).stdout
     sass_ops = [(int(addr, 16), op, rest) for addr, op, rest in SASS.findall(sass)]
     ops = collections.Counter(op.split(".")[0] for _, op, _ in sass_ops)
-    loops = [(int(target, 16), addr) for addr, op, rest in sass_ops if op == "BRA"
-             for target in re.findall(r"0x([0-9a-f]+)", rest) if int(target, 16) < addr]  # fmt: skip
+    # loops: the address ranges of backward branches
+    loops = [(int(to, 16), addr) for addr, op, rest in sass_ops if op == "BRA"
+             for to in re.findall(r"0x([0-9a-f]+)", rest) if int(to, 16) < addr]  # fmt: skip
     repeats = replicated_dots(kernel.asm["ttgir"])
     rep = sorted(r for r in repeats if r > 1)
-    replicated = f"{len(rep)} ({rep[0]}{'' if rep[0] == rep[-1] else f'-{rep[-1]}'}x)" if rep else "0"
+    replicated = f"{len(rep)} ({'-'.join(map(str, sorted({rep[0], rep[-1]})))}x)" if rep else "0"
     return dict(kernel=name, warps=num_warps, stages=num_stages, dots=len(repeats), replicated=replicated,
                 warp_instrs=len(sass_ops) * num_warps,
                 in_loops=sum(any(a <= addr <= b for a, b in loops) for addr, _, _ in sass_ops),
