@@ -31,7 +31,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from kdax.ops.common.varlen import ChunkLayout
-from kdax.ops.kda.gate import L2NORM_EPS, l2norm, log_decay
+from kdax.ops.kda.gate import L2NORM_EPS, l2norm, log_decay, softplus_exp2
 from kdax.ops.kda.tiles import StateProducts, Tiles, gated, last_row, pad_last
 from kdax.ops.kda.xla import LOG2E
 
@@ -101,7 +101,9 @@ class _Gate:
     """How the kernels get the natural-log decay from their g input: as it is, or (``logits``)
     from raw gate logits by :func:`~kdax.ops.kda.gate.log_decay` with per-head parameters
     p [2, Kp] (row 0 exp(A_log), row 1 dt_bias), so that XLA never writes the float32 decay.
-    Padding holds -inf logits, which gives decay 0 as the zero padding of a decay does."""
+    Padding holds -inf logits, which gives decay 0 as the zero padding of a decay does. The
+    kernels take the softplus by :func:`~kdax.ops.kda.gate.softplus_exp2` (a third of the
+    instructions); :meth:`vjp` differentiates the exact one."""
 
     logits: bool = False
     lower_bound: float | None = None
@@ -115,7 +117,7 @@ class _Gate:
         if not self.logits:
             return x
         a, b = p_ref[pl.ds(0, 1), cols], p_ref[pl.ds(1, 1), cols]
-        return jnp.where(x > -jnp.inf, log_decay(x, a, b, self.lower_bound), 0.0)
+        return jnp.where(x > -jnp.inf, log_decay(x, a, b, self.lower_bound, softplus_exp2), 0.0)
 
     def vjp(self, g, p, dG):
         """Cotangents of g [B, L, HV, Kp] and p [HV, 2, Kp] from the decay's dG (float32), in XLA;

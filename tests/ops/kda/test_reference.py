@@ -1,5 +1,6 @@
 """The two references agree, and the gate / norm / beta helpers match their formulas."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -45,6 +46,23 @@ def test_kda_gate_forms():
                                -np.exp(A_log)[:, None] * _softplus(g), rtol=1e-12)  # fmt: skip
     out = kdax.kda_gate(jnp.asarray(g, jnp.bfloat16), jnp.asarray(A_log, jnp.float32))
     assert out.dtype == jnp.float32
+
+
+def test_softplus_exp2_is_float32_accurate():
+    """The GPU kernels' softplus: a few float32 ulps from the exact one where it is not tiny; below,
+    the rounding of its exp2's argument (relative 2^-24 of 1.44 |x|) bounds it; exact at +-inf.
+    On a GPU, the exp2 of MUFU adds its own 2^-22 or so."""
+    from kdax.ops.kda.gate import softplus_exp2
+
+    x = np.concatenate([np.linspace(-87, 100, 400_001), np.linspace(-1, 1, 100_001)]).astype(np.float32)
+    got = np.asarray(jax.jit(softplus_exp2)(jax.device_put(x, jax.devices("cpu")[0])))  # correctly rounded exp2
+    assert got.dtype == np.float32
+    exact = _softplus(x.astype(np.float64))
+    rel = np.abs(got - exact) / exact
+    assert rel[x >= -20].max() < 3e-7
+    assert (rel[x < -20] / np.abs(x[x < -20])).max() < 2**-24
+    assert np.all(np.diff(got[:400_001]) >= 0)  # monotone
+    np.testing.assert_array_equal(softplus_exp2(jnp.asarray([-np.inf, np.inf], jnp.float32)), [0.0, np.inf])
 
 
 def test_l2norm_and_beta():
