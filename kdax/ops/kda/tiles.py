@@ -143,20 +143,19 @@ def _reference_rows(G: jax.Array, s: int, matmul: bool) -> jax.Array:
 
 
 def _level(G: jax.Array, s: int, matmul: bool):
-    """Dyadic level s of the pairwise factorisation (docs/kda_xla.md), as full tiles.
+    """Dyadic level s of the pairwise factorisation (docs/kda_xla.md), as full tiles: (e [C, K],
+    block [C, C]).
 
-    Row i in the lower half of its s-block scales by el = 2^(G_i - G_r), row j in the
-    upper half by eu = 2^(G_r - G_j), r the block's middle row: both exponents are <= 0
-    where used, -inf elsewhere. ``block`` [C, C] marks the (lower, upper) pairs of the level."""
+    Row i scales by e = 2^(G_i - G_r) in the lower half of its s-block and by 2^(G_r - G_i) in
+    the upper half, r the block's middle row: exponents <= 0 for a decay. ``block`` marks the
+    level's pairs (i lower, j upper, one block), which take e_i on the left and e_j on the
+    right, so one tile serves both sides; the mask drops the other products."""
     C = G.shape[0]
     i, j = _iota((C, C), 0), _iota((C, C), 1)
     h = s // 2
-    R = _reference_rows(G, s, matmul)
+    D = G - _reference_rows(G, s, matmul)
     lower = _in_block(_iota((C, 1), 0), s) >= h  # [C, 1]
-    el = jnp.exp2(jnp.where(lower, G - R, -jnp.inf))
-    eu = jnp.exp2(jnp.where(lower, -jnp.inf, R - G))
-    block = _lower_left(i, j, s)
-    return el, eu, block
+    return jnp.exp2(jnp.where(lower, D, -D)), _lower_left(i, j, s)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -246,15 +245,16 @@ class Tiles:
     def pairs(self, q, k, G):
         """(Aqk, Kkk) [C, C]: Aqk[i, j] = sum_d q_id k_jd 2^(G_id - G_jd) (j <= i) and Kkk likewise
         (j < i), one masked [C, K] x [K, C] matmul per dyadic level (:func:`_level`). Sums over
-        the key columns: blocks of columns may be summed."""
+        the key columns: blocks of columns may be summed. The levels' pairs are disjoint and off
+        the diagonal, so each level's product is selected into place, not added."""
         C = k.shape[0]
         Aqk = self.diag(q, k)
         Kkk = jnp.zeros((C, C), jnp.float32)
         for s in dyadic_levels(C):
-            el, eu, block = self.level(G, s)
-            k_u = k * eu
-            Aqk = Aqk + jnp.where(block, self.dot_t(q * el, k_u), 0.0)
-            Kkk = Kkk + jnp.where(block, self.dot_t(k * el, k_u), 0.0)
+            e, block = self.level(G, s)
+            k_e = k * e
+            Aqk = jnp.where(block, self.dot_t(q * e, k_e), Aqk)
+            Kkk = jnp.where(block, self.dot_t(k_e, k_e), Kkk)
         return Aqk, Kkk
 
     def grads(self, q, k, v, g, beta, St, do, dSt) -> Grads:
@@ -318,14 +318,14 @@ class Tiles:
         level: (dq, dk, dG) [C, K] each, given their cotangents dAqk, dKkk [C, C]. Float32
         operands (:attr:`wide`): dG's terms cancel in the sums that make dg."""
         wide = self.wide
-        dq = dk_p = dk_x = jnp.zeros_like(k)  # dk_p: through the k_u factor, dk_x: through k el
+        dq = dk_p = dk_x = jnp.zeros_like(k)  # dk_p: through the right factor k e, dk_x: the left
         for s in dyadic_levels(k.shape[0]):
-            el, eu, block = self.level(G, s)
+            e, block = self.level(G, s)  # dQ, dK: zero outside the level's pairs, so e serves both sides
             dQ, dK = jnp.where(block, dAqk, 0.0), jnp.where(block, dKkk, 0.0)
-            k_u = k * eu
-            dq = dq + wide.dot(dQ, k_u) * el
-            dk_p = dk_p + (wide.t_dot(dQ, q * el) + wide.t_dot(dK, k * el)) * eu
-            dk_x = dk_x + wide.dot(dK, k_u) * el
+            k_e = k * e
+            dq = dq + wide.dot(dQ, k_e) * e
+            dk_p = dk_p + (wide.t_dot(dQ, q * e) + wide.t_dot(dK, k_e)) * e
+            dk_x = dk_x + wide.dot(dK, k_e) * e
         return dq, dk_p + dk_x, q * dq + k * (dk_x - dk_p)
 
 
