@@ -66,8 +66,9 @@ CONFIG = Config()  # what chunk_kda(backend="pallas_gpu") uses; replace it to ch
 
 # (num_warps, num_stages) per kernel at C = 64, K = V = 128. Starting values from the
 # compiled code, not yet timed on a GPU (docs/kda_gpu.md, "Warps per program", lists the
-# sweep that is to replace them): intra and levels at 2 warps, since more warps repeat their
-# 16 x 16 products; values and keys at 4, one warp group for their 64-row products.
+# sweep that is to replace them): intra at 2 warps and levels at 1, since more warps repeat
+# their 16 x 16 products (1 warp would spill the intra kernel past L1); values and keys at
+# 4, one warp group for their 64-row products.
 LAUNCH = {
     "intra": (2, 1),
     "state": (4, 2),
@@ -75,7 +76,7 @@ LAUNCH = {
     "dstate": (4, 2),
     "values": (4, 1),
     "keys": (4, 1),
-    "levels": (2, 1),
+    "levels": (1, 1),
 }
 
 
