@@ -182,16 +182,17 @@ def _block_gates(tiles, g_rows, nb):
     return G, before, end
 
 
-def _intra_kernel(tiles, gate, qk, BK, q_ref, k_ref, v_ref, g_ref, gp_ref, b_ref, aqk_ref, w_ref, u_ref, qg_ref,
-                  kd_ref, dec_ref, *pair_refs):  # fmt: skip
+def _intra_kernel(tiles, gate, qk, BK, interpret, q_ref, k_ref, v_ref, g_ref, gp_ref, b_ref, aqk_ref, w_ref, u_ref,
+                  qg_ref, kd_ref, dec_ref, *pair_refs):  # fmt: skip
     """Grid (B, HV, chunks). Writes Aqk [C, C], w, q_g, k_d [C, K], u [C, V], decay [1, K],
     and for the backward (two more refs) Kkk and T [C, C].
 
     Works on row blocks of SUB: Aqk and Kkk only where they are not zero, a diagonal block
     by the dyadic levels (``Tiles.pairs``), block (i, j < i) by one product around the
     reference row just before block i (both factors <= 1); T by block forward substitution.
-    Walks the key columns in blocks of BK twice: summing the pair blocks, then writing w,
-    q_g, k_d and decay (a third walk first for the row norms when ``qk.l2norm``)."""
+    Walks the key columns in blocks of BK twice: summing the pair blocks and writing q_g,
+    k_d, decay and, in w's place, beta k_g (in w's dtype, which the bulk matmuls round to);
+    then w = T (beta k_g) (a third walk first for the row norms when ``qk.l2norm``)."""
     C, f32 = aqk_ref.shape[0], jnp.float32
     S = min(SUB, C)
     nb = C // S
@@ -218,8 +219,11 @@ def _intra_kernel(tiles, gate, qk, BK, q_ref, k_ref, v_ref, g_ref, gp_ref, b_ref
     def qk_rows(i, kb):  # row block i of q and k as the math sees them (normalised, q scaled), float32
         return rows(q_ref, i, kb) * q_scale[i], rows(k_ref, i, kb) * k_scale[i]
 
+    beta = [rows(b_ref, i) for i in range(nb)]
+
     def pairs(kb, acc):
-        G, before, _ = gates(kb)
+        cols = pl.ds(kb * BK, BK)
+        G, before, end = gates(kb)
         q, k = zip(*[qk_rows(i, kb) for i in range(nb)])
         blocks = {}
         for i in range(nb):
@@ -228,12 +232,15 @@ def _intra_kernel(tiles, gate, qk, BK, q_ref, k_ref, v_ref, g_ref, gp_ref, b_ref
             for j in range(i):
                 k_u = k[j] * jnp.exp2(before[i] - G[j])
                 blocks[i, j] = tiles.dot_t(q[i] * e_q, k_u), tiles.dot_t(k[i] * e_q, k_u)
+            q_g, k_g, k_d, decay = gated(q[i], k[i], G[i], end)
+            for ref, x in zip((w_ref, qg_ref, kd_ref), (beta[i] * k_g, q_g, k_d)):
+                _put(ref, (pl.ds(i * S, S), cols), x)
+        _put(dec_ref, (slice(None), cols), decay)
         return tuple(a + b for a, b in zip(acc, (x for ij in lower for x in blocks[ij])))
 
     zero = jnp.zeros((S, S), f32)
     acc = lax.fori_loop(0, n_kb, pairs, (zero,) * (2 * len(lower)))
     Aqk, Kkk = dict(zip(lower, acc[0::2])), dict(zip(lower, acc[1::2]))
-    beta = [rows(b_ref, i) for i in range(nb)]
     T, wide = {}, tiles.wide
     for i in range(nb):  # T_ii = (I + beta_i Kkk_ii)^-1, T_ij = -T_ii sum_{j <= m < i} beta_i Kkk_im T_mj
         T[i, i] = tiles.unit_lower_inverse(beta[i] * Kkk[i, i])
@@ -247,17 +254,15 @@ def _intra_kernel(tiles, gate, qk, BK, q_ref, k_ref, v_ref, g_ref, gp_ref, b_ref
             for j in range(nb):
                 _put(ref, (pl.ds(i * S, S), pl.ds(j * S, S)), blocks[i, j] if j <= i else zero)
 
-    def outputs(kb, carry):
+    if not interpret:
+        pltriton.debug_barrier()  # every thread's stores of beta k_g before any thread loads them
+
+    def outputs(kb, carry):  # w_i overwrites beta k_g_i: each element of w_i needs that element's load done first
         cols = pl.ds(kb * BK, BK)
-        G, _, end = gates(kb)
         bk_g = []
         for i in range(nb):
-            q_g, k_g, k_d, decay = gated(*qk_rows(i, kb), G[i], end)
-            bk_g.append(beta[i] * k_g)
-            w = sum(tiles.dot(T[i, j], bk_g[j]) for j in range(i + 1))
-            for ref, x in zip((w_ref, qg_ref, kd_ref), (w, q_g, k_d)):
-                _put(ref, (pl.ds(i * S, S), cols), x)
-        _put(dec_ref, (slice(None), cols), decay)
+            bk_g.append(rows(w_ref, i, kb))
+            _put(w_ref, (pl.ds(i * S, S), cols), sum(tiles.dot(T[i, j], bk_g[j]) for j in range(i + 1)))
         return carry
 
     lax.fori_loop(0, n_kb, outputs, 0)
@@ -502,7 +507,7 @@ def _run_intra(q, k, v, g, gp, beta, C, groups, tiles, cfg, gate, qk, backward=F
     dtypes = (sd,) * 5 + ((f32, sd) if backward else ())
     tiled = [jax.ShapeDtypeStruct((B, HV, L, d), t) for d, t in zip(widths, dtypes)]
     return pl.pallas_call(
-        functools.partial(_intra_kernel, tiles, gate, qk, cfg.block_k),
+        functools.partial(_intra_kernel, tiles, gate, qk, cfg.block_k, _interpret(cfg)),
         grid=(B, HV, NC),
         in_specs=[tok(Kp, groups), tok(Kp, groups), tok(Vp), tok(Kp), _gate_spec(Kp), tok(1)],
         out_specs=[spec(d) for d in widths[:5]] + [_per_chunk_row(Kp)] + [spec(d) for d in widths[5:]],

@@ -245,16 +245,15 @@ class Tiles:
     def pairs(self, q, k, G):
         """(Aqk, Kkk) [C, C]: Aqk[i, j] = sum_d q_id k_jd 2^(G_id - G_jd) (j <= i) and Kkk likewise
         (j < i), one masked [C, K] x [K, C] matmul per dyadic level (:func:`_level`). Sums over
-        the key columns: blocks of columns may be summed. The levels' pairs are disjoint and off
-        the diagonal, so each level's product is selected into place, not added."""
+        the key columns: blocks of columns may be summed."""
         C = k.shape[0]
         Aqk = self.diag(q, k)
         Kkk = jnp.zeros((C, C), jnp.float32)
         for s in dyadic_levels(C):
             e, block = self.level(G, s)
             k_e = k * e
-            Aqk = jnp.where(block, self.dot_t(q * e, k_e), Aqk)
-            Kkk = jnp.where(block, self.dot_t(k_e, k_e), Kkk)
+            Aqk = Aqk + jnp.where(block, self.dot_t(q * e, k_e), 0.0)
+            Kkk = Kkk + jnp.where(block, self.dot_t(k_e, k_e), 0.0)
         return Aqk, Kkk
 
     def grads(self, q, k, v, g, beta, St, do, dSt) -> Grads:
