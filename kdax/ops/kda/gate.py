@@ -11,13 +11,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from kdax.ops.kda.xla import LOG2E
+
 L2NORM_EPS = 1e-6
 
 # log1p(t) / t on [0, 1], lowest degree first: a degree-8 Chebyshev least-squares fit at 4001 Chebyshev
 # points (numpy.polynomial.Chebyshev.fit), rounded to float32; 2e-7 relative error in float32 Horner.
 _LOG1P_OVER_T = (1.0, -0.49999502301216125, 0.33319273591041565, -0.24844388663768768, 0.1911148577928543,
                  -0.13674858212471008, 0.07836245745420456, -0.02958887256681919, 0.005253523122519255)  # fmt: skip
-_LOG2E = 1.4426950408889634
 
 
 def _f32(x: jax.Array) -> jax.Array:
@@ -53,8 +54,8 @@ def softplus_exp2(x: jax.Array) -> jax.Array:
     polynomial for ``log1p(t) / t``: within 3e-7 relative of the exact value for x >= -20 (a
     float32 ``jax.nn.softplus`` is within 2.3e-7), and in a Pallas-Triton kernel about 14
     instructions an element, where ``jax.nn.softplus`` lowers to libdevice's ``expf`` and
-    ``log1pf``, about 44 (docs/kda_gpu.md, "Warps per program")."""
-    t = jnp.exp2(jnp.abs(x) * -_LOG2E)
+    ``log1pf``, about 44 (docs/kda_gpu.md, "The gate's softplus")."""
+    t = jnp.exp2(jnp.abs(x) * -LOG2E)
     p = _LOG1P_OVER_T[-1]
     for c in _LOG1P_OVER_T[-2::-1]:
         p = p * t + c

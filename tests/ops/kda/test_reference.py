@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import kdax
+from kdax.ops.kda.gate import softplus_exp2
 from tests.ops.kda.cases import Case, make_inputs, rel_rms
 
 
@@ -52,8 +53,6 @@ def test_softplus_exp2_is_float32_accurate():
     """The GPU kernels' softplus: a few float32 ulps from the exact one where it is not tiny; below,
     the rounding of its exp2's argument (relative 2^-24 of 1.44 |x|) bounds it; exact at +-inf.
     On a GPU, the exp2 of MUFU adds its own 2^-22 or so."""
-    from kdax.ops.kda.gate import softplus_exp2
-
     x = np.concatenate([np.linspace(-87, 100, 400_001), np.linspace(-1, 1, 100_001)]).astype(np.float32)
     got = np.asarray(jax.jit(softplus_exp2)(jax.device_put(x, jax.devices("cpu")[0])))  # correctly rounded exp2
     assert got.dtype == np.float32
