@@ -254,14 +254,17 @@ def _intra_kernel(tiles, gate, qk, BK, interpret, q_ref, k_ref, v_ref, g_ref, gp
             for j in range(nb):
                 _put(ref, (pl.ds(i * S, S), pl.ds(j * S, S)), blocks[i, j] if j <= i else zero)
 
-    if not interpret:
-        pltriton.debug_barrier()  # every thread's stores of beta k_g before any thread loads them
+    def barrier():  # every thread's global loads and stores so far before any thread's next ones (GPU only)
+        if not interpret:
+            pltriton.debug_barrier()
 
-    def outputs(kb, carry):  # w_i overwrites beta k_g_i: each element of w_i needs that element's load done first
+    barrier()  # the stores of beta k_g before its loads
+
+    def outputs(kb, carry):  # w = T (beta k_g) in place of beta k_g, once every thread has loaded the block
         cols = pl.ds(kb * BK, BK)
-        bk_g = []
+        bk_g = [rows(w_ref, i, kb) for i in range(nb)]
+        barrier()
         for i in range(nb):
-            bk_g.append(rows(w_ref, i, kb))
             _put(w_ref, (pl.ds(i * S, S), cols), sum(tiles.dot(T[i, j], bk_g[j]) for j in range(i + 1)))
         return carry
 
