@@ -3,8 +3,14 @@ what the compiler made of it: registers per thread, spill stack, shared memory, 
 instruction mix (tensor-core HGMMA/HMMA, FFMA, exp2 on MUFU, local-memory LDL/STL), the
 matmuls and how many of them are replicated (a result tile smaller than the one the warps
 tile together, e.g. 16 x 16 at 8 warps, so that several warps compute the same product), and
-the instructions one program issues (its SASS, each loop body once, times the warps; "in
-loops": those of one warp inside a loop, which run once per trip).
+the instructions one program issues (its SASS, each loop body once, times the warps; "loops":
+each loop of one warp's SASS as trips x instructions), and from them the least time the
+kernel's grid takes if instruction issue binds ("issue us": each instruction counted once per
+trip of the loops around it, the warps' instructions of every program issued at an H100's
+4 a cycle an SM, 132 SMs at 1.75 GHz) and if HBM bandwidth does ("bytes us": its operands
+and results read or written once, at 3.35 TB/s). Neither counts the latency of the two
+state loops' dependent steps, which bounds those kernels at B = 1; the closing lines sum
+the larger of the two floors over the forward's kernels and the backward's.
 
     python scripts/gpu_compile_report.py [--T 8192] [--K 128 --V 128 --chunk-size 64]
         [--dtype bfloat16] [--fla-options] [--kernels intra keys]
@@ -45,18 +51,21 @@ from kdax.ops.kda import pallas_gpu
 from kdax.ops.kda.api import chunk_kda
 
 SMEM_LIMIT = 227 * 1024  # bytes of shared memory one H100 block may use
+ISSUE_PER_S = 132 * 4 * 1.75e9  # warp-instructions an H100 issues a second at most: 132 SMs, 4 a cycle each
+BYTES_PER_S = 3.35e12  # an H100 SXM's HBM bandwidth
 H100 = jax.sharding.AbstractMesh(
     (1,), ("d",), abstract_device=jax.sharding.AbstractDevice(device_kind="NVIDIA H100", num_cores=132, platform="gpu")
 )
+FORWARD = ("intra", "state", "output")  # the forward's kernels, in order
 KERNELS = {"_intra_kernel": "intra", "_state_kernel": "state", "_output_kernel": "output",
            "_dstate_kernel": "dstate", "_values_kernel": "values", "_keys_kernel": "keys", "_levels_kernel": "levels"}  # fmt: skip
 
 
 def triton_modules(T: int, dtype, cfg: pallas_gpu.Config, fla_options: bool = False, K: int = 128, V: int = 128,
-                   chunk_size: int = 64) -> list[tuple[str, str, tuple[int, int]]]:  # fmt: skip
-    """(launch-table name, Triton IR text, (num_warps, num_stages) its pallas_call got) of each
-    kernel of the forward and backward, in order."""
-    mods, launch = [], {}
+                   chunk_size: int = 64) -> list[tuple[str, str, tuple[int, int], int, int]]:  # fmt: skip
+    """(launch-table name, Triton IR text, (num_warps, num_stages) its pallas_call got, programs in
+    its grid, bytes of its operands and results) of each kernel of the forward and backward, in order."""
+    mods, calls = [], []
     lower = pallas_call_registration.lowering.lower_jaxpr_to_triton_module
 
     def capture(jaxpr, *args, **kwargs):
@@ -83,16 +92,28 @@ def triton_modules(T: int, dtype, cfg: pallas_gpu.Config, fla_options: bool = Fa
         pallas_call_registration.lowering.lower_jaxpr_to_triton_module = lower
         pallas_gpu.CONFIG = cfg
 
-    def walk(jaxpr):  # the launch each pallas_call got (pallas_gpu.LAUNCH fitted to the tiles)
+    def walk(jaxpr):  # each pallas_call's launch (pallas_gpu.LAUNCH fitted to the tiles), grid and bytes, in order
         for eqn in jaxpr.eqns:
             if eqn.primitive.name == "pallas_call":
                 p = eqn.params["compiler_params"]
-                launch[KERNELS[eqn.params["jaxpr"].debug_info.func_name]] = (p.num_warps, p.num_stages)
+                calls.append((KERNELS[eqn.params["jaxpr"].debug_info.func_name], (p.num_warps, p.num_stages),
+                              math.prod(eqn.params["grid_mapping"].grid),
+                              sum(v.aval.size * v.aval.dtype.itemsize for v in (*eqn.invars, *eqn.outvars))))  # fmt: skip
             for sub in jax.extend.core.jaxprs_in_params(eqn.params):
                 walk(sub)
 
     walk(traced.jaxpr.jaxpr)
-    return [(name, ttir, launch[name]) for name, ttir in mods]
+    assert [name for name, _ in mods] == [name for name, *_ in calls], "lowered and traced kernels differ"
+    return [(name, ttir, *call[1:]) for (name, ttir), call in zip(mods, calls)]
+
+
+def loop_trips(T: int, K: int, V: int, chunk_size: int, cfg: pallas_gpu.Config) -> dict[str, tuple[int, ...]]:
+    """Trips of each kernel's loops by depth, outermost first, as pallas_gpu writes them at B = 1
+    (LLVM unrolls some: the intra kernel's last walk, the values kernel's walk over key blocks)."""
+    Kp, Vp = pallas_gpu._pow2(K), pallas_gpu._pow2(V)
+    keys, values, chunks = Kp // min(cfg.block_k, Kp), Vp // min(cfg.block_v, Vp), -(-T // chunk_size)
+    return {"intra": (keys,), "state": (chunks,), "output": (), "dstate": (chunks,), "values": (values, keys),
+            "keys": (keys, values), "levels": ()}  # fmt: skip
 
 
 MMA_LAYOUT = re.compile(
@@ -128,8 +149,9 @@ def _run_ttir_passes(path: str, target: GPUTarget, options: dict) -> None:
         f.write(str(backend.make_ttir(module, {}, backend.parse_options(options), target.arch)))
 
 
-def compile_report(name: str, ttir: str, launch: tuple[int, int], workdir: str) -> dict:
-    """Compile one kernel for sm_90a and read its resource usage and SASS instruction mix."""
+def compile_report(name: str, ttir: str, launch: tuple[int, int], workdir: str, trips: tuple[int, ...] = ()) -> dict:
+    """Compile one kernel for sm_90a and read its resource usage, SASS instruction mix, loops
+    (trips x instructions, ``trips`` by loop depth) and the warp-instructions one program issues."""
     num_warps, num_stages = launch
     target, options = GPUTarget("cuda", 90, 32), {"num_warps": num_warps, "num_stages": num_stages}
     path = os.path.join(workdir, f"{name}.ttir")
@@ -148,12 +170,19 @@ def compile_report(name: str, ttir: str, launch: tuple[int, int], workdir: str) 
     # loops: the address ranges of backward branches
     loops = [(int(to, 16), addr) for addr, op, rest in sass_ops if op == "BRA"
              for to in re.findall(r"0x([0-9a-f]+)", rest) if int(to, 16) < addr]  # fmt: skip
+    depth = [sum(a <= addr <= b for a, b in loops) for addr, _, _ in sass_ops]
+    if max(depth, default=0) > len(trips):
+        raise ValueError(f"{name}: loops {max(depth)} deep in the SASS, trips given for {len(trips)}")
+    issued = sum(math.prod(trips[:d]) for d in depth)  # by one warp
+    sizes = [sum(a <= addr <= b for addr, _, _ in sass_ops) for a, b in loops]
+    nesting = [sum(c <= a and b <= d for c, d in loops) for a, b in loops]  # 1 = outermost
+    loop_text = " ".join(f"{trips[n - 1]}x{size}" for n, size in sorted(zip(nesting, sizes))) or "-"
     repeats = replicated_dots(kernel.asm["ttgir"])
     rep = sorted(r for r in repeats if r > 1)
     replicated = f"{len(rep)} ({'-'.join(map(str, sorted({rep[0], rep[-1]})))}x)" if rep else "0"
     return dict(kernel=name, warps=num_warps, stages=num_stages, dots=len(repeats), replicated=replicated,
                 warp_instrs=len(sass_ops) * num_warps,
-                in_loops=sum(any(a <= addr <= b for a, b in loops) for addr, _, _ in sass_ops),
+                loops=loop_text, issued=issued * num_warps,
                 regs=int(re.search(r"REG:(\d+)", usage).group(1)),
                 spill=int(re.search(r"STACK:(\d+)", usage).group(1)),
                 smem=kernel.metadata.shared, **{op: ops[op] for op in ("HGMMA", "HMMA", "FFMA", "MUFU", "LDL", "STL")})  # fmt: skip
@@ -182,21 +211,29 @@ def main(argv=None) -> int:
         f"precision={a.precision} block_v={a.block_v} block_k={a.block_k} fla_options={a.fla_options}"
     )
     columns = ["kernel", "warps", "stages", "regs", "spill B", "smem KiB", "HGMMA", "HMMA", "FFMA", "MUFU", "LDL", "STL",
-               "dots", "replicated", "warp-instrs", "in loops"]  # fmt: skip
+               "dots", "replicated", "warp-instrs", "loops", "issued", "issue us", "MB", "bytes us"]  # fmt: skip
     print("| " + " | ".join(columns) + " |")
     print("|" + "---|" * len(columns))
-    over, seen = [], set()
+    over, floors = [], collections.defaultdict(float)
     with tempfile.TemporaryDirectory() as workdir:
-        for name, ttir, launch in triton_modules(a.T, jnp.dtype(a.dtype), cfg, a.fla_options, a.K, a.V, a.chunk_size):
-            if name in seen or name not in a.kernels:  # the backward's intra: the forward's and two outputs
+        trips = loop_trips(a.T, a.K, a.V, a.chunk_size, cfg)
+        modules = triton_modules(a.T, jnp.dtype(a.dtype), cfg, a.fla_options, a.K, a.V, a.chunk_size)
+        for i, (name, ttir, launch, programs, nbytes) in enumerate(modules):
+            backward = i >= len(FORWARD)  # the forward's kernels come first, then the backward's (its own intra)
+            if name not in a.kernels:
                 continue
-            seen.add(name)
-            r = compile_report(name, ttir, launch, workdir)
-            print(f"| {r['kernel']} | {r['warps']} | {r['stages']} | {r['regs']} | {r['spill']} | {r['smem'] / 1024:.0f} | "
+            r = compile_report(name, ttir, launch, workdir, trips[name])
+            issue_us, bytes_us = programs * r["issued"] / ISSUE_PER_S * 1e6, nbytes / BYTES_PER_S * 1e6
+            floors["backward" if backward else "forward"] += max(issue_us, bytes_us)
+            label = f"{name}, backward" if backward and name in FORWARD else name
+            print(f"| {label} | {r['warps']} | {r['stages']} | {r['regs']} | {r['spill']} | {r['smem'] / 1024:.0f} | "
                   f"{r['HGMMA']} | {r['HMMA']} | {r['FFMA']} | {r['MUFU']} | {r['LDL']} | {r['STL']} | {r['dots']} | "
-                  f"{r['replicated']} | {r['warp_instrs']} | {r['in_loops']} |", flush=True)  # fmt: skip
+                  f"{r['replicated']} | {r['warp_instrs']} | {r['loops']} | {r['issued']} | {issue_us:.0f} | "
+                  f"{nbytes / 1e6:.0f} | {bytes_us:.0f} |", flush=True)  # fmt: skip
             if r["smem"] > SMEM_LIMIT:
                 over.append(name)
+    for part, us in floors.items():
+        print(f"{part}: {us:.0f} us, larger floors of the kernels shown (no state-loop latency, no XLA passes)")
     if over:
         print(f"over the {SMEM_LIMIT // 1024} KiB shared-memory limit (cannot launch): {', '.join(over)}")
     return 1 if over else 0
