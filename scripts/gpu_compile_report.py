@@ -149,7 +149,7 @@ def _run_ttir_passes(path: str, target: GPUTarget, options: dict) -> None:
         f.write(str(backend.make_ttir(module, {}, backend.parse_options(options), target.arch)))
 
 
-def compile_report(name: str, ttir: str, launch: tuple[int, int], workdir: str, trips: tuple[int, ...] = ()) -> dict:
+def compile_report(name: str, ttir: str, launch: tuple[int, int], workdir: str, trips: tuple[int, ...]) -> dict:
     """Compile one kernel for sm_90a and read its resource usage, SASS instruction mix, loops
     (trips x instructions, ``trips`` by loop depth) and the warp-instructions one program issues."""
     num_warps, num_stages = launch
