@@ -266,6 +266,35 @@ def _assert_lowers_for_cuda(dtype, dim, varlen, monkeypatch, **options):
         assert grad.trace(*args).lower(lowering_platforms=("cuda",)).as_text().count(triton) == N_FWD + N_BWD
 
 
+def test_intra_kernel_overwrites_its_stash_behind_barriers(monkeypatch):
+    """The intra kernel stores beta k_g in w's place and then overwrites it with w: on a GPU,
+    barriers must keep every thread's loads ahead of other threads' stores to the same elements,
+    which the interpreter (in order) cannot show. In its Triton IR, the output walk (the last
+    loop) loads the stash of all four row blocks, passes a barrier, and only then stores (each
+    store there is a swap, whose read of the old value the TTIR passes drop)."""
+    from jax._src.pallas.triton import pallas_call_registration
+
+    lowering, irs = pallas_call_registration.lowering, []
+    lower = lowering.lower_jaxpr_to_triton_module
+
+    def capture(jaxpr, *args, **kwargs):
+        result = lower(jaxpr, *args, **kwargs)
+        if jaxpr.debug_info.func_name == "_intra_kernel":
+            irs.append(result.module.operation.get_asm())
+        return result
+
+    monkeypatch.setattr(lowering, "lower_jaxpr_to_triton_module", capture)
+    monkeypatch.setattr(pallas_gpu, "CONFIG", pallas_gpu.Config(interpret=False))
+    x, b = jax.ShapeDtypeStruct((1, 64, 1, 32), jnp.bfloat16), jax.ShapeDtypeStruct((1, 64, 1), jnp.bfloat16)
+    with jax.sharding.use_abstract_mesh(_H100):
+        jax.jit(chunk_kda_gpu).trace(x, x, x, x, b).lower(lowering_platforms=("cuda",))
+    (ir,) = irs
+    before, walk = ir.rsplit("scf.for", 1)
+    assert "gpu.barrier" in before  # the pair walk's stores of beta k_g before the output walk's loads
+    barrier = walk.find("gpu.barrier")
+    assert 0 <= barrier < walk.find("tt.store") and walk[:barrier].count("tt.load") == 64 // pallas_gpu.SUB
+
+
 def test_auto_picks_the_gpu_kernels_on_gpu_where_they_fit(monkeypatch):
     cores = {"xla": None, "pallas_tpu": None, "pallas_gpu": None}
     pick = lambda dtype, C, cores=cores: api._resolve_backend("auto", cores, dtype, C)
