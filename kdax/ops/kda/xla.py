@@ -30,10 +30,11 @@ def _mm(eq: str, *xs: jax.Array) -> jax.Array:
     return jnp.einsum(eq, *xs, precision=lax.Precision.HIGHEST)
 
 
-def _cumsum(x: jax.Array, reverse: bool = False) -> jax.Array:
-    """Inclusive (or reverse) cumulative sum over axis -2 as a matmul with a triangular ones matrix."""
+def _cumsum(x: jax.Array, reverse: bool = False, exclusive: bool = False) -> jax.Array:
+    """Cumulative sum over axis -2 as a matmul with a triangular ones matrix: row i holds the
+    sum of rows 0..i (``reverse``: i..end), without row i itself if ``exclusive``."""
     C = x.shape[-2]
-    ones = jnp.tril(jnp.ones((C, C), x.dtype))
+    ones = jnp.tril(jnp.ones((C, C), x.dtype), -1 if exclusive else 0)
     # batched over x's leading axes, so the matmul reads x in place (no transposed copy)
     ones = jnp.broadcast_to(ones.T if reverse else ones, x.shape[:-2] + (C, C))
     return _mm("...ij,...jk->...ik", ones, x)
@@ -44,7 +45,7 @@ class _PairFactors(NamedTuple):
 
     At level s (s = C, C/2, ..., 2) the chunk splits into C/s blocks of s rows; every
     pair (i in the lower half, j in the upper half of a block) factors its decay around
-    the block's middle row r as 2^(G_i - G_r) 2^(G_r - G_j), both factors <= 1. Each
+    the upper half's last row r as 2^(G_i - G_r) 2^(G_r - G_j), both factors <= 1. Each
     strictly-lower pair belongs to exactly one level, so the levels tile the triangle.
     """
 
@@ -69,14 +70,26 @@ def _join(lo: jax.Array | None, up: jax.Array | None, like: jax.Array) -> jax.Ar
     return jnp.stack([z if up is None else up, z if lo is None else lo], axis=-3).reshape(like.shape)
 
 
-def _pair_factors(G: jax.Array) -> _PairFactors:
+def _decay_exponents(g: jax.Array) -> tuple[jax.Array, jax.Array, _PairFactors]:
+    """Every decay exponent of a chunk from its per-step log2 gates g [..., C, K] (<= 0).
+
+    Returns (G, R, P): G [..., C, K] the inclusive prefix sums (G_i), R [..., C, K] the
+    exclusive suffix sums (G_C - G_i), and the dyadic pair factors. Each exponent is a sum
+    of steps, never a difference of two sums: a difference of cumulative gates is off by
+    eps |G| (2e-4 at G = -3000, so 1e-4 in a decay factor near 1), a sum of same-sign steps
+    only by eps of its own value. Built bottom-up over blocks of h = 1, 2, 4, ... rows with
+    O(C K log C) additions, keeping per h-block the inclusive prefix sums (a lower half's
+    exponents G_i - G_r) and exclusive suffix sums (an upper half's G_r - G_j).
+    """
+    pre, suf = g, jnp.zeros_like(g)  # within each h-block: sums over rows [first, i] and (i, last]
     lower, upper = [], []
-    for s in dyadic_levels(G.shape[-2]):
-        G_lo, G_up = _halves(G, s)
-        G_r = G_lo[..., :1, :]
-        lower.append(jnp.exp2(G_lo - G_r))
-        upper.append(jnp.exp2(G_r - G_up))
-    return _PairFactors(tuple(lower), tuple(upper))
+    for s in reversed(dyadic_levels(g.shape[-2])):  # s = 2h = 2, 4, ..., C
+        (pre_lo, pre_up), (suf_lo, suf_up) = _halves(pre, s), _halves(suf, s)
+        lower.append(jnp.exp2(pre_lo))
+        upper.append(jnp.exp2(suf_up))
+        pre = _join(pre_lo + pre_up[..., -1:, :], pre_up, g)
+        suf = _join(suf_lo, suf_up + pre_lo[..., -1:, :], g)
+    return pre, suf, _PairFactors(tuple(lower[::-1]), tuple(upper[::-1]))
 
 
 def _pairs(x: jax.Array, y: jax.Array, P: _PairFactors, inclusive: bool) -> jax.Array:
@@ -103,32 +116,64 @@ def _pairs(x: jax.Array, y: jax.Array, P: _PairFactors, inclusive: bool) -> jax.
     return M
 
 
-def _pairs_vjp(dM: jax.Array, x: jax.Array, y: jax.Array, P: _PairFactors, inclusive: bool):
-    """Cotangents (dx, dy) of :func:`_pairs` for a dM [..., C, C] masked like M.
+def _pairs_vjp(terms, y: jax.Array, P: _PairFactors):
+    """Cotangents of pairwise matrices that share y (see :func:`_pairs`).
 
-    The cotangent of the cumulative gate follows as x * dx - y * dy (natural-log units)."""
-    C = x.shape[-2]
-    dx = dy = 0.0
-    D = dM[..., None, :, :]  # [..., 1, C, C] diagonal blocks of the current level
+    terms: a sequence of (dM [..., C, C] masked like M, x [..., C, K], inclusive).
+    Returns ([dx of each term], dy summed over the terms, dg), dg [..., C, K] the
+    cotangent of the per-step gate g (natural-log units). Pair (i, j) decays by the steps
+    j < t <= i, so its term p_ij = dM_ij x_i y_j 2^(G_i - G_j) enters dg_t exactly for those
+    t. At level s that is, for t in a block's lower half, the sum of the row terms x dx
+    over its rows i >= t, and for t in the upper half, the sum of the column terms y dy
+    over its rows j < t: only pairs straddling t are ever added, so no two terms of a pair
+    cancel (as they would in a cumsum of x dx - y dy), and the diagonal, which spans no
+    step, is left out."""
+    C = y.shape[-2]
+    dxs, dy, dg = [0.0] * len(terms), 0.0, 0.0
+    Ds = [dM[..., None, :, :] for dM, _, _ in terms]  # [..., 1, C, C] diagonal blocks of the current level
     for s, el, eu in zip(dyadic_levels(C), P.lower, P.upper):
         h = s // 2
-        dQ = D[..., h:, :h]  # [..., C/s, s/2, s/2]
-        D = jnp.stack([D[..., :h, :h], D[..., h:, h:]], axis=-3).reshape(D.shape[:-3] + (C // h, h, h))
-        x_lo, _ = _halves(x, s)
         _, y_up = _halves(y, s)
-        dx = dx + _join(_mm("...bij,...bjk->...bik", dQ, y_up * eu) * el, None, x)
-        dy = dy + _join(None, _mm("...bij,...bik->...bjk", dQ, x_lo * el) * eu, y)
-    if inclusive:
-        d = jnp.diagonal(dM, axis1=-2, axis2=-1)[..., None]
-        dx, dy = dx + d * y, dy + d * x
-    return dx, dy
+        y_e = y_up * eu
+        z = dy_up = 0.0  # z: the level's row terms x dx (lower halves) and column terms y dy (upper)
+        for n, (D, (_, x, _)) in enumerate(zip(Ds, terms)):
+            dQ = D[..., h:, :h]  # [..., C/s, s/2, s/2]
+            Ds[n] = jnp.stack([D[..., :h, :h], D[..., h:, h:]], axis=-3).reshape(D.shape[:-3] + (C // h, h, h))
+            x_lo, _ = _halves(x, s)
+            dx_s = _join(_mm("...bij,...bjk->...bik", dQ, y_e) * el, None, x)
+            dy_up = dy_up + _mm("...bij,...bik->...bjk", dQ, x_lo * el)
+            dxs[n] = dxs[n] + dx_s
+            z = z + x * dx_s
+        dy_s = _join(None, dy_up * eu, y)
+        dy = dy + dy_s
+        dg = dg + _straddle(z + y * dy_s, s)
+    for n, (dM, x, inclusive) in enumerate(terms):
+        if inclusive:
+            d = jnp.diagonal(dM, axis1=-2, axis2=-1)[..., None]
+            dxs[n], dy = dxs[n] + d * y, dy + d * x
+    return dxs, dy, dg
+
+
+def _straddle(z: jax.Array, s: int) -> jax.Array:
+    """z [..., C, K] -> in each block of s rows, the reverse cumsum of its lower half's rows and
+    the exclusive cumsum of its upper half's: one batched matmul with a [s, s] 0/1 matrix."""
+    C, K = z.shape[-2:]
+    h = s // 2
+    i = jnp.arange(s)
+    lower = (i[:, None] >= h) & (i[None, :] >= i[:, None])
+    upper = (i[:, None] < h) & (i[None, :] < i[:, None])
+    m = jnp.asarray(lower | upper, z.dtype)
+    zb = z.reshape(z.shape[:-2] + (C // s, s, K))
+    m = jnp.broadcast_to(m, zb.shape[:-2] + (s, s))
+    return _mm("...ij,...jk->...ik", m, zb).reshape(z.shape)
 
 
 class _Intra(NamedTuple):
     """Per-chunk quantities that need no state: everything is [..., C, *]."""
 
     P: _PairFactors
-    G: jax.Array  # [..., C, K] cumulative log2 gate
+    eG: jax.Array  # [..., C, K] 2^G, G the cumulative log2 gate
+    e_rest: jax.Array  # [..., C, K] 2^(G_C - G)
     Aqk: jax.Array  # [..., C, C] inclusive lower
     Kkk: jax.Array  # [..., C, C] strictly lower, before beta
     T: jax.Array  # [..., C, C] (I + beta Kkk)^-1
@@ -143,8 +188,7 @@ class _Intra(NamedTuple):
 def _intra(q, k, v, g, beta) -> _Intra:
     """q, k, g: [..., C, K]; v: [..., C, V]; beta: [..., C]."""
     K = k.shape[-1]
-    G = _cumsum(g * LOG2E)
-    P = _pair_factors(G)
+    G, R, P = _decay_exponents(g * LOG2E)
     Aqk = _pairs(q, k, P, inclusive=True)
     Kkk = _pairs(k, k, P, inclusive=False)
     eG = jnp.exp2(G)
@@ -152,10 +196,8 @@ def _intra(q, k, v, g, beta) -> _Intra:
     rhs = jnp.concatenate([beta[..., None] * k_g, beta[..., None] * v], axis=-1)
     T = unit_lower_inverse(beta[..., :, None] * Kkk)
     wu = _mm("...ij,...je->...ie", T, rhs)
-    G_end = G[..., -1:, :]
-    return _Intra(
-        P, G, Aqk, Kkk, T, wu[..., :K], wu[..., K:], q * eG, k_g, k * jnp.exp2(G_end - G), jnp.exp2(G_end[..., 0, :])
-    )
+    e_rest = jnp.exp2(R)
+    return _Intra(P, eG, e_rest, Aqk, Kkk, T, wu[..., :K], wu[..., K:], q * eG, k_g, k * e_rest, eG[..., -1, :])
 
 
 def _to_chunks(x: jax.Array, C: int) -> jax.Array:
@@ -274,15 +316,15 @@ def _intra_grads(q, k, v, beta, I: _Intra, S_in, v_new, do, dS_next, dv_new):
     dk_g = beta[..., None] * dbk_g
     dKkk = beta[..., :, None] * dAkk
 
-    dq_p, dk_p = _pairs_vjp(dAqk, q, k, I.P, inclusive=True)
-    dk_x, dk_y = _pairs_vjp(dKkk, k, k, I.P, inclusive=False)
-    eG = jnp.exp2(I.G)
-    dq = eG * dq_g + dq_p
-    dk = eG * dk_g + jnp.exp2(I.G[..., -1:, :] - I.G) * dk_d + dk_p + dk_x + dk_y
-    # Cotangent of the cumulative gate G (natural-log units), then of g by a reverse cumsum.
-    dG = I.q_g * dq_g + I.k_g * dk_g - I.k_d * dk_d + q * dq_p - k * dk_p + k * dk_x - k * dk_y
-    dG_end = _mm("...ck,...ck->...k", I.k_d, dk_d) + ddecay  # from the chunk-end gate in k_d and decay
-    dg = _cumsum(dG, reverse=True) + dG_end[..., None, :]
+    (dq_p, dk_x), dk_y, dg_p = _pairs_vjp([(dAqk, q, True), (dKkk, k, False)], k, I.P)
+    dq = I.eG * dq_g + dq_p
+    dk = I.eG * dk_g + I.e_rest * dk_d + dk_x + dk_y
+    # Cotangent of g (natural-log units), each term summed over the steps its decay spans:
+    # q 2^G and k 2^G decay by steps 0..i (a reverse cumsum), k 2^(G_C - G) by steps i+1..C-1
+    # (an exclusive cumsum), 2^G_C by every step; the pairs by the steps between them.
+    dg_start = _cumsum(I.q_g * dq_g + I.k_g * dk_g, reverse=True)
+    dg_end = ddecay[..., None, :] + _cumsum(I.k_d * dk_d, exclusive=True)
+    dg = dg_start + dg_end + dg_p
     return dq, dk, dv, dg, dbeta
 
 

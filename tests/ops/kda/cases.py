@@ -35,11 +35,21 @@ class Case:
     initial_state: bool = False
     g_min: float = -1.0  # per-step log decay drawn uniformly in [g_min, g_min / 100]
     options: tuple[tuple[str, object], ...] = ()  # in-op options passed to chunk_kda
+    A_log_range: tuple[float, float] = (-1.0, 1.0)  # A_log uniform in it: decay rates exp(A_log) per token
     chunk_size: int = 64
 
     def __str__(self) -> str:
         return self.name
 
+
+_GATE_L2_BETA = (
+    ("use_qk_l2norm_in_kernel", True),
+    ("use_gate_in_kernel", True),
+    ("A_log", True),
+    ("dt_bias", True),
+    ("use_beta_sigmoid_in_kernel", True),
+)
+_RATE_20_60 = (float(np.log(20.0)), float(np.log(60.0)))
 
 CASES = [
     Case("basic"),
@@ -58,13 +68,7 @@ CASES = [
         T=90,
         HV=4,
         initial_state=True,
-        options=(
-            ("use_qk_l2norm_in_kernel", True),
-            ("use_gate_in_kernel", True),
-            ("A_log", True),
-            ("dt_bias", True),
-            ("use_beta_sigmoid_in_kernel", True),
-        ),
+        options=_GATE_L2_BETA,
     ),
     Case(
         "gate_lower_bound_neg_eigval",
@@ -98,6 +102,19 @@ CASES = [
             ("scale", 0.2),
         ),
     ),
+    # Decay rates of 20-60 per token through the in-kernel gate: the gate's gradients (dg, dA_log,
+    # dt_bias) sum terms far larger than themselves unless every exponent is a sum of steps and
+    # every gate term spans only the steps it decays by (docs/kda_xla.md, Gate gradients).
+    Case("gate_rate_20_60", T=130, B=1, H=1, HV=2, initial_state=True, options=_GATE_L2_BETA, A_log_range=_RATE_20_60),
+    Case(
+        "gate_rate_20_60_varlen",
+        lengths=(1, 17, 64, 118),
+        H=1,
+        HV=2,
+        initial_state=True,
+        options=_GATE_L2_BETA,
+        A_log_range=_RATE_20_60,
+    ),
     Case("chunk16", T=100, chunk_size=16, initial_state=True),
     Case("chunk32_varlen", lengths=(5, 33, 1, 40), chunk_size=32),
     Case("chunk128", T=300, B=1, chunk_size=128),
@@ -130,7 +147,7 @@ def make_inputs(case: Case, dtype=jnp.float32, seed: int = 0):
         kwargs["cu_seqlens"] = jnp.asarray(np.concatenate([[0], np.cumsum(case.lengths)]), jnp.int32)
     for key, val in opts.items():
         if key == "A_log":
-            kwargs["A_log"] = jnp.asarray(rng.uniform(-1, 1, (HV,)), jnp.float32)
+            kwargs["A_log"] = jnp.asarray(rng.uniform(*case.A_log_range, (HV,)), jnp.float32)
         elif key == "dt_bias":
             kwargs["dt_bias"] = jnp.asarray(rng.uniform(-1, 1, (HV * K,)), jnp.float32)
         else:
