@@ -47,7 +47,7 @@ from triton._C.libtriton import ir
 from triton.backends.compiler import GPUTarget
 from triton.compiler.compiler import make_backend
 
-from kdax.ops.kda import pallas_gpu
+from kdax.ops.kda import api, pallas_gpu
 from kdax.ops.kda.api import chunk_kda
 
 SMEM_LIMIT = 227 * 1024  # bytes of shared memory one H100 block may use
@@ -78,19 +78,18 @@ def triton_modules(T: int, dtype, cfg: pallas_gpu.Config, fla_options: bool = Fa
                "use_qk_l2norm_in_kernel": True, "use_beta_sigmoid_in_kernel": True} if fla_options else {}  # fmt: skip
 
     def loss(*a):
-        o, s = chunk_kda(*a, backend="pallas_gpu", output_final_state=True, chunk_size=chunk_size, **options)
+        o, s = chunk_kda(*a, config=cfg, output_final_state=True, chunk_size=chunk_size, **options)
         return jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(s**2)  # squares: jax >= 0.12 drops kernels of unused o, s
 
     args = [jax.ShapeDtypeStruct(s, dtype) for s in [(B, T, H, K)] * 2 + [(B, T, H, V), (B, T, H, K), (B, T, H)]]
-    cfg, pallas_gpu.CONFIG = pallas_gpu.CONFIG, cfg
     pallas_call_registration.lowering.lower_jaxpr_to_triton_module = capture
+    api._compiled.clear_cache()  # traced afresh, so that every kernel is lowered through capture
     try:
         with jax.sharding.use_abstract_mesh(H100):  # jax >= 0.11 lowers for a named GPU only
             traced = jax.jit(jax.grad(loss, argnums=range(5))).trace(*args)
             traced.lower(lowering_platforms=("cuda",))
     finally:
         pallas_call_registration.lowering.lower_jaxpr_to_triton_module = lower
-        pallas_gpu.CONFIG = cfg
 
     def walk(jaxpr):  # each pallas_call's launch (pallas_gpu.LAUNCH fitted to the tiles), grid and bytes, in order
         for eqn in jaxpr.eqns:
@@ -195,9 +194,9 @@ def main(argv=None) -> int:
     p.add_argument("--V", type=int, default=128)
     p.add_argument("--chunk-size", type=int, default=64)
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    p.add_argument("--precision", default=pallas_gpu.CONFIG.precision, choices=("auto", *pallas_gpu.PRECISIONS))
-    p.add_argument("--block-v", type=int, default=pallas_gpu.CONFIG.block_v)
-    p.add_argument("--block-k", type=int, default=pallas_gpu.CONFIG.block_k)
+    p.add_argument("--precision", default=pallas_gpu.Config.precision, choices=("auto", *pallas_gpu.PRECISIONS))
+    p.add_argument("--block-v", type=int, default=pallas_gpu.Config.block_v)
+    p.add_argument("--block-k", type=int, default=pallas_gpu.Config.block_k)
     p.add_argument("--fla-options", action="store_true", help="gate, L2 norm and beta sigmoid in the op, as vs FLA")
     p.add_argument("--launch", nargs="*", default=[], metavar="KERNEL=WARPS,STAGES", help="override pallas_gpu.LAUNCH")
     p.add_argument("--kernels", nargs="*", default=list(pallas_gpu.LAUNCH), help="launch-table names")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import inspect
 import subprocess
 import tempfile
 import time
@@ -42,14 +43,18 @@ def main() -> None:
     ns = p.parse_args()
     args = make_inputs(ns.B, ns.T, ns.H, ns.K, ns.V, jnp.float32)
     fns = {}
+    ours = xla.chunk_kda_xla
     for name, mod in ((ns.against, _module_at(ns.against)), ("working tree", xla)):
-        api.chunk_kda_xla = mod.chunk_kda_xla  # read when a function is traced, just below
+        core = mod.chunk_kda_xla  # read when chunk_kda is traced, just below; older ones take no cfg
+        takes_cfg = "cfg" in inspect.signature(core).parameters
+        xla.chunk_kda_xla = lambda *a, cfg, core=core, takes_cfg=takes_cfg: core(*a, cfg=cfg) if takes_cfg else core(*a)
+        api._compiled.clear_cache()  # so it is traced again
         op = lambda *a: kdax.chunk_kda(*a, backend="xla")[0]
-        loss = lambda *a: 0.5 * jnp.sum(jnp.square(op(*a)))
+        loss = lambda *a, op=op: 0.5 * jnp.sum(jnp.square(op(*a)))
         fns[name] = {"fwd": jax.jit(op), "fwd+bwd": jax.jit(jax.grad(loss, argnums=tuple(range(5))))}
         for f in fns[name].values():
             jax.block_until_ready(f(*args))
-    api.chunk_kda_xla = xla.chunk_kda_xla
+    xla.chunk_kda_xla = ours
     times = {(n, m): [] for n in fns for m in ("fwd", "fwd+bwd")}
     for _ in range(ns.repeats):
         for (n, m), ts in times.items():
@@ -63,7 +68,9 @@ def main() -> None:
         for n in fns:
             t = np.asarray(times[(n, m)])
             med[n] = np.median(t)
-            print(f"  {m:8s} {n:14s} median {med[n]:7.1f} ms (IQR {np.percentile(t, 25):.1f}-{np.percentile(t, 75):.1f})")
+            print(
+                f"  {m:8s} {n:14s} median {med[n]:7.1f} ms (IQR {np.percentile(t, 25):.1f}-{np.percentile(t, 75):.1f})"
+            )
         print(f"  {m:8s} ratio {med['working tree'] / med[ns.against]:.3f}")
 
 

@@ -50,6 +50,13 @@ def _bench(ns: argparse.Namespace) -> int:
         print(json.dumps({"meta": meta, "model": row}, indent=2) if ns.json else
               f"# {meta['device']}, jax {meta['jax']}, {meta['date']}\n{model.format_row(row)}")  # fmt: skip
         return 0
+    if ns.eager:
+        from kdax.bench import eager
+
+        rows = eager.run(ns.repeats)
+        print(json.dumps({"meta": meta, "eager": rows}, indent=2) if ns.json else
+              f"# {meta['device']}, jax {meta['jax']}, {meta['date']}\n{eager.format_table(rows)}")  # fmt: skip
+        return 0
     if ns.memory:
         result = {"meta": meta, "memory": kda.peak_memory(B, T, H, K, V, ns.chunk_size)}
         print(json.dumps(result, indent=2))
@@ -101,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--model", choices=["tiny", "24x2048"],
                    help="prefill (--B x --T prompt) and decode (--decode-steps) tokens/s of a model, random weights")  # fmt: skip
     b.add_argument("--decode-steps", type=int, default=32)
+    b.add_argument("--eager", action="store_true", help="eager calls of the ops and the tiny model against jitted ones")
     t = sub.add_parser("train", help="train the tiny hybrid on byte-level text, then print a sample")
     for f in dataclasses.fields(TrainConfig):
         t.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default)

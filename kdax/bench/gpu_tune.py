@@ -37,14 +37,13 @@ def tune(B=1, T=8192, H=16, K=128, V=128, repeats=10, kernels=None, blocks=None,
     q, k, v, g, beta, A_log, dt_bias = inputs(B, T, H, K, V)
     args = [jnp.asarray(x, jnp.bfloat16) for x in (q, k, v, g, beta)]
 
-    def loss(*a):
+    def loss(*a, cfg):
         o, _ = kdax.chunk_kda(*a, A_log=jnp.asarray(A_log), dt_bias=jnp.asarray(dt_bias), use_qk_l2norm_in_kernel=True,
-                              use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, backend="pallas_gpu")  # fmt: skip
+                              use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, config=cfg)  # fmt: skip
         return 0.5 * jnp.sum(jnp.square(o.astype(jnp.float32)))
 
     def measure(cfg) -> float:
-        pallas_gpu.CONFIG = cfg
-        f = jax.jit(jax.grad(loss, argnums=tuple(range(5))))  # a fresh trace: the config is read when tracing
+        f = jax.jit(jax.grad(functools.partial(loss, cfg=cfg), argnums=tuple(range(5))))
         try:
             ms = jax_ms(f, args, repeats)
         except jax.errors.JaxRuntimeError as e:  # a launch that does not fit (registers, shared memory)
@@ -53,23 +52,20 @@ def tune(B=1, T=8192, H=16, K=128, V=128, repeats=10, kernels=None, blocks=None,
         log(f"  block_v={cfg.block_v} block_k={cfg.block_k} launch={dict(cfg.launch)}: {ms:.3f} ms")
         return ms
 
-    default, timed = pallas_gpu.CONFIG, {}
+    timed = {}
 
     def time_of(cfg) -> float:  # each configuration measured once
         if cfg not in timed:
             timed[cfg] = measure(cfg)
         return timed[cfg]
 
-    try:
-        sweep = itertools.product(BLOCK_V, BLOCK_K) if blocks is None else [blocks]
-        best = min((pallas_gpu.Config(block_v=bv, block_k=bk) for bv, bk in sweep), key=time_of)
-        for kernel in pallas_gpu.LAUNCH if kernels is None else kernels:
-            launch = {**pallas_gpu.LAUNCH, **dict(best.launch)}
-            trials = [dataclasses.replace(best, launch=tuple({**launch, kernel: ws}.items()))
-                      for ws in itertools.product(WARPS, STAGES)]  # fmt: skip
-            best = min(trials, key=time_of)
-    finally:
-        pallas_gpu.CONFIG = default
+    sweep = itertools.product(BLOCK_V, BLOCK_K) if blocks is None else [blocks]
+    best = min((pallas_gpu.Config(block_v=bv, block_k=bk) for bv, bk in sweep), key=time_of)
+    for kernel in pallas_gpu.LAUNCH if kernels is None else kernels:
+        launch = {**pallas_gpu.LAUNCH, **dict(best.launch)}
+        trials = [dataclasses.replace(best, launch=tuple({**launch, kernel: ws}.items()))
+                  for ws in itertools.product(WARPS, STAGES)]  # fmt: skip
+        best = min(trials, key=time_of)
     shape = f"B={B} T={T} H={H} K={K} V={V} bf16"
     return {"shape": shape, "block_v": best.block_v, "block_k": best.block_k, "launch": dict(best.launch),
             "fwd_bwd_ms": timed[best]}  # fmt: skip

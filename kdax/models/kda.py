@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -149,14 +150,26 @@ class KDAForCausalLM(nnx.Module):
         """input_ids: [B, T] ints. attention_mask: [B, T], 1 on tokens and 0 on padding (each
         row's tokens form one sequence, positions counted from its first token; padded
         positions' logits are 0). cu_seqlens: [N + 1] offsets of sequences packed in one
-        row (B = 1). Returns logits [B, T, vocab_size] float32."""
+        row (B = 1). Returns logits [B, T, vocab_size] float32.
+
+        Compiled once per model structure and input shapes: an eager call costs about what
+        one under ``nnx.jit`` does."""
         B, T = _check_ids(input_ids, self.config.vocab_size)
         if attention_mask is not None and cu_seqlens is not None:
             raise ValueError("attention_mask: expected None when cu_seqlens is given (pass one of them)")
         if cu_seqlens is not None:
             if B != 1:
                 raise ValueError(f"input_ids: expected batch size 1 with cu_seqlens, got {B}")
-            return self._logits(self.model(input_ids, packed_segments(T, jnp.asarray(cu_seqlens, jnp.int32)))[0])
+            cu_seqlens = jnp.asarray(cu_seqlens, jnp.int32)
+        if attention_mask is not None:
+            attention_mask = _check_mask(attention_mask, (B, T))
+        graphdef, state = nnx.split(self)
+        return _forward(graphdef, state, input_ids, attention_mask, cu_seqlens)
+
+    def _forward(self, input_ids, attention_mask, cu_seqlens):
+        B, T = input_ids.shape
+        if cu_seqlens is not None:
+            return self._logits(self.model(input_ids, packed_segments(T, cu_seqlens))[0])
         if attention_mask is None:
             return self._logits(self.model(input_ids, Segments(None, _arange(B, T), None))[0])
         mask, order, lengths = align_rows(attention_mask, (B, T))
@@ -196,15 +209,27 @@ class KDAForCausalLM(nnx.Module):
         return self._logits(h)[:, 0], ModelCache(layers, cache.lengths + 1)
 
 
-def align_rows(attention_mask, shape):
-    """Validate a [B, T] 0/1 mask; return (mask bool, order [B, T] putting each row's tokens
-    first in their original order, lengths [B] int32)."""
+@functools.partial(jax.jit, static_argnums=0)
+def _forward(graphdef, state, input_ids, attention_mask, cu_seqlens):
+    """:meth:`KDAForCausalLM.__call__` on validated inputs, compiled."""
+    return nnx.merge(graphdef, state)._forward(input_ids, attention_mask, cu_seqlens)
+
+
+def _check_mask(attention_mask, shape) -> jax.Array:
+    """A [B, T] 0/1 mask as bool, checked (every row has a token, where concrete)."""
     if not hasattr(attention_mask, "shape") or tuple(attention_mask.shape) != tuple(shape):
         got = tuple(attention_mask.shape) if hasattr(attention_mask, "shape") else type(attention_mask).__name__
         raise ValueError(f"attention_mask: expected shape {tuple(shape)}, got {got}")
     mask = jnp.asarray(attention_mask).astype(bool)
     if not isinstance(mask, jax.core.Tracer) and not bool(np.all(np.asarray(mask).any(axis=1))):
         raise ValueError("attention_mask: expected at least one token (a 1) in every row")
+    return mask
+
+
+def align_rows(attention_mask, shape):
+    """Validate a [B, T] 0/1 mask; return (mask bool, order [B, T] putting each row's tokens
+    first in their original order, lengths [B] int32)."""
+    mask = _check_mask(attention_mask, shape)
     order = jnp.argsort(~mask, axis=1, stable=True).astype(jnp.int32)
     return mask, order, mask.sum(axis=1).astype(jnp.int32)
 

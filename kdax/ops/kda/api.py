@@ -3,20 +3,26 @@
 from __future__ import annotations
 
 import functools
+import logging
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from kdax.ops.common.varlen import chunk_layout
+from kdax.ops.kda import pallas_gpu, pallas_tpu, xla
 from kdax.ops.kda.gate import beta_activation, kda_gate, l2norm
-from kdax.ops.kda.pallas_gpu import chunk_fits, chunk_kda_pallas_gpu
-from kdax.ops.kda.pallas_tpu import chunk_kda_pallas_tpu
 from kdax.ops.kda.recurrent import fused_recurrent_kda_xla
 from kdax.ops.kda.reference import naive_recurrent_kda
-from kdax.ops.kda.xla import chunk_kda_xla
+
+log = logging.getLogger("kdax")
 
 BACKENDS = ("auto", "xla", "pallas_tpu", "pallas_gpu", "naive")
+CONFIGS = {
+    "xla": xla.Config,
+    "pallas_tpu": pallas_tpu.Config,
+    "pallas_gpu": pallas_gpu.Config,
+}  # per-call kernel configs
 CHUNK_SIZES = (16, 32, 64, 128)
 MAX_HEAD_DIM = 256
 
@@ -39,7 +45,7 @@ def _check_array(name, x, ndim, shape=None, integer=False):
 
 def _validate(
     q, k, v, g, beta, scale, initial_state, use_gate_in_kernel, A_log, dt_bias, lower_bound,
-    use_beta_sigmoid_in_kernel, allow_neg_eigval, cu_seqlens, chunk_size, backend,
+    use_beta_sigmoid_in_kernel, allow_neg_eigval, cu_seqlens, chunk_size, backend, safe_gate, state_v_first,
 ):  # fmt: skip
     """Raise ValueError naming the first bad argument; return the number of sequences N."""
     if backend not in BACKENDS:
@@ -82,6 +88,8 @@ def _validate(
                 _fail(name, "None unless use_gate_in_kernel=True", type(val).__name__)
     if lower_bound is not None and not (isinstance(lower_bound, (int, float)) and lower_bound < 0):
         _fail("lower_bound", "a negative float (e.g. -5.0)", repr(lower_bound))
+    if safe_gate and use_gate_in_kernel and not (isinstance(lower_bound, (int, float)) and -5 <= lower_bound < 0):
+        _fail("lower_bound", "a float in [-5, 0) with safe_gate=True and use_gate_in_kernel=True", repr(lower_bound))
     if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
         _fail("allow_neg_eigval", "use_beta_sigmoid_in_kernel=True alongside it", "use_beta_sigmoid_in_kernel=False")
     N = B
@@ -97,7 +105,7 @@ def _validate(
             if cu[0] != 0 or cu[-1] != T or np.any(np.diff(cu) < 0):
                 _fail("cu_seqlens", f"non-decreasing offsets from 0 to T={T}", cu.tolist())
     if initial_state is not None:
-        _check_array("initial_state", initial_state, 4, (N, HV, K, V))
+        _check_array("initial_state", initial_state, 4, (N, HV, V, K) if state_v_first else (N, HV, K, V))
     return N
 
 
@@ -112,15 +120,38 @@ def _preprocess(q, k, g, beta, use_qk_l2norm_in_kernel, use_gate_in_kernel, A_lo
     return q, k, g, beta
 
 
-def _resolve_backend(backend: str, cores: dict, dtype, chunk_size: int | None) -> str:
-    if backend == "auto":  # the fastest core this op has for the default device and these inputs, else xla
-        kernels = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(jax.default_backend())
-        if kernels not in cores or dtype == jnp.float64:  # the kernels compute in float32 at most
-            return "xla"
-        return kernels if kernels != "pallas_gpu" or chunk_fits(dtype, chunk_size) else "xla"
-    if backend != "naive" and backend not in cores:
-        raise NotImplementedError(f"backend={backend!r}: not available for this op in this version")
+def _resolve_backend(backend: str, cores, dtype, chunk_size: int | None, config=None) -> str:
+    """The backend to run: ``backend`` itself, or for "auto" the kernels of ``config``'s backend
+    (of the default device when config is None) where they take these inputs, else xla."""
+    if backend != "auto":
+        if backend != "naive" and backend not in cores:
+            raise NotImplementedError(f"backend={backend!r}: not available for this op in this version")
+        return backend
+    if config is not None:
+        kernels, where = next((n for n, cls in CONFIGS.items() if isinstance(config, cls)), None), "config"
+    else:
+        kernels, where = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(jax.default_backend()), "device"
+    if kernels not in cores:
+        why, backend = f"no {where} kernels for this op" if kernels else "no kernels for this device", "xla"
+    elif dtype == jnp.float64:
+        why, backend = "float64 inputs (the kernels compute in float32 at most)", "xla"
+    elif kernels == "pallas_gpu" and not pallas_gpu.chunk_fits(dtype, chunk_size, config or pallas_gpu.Config()):
+        why, backend = f"chunk_size={chunk_size} with {jnp.dtype(dtype)} inputs does not fit the GPU kernels", "xla"
+    else:
+        why, backend = f"the {where}'s kernels", kernels
+    log.debug("backend='auto' -> %r: %s", backend, why)
     return backend
+
+
+def _checked_config(config, backend: str):
+    """The backend's config (its default for None), checked and resolved for this device."""
+    cls = CONFIGS.get(backend)
+    if config is None:
+        return None if cls is None else cls().resolved()
+    if cls is None or not isinstance(config, cls):
+        expected = f"None or a kdax.ops.kda.{backend}.Config" if cls else "None"
+        _fail("config", f"{expected} for backend={backend!r}", type(config).__name__)
+    return config.resolved()
 
 
 def _repeated_qk(core):
@@ -151,7 +182,7 @@ def chunk_kda(
     q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
     use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None,
     lower_bound=None, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
-    cu_seqlens=None, chunk_size=64, backend="auto",
+    safe_gate=False, state_v_first=False, cu_seqlens=None, chunk_size=64, backend="auto", config=None,
 ):  # fmt: skip
     """Chunked Kimi Delta Attention (training and prefill).
 
@@ -159,49 +190,86 @@ def chunk_kda(
     decay (raw logits when ``use_gate_in_kernel``); beta: [B, T, HV]; initial_state:
     [N, HV, K, V]; cu_seqlens: [N + 1] int offsets of packed sequences (B must be 1; checked
     when concrete, trusted when traced: malformed traced offsets give meaningless values).
+    config: the backend's kernel config (``kdax.ops.kda.<backend>.Config``), None for its
+    default; with backend "auto" a config picks its own backend. safe_gate: FLA's promise that
+    the gates are bounded (with ``use_gate_in_kernel`` it requires ``lower_bound`` in [-5, 0));
+    it changes no result. state_v_first: initial and final states as [N, HV, V, K].
 
-    Returns ``(o [B, T, HV, V] in q's dtype, final_state [N, HV, K, V] float32 or None)``.
+    Compiled once per shape, dtype and static option (``jax.jit``), so an eager call costs
+    what a jitted one does. Returns ``(o [B, T, HV, V] in q's dtype, final_state
+    [N, HV, K, V] float32 or None)``.
     """
-    args = dict(locals())
-
-    def layout_then(core):
-        def run(q, k, v, g, beta, h0, cu, **options):
-            return core(q, k, v, g, beta, h0, chunk_layout(q.shape[1], chunk_size, cu), **options)
-
-        return run
-
-    cores = {
-        "xla": _repeated_qk(layout_then(chunk_kda_xla)),
-        "pallas_tpu": layout_then(chunk_kda_pallas_tpu),
-        "pallas_gpu": layout_then(chunk_kda_pallas_gpu),
-    }
-    return _dispatch(cores, options_in_core=("pallas_gpu",), **args)
+    N = _validate(q, k, v, g, beta, scale, initial_state, use_gate_in_kernel, A_log, dt_bias, lower_bound,
+                  use_beta_sigmoid_in_kernel, allow_neg_eigval, cu_seqlens, chunk_size, backend, safe_gate,
+                  state_v_first)  # fmt: skip
+    resolved = _resolve_backend(backend, _CHUNK_BACKENDS, q.dtype, chunk_size, config)
+    if backend == "auto" and not isinstance(config, CONFIGS.get(resolved, ())):
+        config = None  # "auto" fell back from the config's backend to xla (logged)
+    return _call("chunk", resolved, _checked_config(config, resolved), N, q, k, v, g, beta, initial_state, A_log,
+                 dt_bias, cu_seqlens, scale, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
+                 lower_bound, use_beta_sigmoid_in_kernel, allow_neg_eigval, chunk_size, state_v_first)  # fmt: skip
 
 
 def fused_recurrent_kda(
     q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
     use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None,
     lower_bound=None, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
-    cu_seqlens=None, backend="auto",
+    safe_gate=False, state_v_first=False, cu_seqlens=None, backend="auto",
 ):  # fmt: skip
     """Token-by-token Kimi Delta Attention (decoding, short T). Same contract as :func:`chunk_kda`."""
-    return _dispatch({"xla": _repeated_qk(fused_recurrent_kda_xla)}, chunk_size=None, **locals())
-
-
-def _dispatch(
-    cores, *, options_in_core=(), q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
-    use_gate_in_kernel, A_log, dt_bias, lower_bound, use_beta_sigmoid_in_kernel, allow_neg_eigval, cu_seqlens,
-    chunk_size, backend,
-):  # fmt: skip
-    """Validate, apply the in-op options, and run the backend's core (or the naive reference).
-    The cores of ``options_in_core`` get the raw gate logits and unnormalised, unscaled q and k,
-    with keyword arguments saying how to apply the gate, the L2 norm and the scale themselves."""
     N = _validate(q, k, v, g, beta, scale, initial_state, use_gate_in_kernel, A_log, dt_bias, lower_bound,
-                  use_beta_sigmoid_in_kernel, allow_neg_eigval, cu_seqlens, chunk_size, backend)  # fmt: skip
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    backend = _resolve_backend(backend, cores, q.dtype, chunk_size)
-    core = cores.get(backend)
-    if backend in options_in_core:
+                  use_beta_sigmoid_in_kernel, allow_neg_eigval, cu_seqlens, None, backend, safe_gate,
+                  state_v_first)  # fmt: skip
+    backend = _resolve_backend(backend, _RECURRENT_BACKENDS, q.dtype, None)
+    return _call("recurrent", backend, None, N, q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, scale,
+                 output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound,
+                 use_beta_sigmoid_in_kernel, allow_neg_eigval, None, state_v_first)  # fmt: skip
+
+
+_CHUNK_BACKENDS = ("xla", "pallas_tpu", "pallas_gpu")
+_RECURRENT_BACKENDS = ("xla",)
+_STATIC = ("op", "backend", "config", "N", "scale", "output_final_state", "use_qk_l2norm_in_kernel", "use_gate_in_kernel",
+           "lower_bound", "use_beta_sigmoid_in_kernel", "allow_neg_eigval", "chunk_size", "state_v_first")  # fmt: skip
+
+
+def _call(op, backend, config, N, q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, scale, *flags):
+    """Run a validated call: the naive reference as it is (it loops over concrete sequences),
+    every other backend compiled once per shape and static option."""
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    if backend == "naive":
+        return _apply(
+            op, backend, config, N, q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, scale, *flags
+        )
+    return _compiled(op, backend, config, N, q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, scale, *flags)
+
+
+def _core(op: str, backend: str, config, chunk_size):
+    """(q, k, v, g, beta, h0, cu_seqlens, **in-core options) -> (o, final) of a backend."""
+    if op == "recurrent":
+        return _repeated_qk(fused_recurrent_kda_xla)
+    kernels = {"xla": xla.chunk_kda_xla, "pallas_tpu": pallas_tpu.chunk_kda_pallas_tpu,
+               "pallas_gpu": pallas_gpu.chunk_kda_pallas_gpu}  # fmt: skip
+
+    def run(q, k, v, g, beta, h0, cu, **options):
+        layout = chunk_layout(q.shape[1], chunk_size, cu)
+        return kernels[backend](q, k, v, g, beta, h0, layout, cfg=config, **options)
+
+    return _repeated_qk(run) if backend == "xla" else run
+
+
+def _apply(
+    op, backend, config, N, q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, scale, output_final_state,
+    use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound, use_beta_sigmoid_in_kernel, allow_neg_eigval, chunk_size,
+    state_v_first,
+):  # fmt: skip
+    """Apply the in-op options and run the backend's core (or the naive reference). pallas_gpu
+    gets the raw gate logits and unnormalised, unscaled q and k, with keyword arguments saying
+    how to apply the gate, the L2 norm and the scale itself. States in and out are [N, HV, V, K]
+    with ``state_v_first``."""
+    if state_v_first and initial_state is not None:
+        initial_state = jnp.swapaxes(initial_state, -1, -2)
+    core = None if backend == "naive" else _core(op, backend, config, chunk_size)
+    if backend == "pallas_gpu":
         gate = (A_log, dt_bias, lower_bound) if use_gate_in_kernel else None
         core = functools.partial(core, input_dtype=q.dtype, g_dtype=g.dtype, gate=gate,
                                  l2norm_qk=use_qk_l2norm_in_kernel, scale=scale)  # fmt: skip
@@ -209,8 +277,13 @@ def _dispatch(
     q, k, g, beta = _preprocess(q, k, g, beta, use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias,
                                 lower_bound, use_beta_sigmoid_in_kernel, allow_neg_eigval)  # fmt: skip
     if backend == "naive":
-        return _naive(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
-    return _run(core, q, k, v, g, beta, scale, initial_state, N, cu_seqlens, output_final_state)
+        o, final = _naive(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
+    else:
+        o, final = _run(core, q, k, v, g, beta, scale, initial_state, N, cu_seqlens, output_final_state)
+    return o, (jnp.swapaxes(final, -1, -2) if state_v_first and final is not None else final)
+
+
+_compiled = jax.jit(_apply, static_argnames=_STATIC)
 
 
 def _naive(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):

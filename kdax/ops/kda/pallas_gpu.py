@@ -61,8 +61,18 @@ class Config:
     launch: tuple[tuple[str, tuple[int, int]], ...] = ()
     interpret: bool | None = None
 
+    def resolved(self) -> Config:
+        """This config, its fields checked, with ``interpret`` None replaced by what it means here."""
+        if self.precision not in ("auto", *PRECISIONS):
+            raise ValueError(f"config.precision: expected 'auto' or one of {tuple(PRECISIONS)}, got {self.precision!r}")
+        for name in ("block_v", "block_k"):
+            if (n := getattr(self, name)) < 16 or n & (n - 1):
+                raise ValueError(f"config.{name}: expected a power of two >= 16, got {n}")
+        if unknown := set(dict(self.launch)) - set(LAUNCH):
+            raise ValueError(f"config.launch: expected kernels among {tuple(LAUNCH)}, got {sorted(unknown)}")
+        interpret = jax.default_backend() != "gpu" if self.interpret is None else self.interpret
+        return dataclasses.replace(self, interpret=interpret)
 
-CONFIG = Config()  # what chunk_kda(backend="pallas_gpu") uses; replace it to choose another
 
 # (num_warps, num_stages) per kernel at C = 64, K = V = 128. Starting values from the
 # compiled code, not yet timed on a GPU (docs/kda_gpu.md, "Warps per program", lists the
@@ -427,7 +437,7 @@ def _levels_kernel(tiles, gate, q_ref, k_ref, g_ref, gp_ref, daqk_ref, dkkk_ref,
 
 
 def _interpret(cfg: Config) -> bool:
-    return jax.default_backend() != "gpu" if cfg.interpret is None else cfg.interpret
+    return cfg.resolved().interpret
 
 
 def _stored(tiles: Tiles):  # dtype of the intermediates that feed only bulk matmuls
@@ -649,30 +659,18 @@ def _gate_params(gate, HV: int, K: int, Kp: int):  # [HV, 2, Kp]: exp(A_log), dt
     return jnp.stack([jnp.broadcast_to(a[:, None], (HV, Kp)), pad_last(b, Kp)], axis=1)
 
 
-def _checked(cfg: Config | None) -> Config:  # cfg (CONFIG when None), its fields checked
-    cfg = CONFIG if cfg is None else cfg
-    if cfg.precision not in ("auto", *PRECISIONS):
-        raise ValueError(f"cfg.precision: expected 'auto' or one of {tuple(PRECISIONS)}, got {cfg.precision!r}")
-    for name in ("block_v", "block_k"):
-        if (n := getattr(cfg, name)) < 16 or n & (n - 1):
-            raise ValueError(f"cfg.{name}: expected a power of two >= 16, got {n}")
-    if unknown := set(dict(cfg.launch)) - set(LAUNCH):
-        raise ValueError(f"cfg.launch: expected kernels among {tuple(LAUNCH)}, got {sorted(unknown)}")
-    return cfg
-
-
-def chunk_fits(input_dtype, chunk_size: int, cfg: Config | None = None) -> bool:
+def chunk_fits(input_dtype, chunk_size: int, cfg: Config = Config()) -> bool:
     """Whether the kernels take this chunk size for inputs of ``input_dtype``: any with bfloat16
     intermediates, up to 64 with float32 ones (at 128 the values kernel needs more shared memory
     than an H100 block may use)."""
-    return _fits(_tiles(_checked(cfg), input_dtype), chunk_size)
+    return _fits(_tiles(cfg.resolved(), input_dtype), chunk_size)
 
 
 def _fits(tiles: Tiles, chunk_size: int) -> bool:  # chunk_fits, for the tiles of a checked config
     return chunk_size <= 64 or _stored(tiles) != jnp.float32
 
 
-def chunk_kda_pallas_gpu(q, k, v, g, beta, h0, layout: ChunkLayout, input_dtype=jnp.float32, cfg: Config | None = None,
+def chunk_kda_pallas_gpu(q, k, v, g, beta, h0, layout: ChunkLayout, input_dtype=jnp.float32, cfg: Config = Config(),
                          gate=None, g_dtype=None, l2norm_qk: bool = False, scale: float = 1.0):  # fmt: skip
     """Core chunked KDA with the GPU kernels, on prepared float32 inputs.
 
@@ -688,7 +686,7 @@ def chunk_kda_pallas_gpu(q, k, v, g, beta, h0, layout: ChunkLayout, input_dtype=
     The kernels read q, k, v (rounded to :func:`_stored` dtype), g and beta token-major as they
     come: with no cu_seqlens, T a multiple of the chunk and K, V powers of two >= 16, XLA
     makes no copy of them (under "bf16", the float32 the caller upcast to folds back)."""
-    cfg = _checked(cfg)
+    cfg = cfg.resolved()
     tiles = _tiles(cfg, input_dtype)
     if not _fits(tiles, layout.chunk_size):  # compile report in docs/kda_gpu.md
         raise ValueError(f"chunk_size: pallas_gpu with float32 intermediates supports chunk sizes up to 64 (at "

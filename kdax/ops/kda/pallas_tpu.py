@@ -46,8 +46,14 @@ class Config:
     interpret: bool | None = None
     detect_races: bool = False
 
-
-CONFIG = Config()  # what chunk_kda(backend="pallas_tpu") uses; replace it to choose another
+    def resolved(self) -> Config:
+        """This config, its fields checked, with ``interpret`` None replaced by what it means here."""
+        if self.pipeline not in ("fused", "staged"):
+            raise ValueError(f"config.pipeline: expected 'fused' or 'staged', got {self.pipeline!r}")
+        if self.block_v % LANE:
+            raise ValueError(f"config.block_v: expected a multiple of {LANE}, got {self.block_v}")
+        interpret = jax.default_backend() != "tpu" if self.interpret is None else self.interpret
+        return dataclasses.replace(self, interpret=interpret)
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -137,8 +143,7 @@ def _bwd_kernel(first, last, seq, q_ref, k_ref, v_ref, g_ref, b_ref, s_ref, do_r
 
 
 def _interpret(cfg: Config):
-    interpret = jax.default_backend() != "tpu" if cfg.interpret is None else cfg.interpret
-    return pltpu.InterpretParams(detect_races=cfg.detect_races) if interpret else False
+    return pltpu.InterpretParams(detect_races=cfg.detect_races) if cfg.interpret else False
 
 
 def _forward(q, k, v, g, beta, h0t, sched, groups: int, cfg: Config, save_states: bool):
@@ -276,17 +281,13 @@ def _core_bwd(groups, cfg, res, cts):
 _core.defvjp(_core_fwd, _core_bwd)
 
 
-def chunk_kda_pallas_tpu(q, k, v, g, beta, h0, layout: ChunkLayout, cfg: Config | None = None):
+def chunk_kda_pallas_tpu(q, k, v, g, beta, h0, layout: ChunkLayout, cfg: Config = Config()):
     """Core chunked KDA with the TPU kernels, on prepared float32 inputs.
 
     q, k: [B, T, H, K] (q scaled, not repeated over value heads); v: [B, T, HV, V];
     g: [B, T, HV, K] natural-log decay; beta: [B, T, HV]; h0: [B, N, HV, K, V].
     Returns (o [B, T, HV, V], final [B, N, HV, K, V])."""
-    cfg = CONFIG if cfg is None else cfg
-    if cfg.pipeline not in ("fused", "staged"):
-        raise ValueError(f"cfg.pipeline: expected 'fused' or 'staged', got {cfg.pipeline!r}")
-    if cfg.block_v % LANE:
-        raise ValueError(f"cfg.block_v: expected a multiple of {LANE}, got {cfg.block_v}")
+    cfg = cfg.resolved()
     H, K = q.shape[2:]
     HV, V = v.shape[2:]
     Kp = round_up(K, LANE)

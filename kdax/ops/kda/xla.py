@@ -13,6 +13,7 @@ and cumulative gates far below -88 (natural log) are safe. See docs/kda_xla.md.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import NamedTuple
 
@@ -213,14 +214,22 @@ def _from_chunks(x: jax.Array) -> jax.Array:
     return jnp.moveaxis(x, (0, 1, 2, 3), (1, 0, 3, 2)).reshape((B, NC * C, HV) + x.shape[4:])
 
 
-def _chunks_per_step(n_chunks: int) -> int:
-    """How many chunks one step of the outer scan handles.
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """How many chunks one step of the outer scan handles (``schedule``): "per_chunk" keeps
+    every intermediate of a chunk in cache (on CPU about 1.7x faster than whole-sequence
+    stages at T=4096, docs/kda_xla.md); "all_chunks" runs the state-free stages as a few
+    large parallel kernels (accelerators); "auto" picks by the default device."""
 
-    On CPU one chunk per step keeps every intermediate of a chunk in cache (about 1.7x
-    faster than whole-sequence stages at T=4096, see docs/kda_xla.md); on accelerators
-    all chunks at once, so the state-free stages run as a few large parallel kernels.
-    """
-    return 1 if jax.default_backend() == "cpu" else n_chunks
+    schedule: str = "auto"
+
+    def resolved(self) -> Config:
+        """This config with "auto" replaced by what it means on the default device."""
+        if self.schedule not in ("auto", "per_chunk", "all_chunks"):
+            raise ValueError(f"config.schedule: expected 'auto', 'per_chunk' or 'all_chunks', got {self.schedule!r}")
+        if self.schedule != "auto":
+            return self
+        return Config("per_chunk" if jax.default_backend() == "cpu" else "all_chunks")
 
 
 def _grouped(xs, gs: int):
@@ -349,7 +358,7 @@ def _chunk_core_bwd(gs, res, cts):
 _chunk_core.defvjp(_chunk_core_fwd, _chunk_core_bwd)
 
 
-def chunk_kda_xla(q, k, v, g, beta, h0, layout: ChunkLayout):
+def chunk_kda_xla(q, k, v, g, beta, h0, layout: ChunkLayout, cfg: Config = Config()):
     """Core chunked KDA on prepared inputs.
 
     q, k: [B, T, HV, K] (q already scaled, both repeated to HV heads); v: [B, T, HV, V];
@@ -359,5 +368,6 @@ def chunk_kda_xla(q, k, v, g, beta, h0, layout: ChunkLayout):
     C = layout.chunk_size
     xs = tuple(_to_chunks(layout.pack(x), C) for x in (q, k, v, g, beta))
     lay = (layout.chunk_seq, layout.chunk_first, layout.chunk_last, h0)
-    o, final = _chunk_core(*xs, lay, _chunks_per_step(layout.n_chunks))
+    gs = 1 if cfg.resolved().schedule == "per_chunk" else layout.n_chunks
+    o, final = _chunk_core(*xs, lay, gs)
     return layout.unpack(_from_chunks(o)), final

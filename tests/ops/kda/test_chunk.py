@@ -3,11 +3,12 @@
 import functools
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import kdax
 from kdax.ops.kda import xla
-from tests.ops.kda.cases import CASES, Case, assert_close_to_reference
+from tests.ops.kda.cases import CASES, Case, assert_close_to_reference, make_inputs
 
 BACKENDS = ["xla", "pallas_tpu", "pallas_gpu"]  # the Pallas backends run in their interpreters off device
 BF16_CASES = [c for c in CASES if c.name in ("T65_gva_h0", "varlen", "strong_decay", "gate_softplus_l2_sigmoid")]
@@ -46,10 +47,24 @@ def test_chunk_fp16(backend):
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.name in ("T65_gva_h0", "varlen", "strong_decay_varlen",
                                                                  "chunk32_varlen", "T1000")], ids=str)  # fmt: skip
-def test_chunk_xla_all_chunks_per_step(case, monkeypatch):
+def test_chunk_xla_all_chunks_per_step(case):
     """The accelerator schedule of the xla backend (every chunk in one scan step), run here."""
-    monkeypatch.setattr(xla, "_chunks_per_step", lambda n_chunks: n_chunks)
-    assert_close_to_reference(functools.partial(kdax.chunk_kda, backend="xla"), case, jnp.float32)
+    assert_close_to_reference(functools.partial(kdax.chunk_kda, config=xla.Config("all_chunks")), case, jnp.float32)
+
+
+@pytest.mark.parametrize("op", ["chunk", "recurrent"])
+@pytest.mark.parametrize("backend", [*BACKENDS, "naive"])
+def test_safe_gate_changes_nothing_and_state_v_first_transposes_states(backend, op):
+    if op == "recurrent" and backend.startswith("pallas"):
+        pytest.skip("fused_recurrent_kda has only the xla core")
+    case = next(c for c in CASES if c.name == "gate_lower_bound_neg_eigval")  # lower_bound -5: a safe gate
+    args, kwargs = make_inputs(case)
+    fn = functools.partial(kdax.chunk_kda if op == "chunk" else _recurrent, backend=backend)
+    o, s = fn(*args, **kwargs)
+    h0_vk = jnp.swapaxes(kwargs["initial_state"], -1, -2)
+    o_vk, s_vk = fn(*args, **{**kwargs, "initial_state": h0_vk}, safe_gate=True, state_v_first=True)
+    np.testing.assert_array_equal(o_vk, o)
+    np.testing.assert_array_equal(s_vk, jnp.swapaxes(s, -1, -2))
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.name != "T1000"], ids=str)

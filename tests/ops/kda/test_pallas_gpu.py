@@ -19,7 +19,7 @@ chunk_kda_gpu = functools.partial(kdax.chunk_kda, backend="pallas_gpu")
 
 
 def test_head_dim_256_and_small_v_block(monkeypatch):
-    monkeypatch.setattr(pallas_gpu, "CONFIG", pallas_gpu.Config(block_v=16))
+    chunk_kda_gpu = functools.partial(kdax.chunk_kda, backend="pallas_gpu", config=pallas_gpu.Config(block_v=16))
     case = Case("K256_V256", T=70, B=1, H=1, HV=1, K=256, V=256, initial_state=True)
     assert_close_to_reference(chunk_kda_gpu, case, jnp.float32)
 
@@ -73,7 +73,7 @@ _GATE_CASE = next(c for c in CASES if c.name == "gate_l2_varlen_K60")  # gate lo
 def test_bf16_inputs_within_bars_with_gpu_matmuls(case, precision, monkeypatch):
     """bfloat16 inputs with the matmuls of precision="bf16" (what "auto" picks) and "tf32",
     the GPU's TF32 rounding emulated here."""
-    assert pallas_gpu._tiles(pallas_gpu.CONFIG, jnp.bfloat16).operands == jnp.bfloat16
+    assert pallas_gpu._tiles(pallas_gpu.Config(), jnp.bfloat16).operands == jnp.bfloat16
     prec, operands = pallas_gpu.PRECISIONS[precision]
     monkeypatch.setattr(pallas_gpu, "_tiles", lambda cfg, dtype: _GPUTiles(prec, False, operands))
     assert_close_to_reference(chunk_kda_gpu, case, jnp.bfloat16)
@@ -122,7 +122,7 @@ def test_state_loops_get_one_stage_past_32_kib_a_tile(monkeypatch, dtype, K, C, 
     """Two pipeline stages of [C, Kp] tiles over 32 KiB (float32 at K = 256, bf16 at C = 128 and
     K = 256) overflow an H100's shared memory (compile report in docs/kda_gpu.md); a launch
     the config names is kept."""
-    monkeypatch.setattr(pallas_gpu, "CONFIG", pallas_gpu.Config(launch=launch))
+    chunk_kda_gpu = functools.partial(kdax.chunk_kda, backend="pallas_gpu", config=pallas_gpu.Config(launch=launch))
     x, b = jnp.zeros((1, C, 1, K), dtype), jnp.zeros((1, C, 1), dtype)
     loss = lambda *a: chunk_kda_gpu(*a, chunk_size=C)[0].astype(jnp.float32).sum()
     params = _pallas_calls(jax.grad(loss), x, x, x, x, b, get=lambda eqn: eqn.params["compiler_params"])
@@ -190,12 +190,12 @@ def test_bad_config_raises():
     x = jnp.zeros((1, 16, 1, 8), jnp.float32)
     b = jnp.zeros((1, 16, 1), jnp.float32)
     for cfg, field in [
-        (pallas_gpu.Config(precision="fp8"), "cfg.precision"),
-        (pallas_gpu.Config(block_v=48), "cfg.block_v"),
-        (pallas_gpu.Config(launch=(("attention", (4, 1)),)), "cfg.launch"),
+        (pallas_gpu.Config(precision="fp8"), "config.precision"),
+        (pallas_gpu.Config(block_v=48), "config.block_v"),
+        (pallas_gpu.Config(launch=(("attention", (4, 1)),)), "config.launch"),
     ]:
         with pytest.raises(ValueError, match=field):
-            pallas_gpu.chunk_kda_pallas_gpu(x, x, x, x, b, jnp.zeros((1, 1, 1, 8, 8)), None, cfg=cfg)
+            kdax.chunk_kda(x, x, x, x, b, config=cfg)
 
 
 def test_float64_inputs_are_rejected():
@@ -248,7 +248,7 @@ _H100 = jax.sharding.AbstractMesh(
 
 
 def _assert_lowers_for_cuda(dtype, dim, varlen, monkeypatch, **options):
-    monkeypatch.setattr(pallas_gpu, "CONFIG", pallas_gpu.Config(interpret=False))
+    chunk_kda_gpu = functools.partial(kdax.chunk_kda, backend="pallas_gpu", config=pallas_gpu.Config(interpret=False))
     B, T, H, HV = (1, 130, 2, 4) if varlen else (2, 130, 2, 4)
     cu = jnp.asarray([0, 1, 100, 130], jnp.int32) if varlen else None
     shapes = [(B, T, H, dim), (B, T, H, dim), (B, T, HV, dim), (B, T, HV, dim), (B, T, HV)]
@@ -284,7 +284,7 @@ def test_intra_kernel_overwrites_its_stash_behind_barriers(monkeypatch):
         return result
 
     monkeypatch.setattr(lowering, "lower_jaxpr_to_triton_module", capture)
-    monkeypatch.setattr(pallas_gpu, "CONFIG", pallas_gpu.Config(interpret=False))
+    chunk_kda_gpu = functools.partial(kdax.chunk_kda, backend="pallas_gpu", config=pallas_gpu.Config(interpret=False))
     x, b = jax.ShapeDtypeStruct((1, 64, 1, 32), jnp.bfloat16), jax.ShapeDtypeStruct((1, 64, 1), jnp.bfloat16)
     with jax.sharding.use_abstract_mesh(_H100):
         jax.jit(chunk_kda_gpu).trace(x, x, x, x, b).lower(lowering_platforms=("cuda",))
@@ -297,7 +297,7 @@ def test_intra_kernel_overwrites_its_stash_behind_barriers(monkeypatch):
 
 def test_auto_picks_the_gpu_kernels_on_gpu_where_they_fit(monkeypatch):
     cores = {"xla": None, "pallas_tpu": None, "pallas_gpu": None}
-    pick = lambda dtype, C, cores=cores: api._resolve_backend("auto", cores, dtype, C)
+    pick = lambda dtype, C, cores=cores, config=None: api._resolve_backend("auto", cores, dtype, C, config)
     monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
     assert pick(jnp.float32, 64) == "xla"
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
@@ -305,8 +305,8 @@ def test_auto_picks_the_gpu_kernels_on_gpu_where_they_fit(monkeypatch):
     assert pick(jnp.float32, 128) == "xla"  # float32 intermediates at C = 128 do not fit (shared memory)
     assert pick(jnp.float64, 64) == "xla"  # the kernels compute in float32 at most
     assert pick(jnp.float32, None, {"xla": None}) == "xla"  # fused_recurrent_kda has no GPU kernel
-    monkeypatch.setattr(pallas_gpu, "CONFIG", pallas_gpu.Config(precision="tf32"))
-    assert pick(jnp.bfloat16, 128) == "xla"  # a float32 precision for bf16 inputs: float32 intermediates
+    tf32 = pallas_gpu.Config(precision="tf32")
+    assert pick(jnp.bfloat16, 128, config=tf32) == "xla"  # a float32 precision for bf16 inputs: float32 intermediates
 
 
 def test_auto_on_gpu_runs_xla_where_the_kernels_do_not_fit(monkeypatch):

@@ -38,13 +38,13 @@ def test_chunk_intra_matches_xla():
 
 @pytest.mark.parametrize("case", STAGED_CASES, ids=str)
 def test_staged_pipeline_fp32(case, monkeypatch):
-    monkeypatch.setattr(pallas_tpu, "CONFIG", pallas_tpu.Config(pipeline="staged"))
+    chunk_kda_tpu = functools.partial(kdax.chunk_kda, backend="pallas_tpu", config=pallas_tpu.Config(pipeline="staged"))
     assert_close_to_reference(chunk_kda_tpu, case, jnp.float32)
 
 
 @pytest.mark.parametrize("pipeline", PIPELINES)
 def test_head_dim_256(pipeline, monkeypatch):
-    monkeypatch.setattr(pallas_tpu, "CONFIG", pallas_tpu.Config(pipeline=pipeline))
+    chunk_kda_tpu = functools.partial(kdax.chunk_kda, backend="pallas_tpu", config=pallas_tpu.Config(pipeline=pipeline))
     case = Case("K256_V256", T=70, B=1, H=1, HV=1, K=256, V=256, initial_state=True)
     assert_close_to_reference(chunk_kda_tpu, case, jnp.float32)
 
@@ -53,7 +53,7 @@ def test_state_carries_across_grid_steps_without_races(monkeypatch):
     """Six chunks of one sequence, two V blocks: the state (and in the backward its
     cotangent) lives in VMEM scratch across the sequential grid axis; the interpreter's
     race detector watches every access."""
-    monkeypatch.setattr(pallas_tpu, "CONFIG", pallas_tpu.Config(detect_races=True))
+    chunk_kda_tpu = functools.partial(kdax.chunk_kda, backend="pallas_tpu", config=pallas_tpu.Config(detect_races=True))
     case = Case("six_chunks", T=6 * 16 - 5, B=1, H=1, HV=1, K=32, V=200, initial_state=True, chunk_size=16)
     errors = assert_close_to_reference(chunk_kda_tpu, case, jnp.float32)
     assert errors["final_state"] < 1e-5 and errors["dinitial_state"] < 1e-4
@@ -72,7 +72,9 @@ def test_float64_inputs_are_rejected():
 @pytest.mark.parametrize("pipeline", PIPELINES)
 def test_lowers_for_tpu(pipeline, dtype, dim, varlen, monkeypatch):
     """Forward alone, and forward (storing states) + backward: every kernel lowers to Mosaic."""
-    monkeypatch.setattr(pallas_tpu, "CONFIG", pallas_tpu.Config(pipeline=pipeline, interpret=False))
+    chunk_kda_tpu = functools.partial(
+        kdax.chunk_kda, backend="pallas_tpu", config=pallas_tpu.Config(pipeline=pipeline, interpret=False)
+    )
     B, T, H, HV = (1, 130, 2, 4) if varlen else (2, 130, 2, 4)
     cu = jnp.asarray([0, 1, 100, 130], jnp.int32) if varlen else None
     shapes = [(B, T, H, dim), (B, T, H, dim), (B, T, HV, dim), (B, T, HV, dim), (B, T, HV)]

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 import kdax
+from kdax.ops.kda import xla
 
 B, T, H, HV, K, V = 1, 8, 2, 4, 16, 8
 
@@ -52,14 +53,23 @@ BAD = [
     ("neg eigval", _args(), {"allow_neg_eigval": True}, "allow_neg_eigval: expected use_beta_sigmoid_in_kernel=True"),
     ("scale", _args(), {"scale": jnp.ones((2,))}, "scale: expected a Python float"),
     ("not an array", _args(q=[[1.0]]), {}, "q: expected an array, got list"),
+    ("safe_gate bound", _args(), {"use_gate_in_kernel": True, "A_log": jnp.zeros((HV,)), "safe_gate": True},
+     "lower_bound: expected a float in [-5, 0) with safe_gate=True"),
+    ("safe_gate range", _args(), {"use_gate_in_kernel": True, "lower_bound": -8.0, "safe_gate": True},
+     "lower_bound: expected a float in [-5, 0) with safe_gate=True"),
+    ("h0 v-first", _args(), {"state_v_first": True, "initial_state": jnp.zeros((1, HV, K, V))},
+     "initial_state: expected shape (1, 4, 8, 16)"),
+    ("config", _args(), {"backend": "pallas_tpu", "config": xla.Config()},
+     "config: expected None or a kdax.ops.kda.pallas_tpu.Config for backend='pallas_tpu', got Config"),
+    ("config field", _args(), {"config": xla.Config(schedule="fast")}, "config.schedule: expected 'auto'"),
 ]  # fmt: skip
 
 
 @pytest.mark.parametrize("fn", [kdax.chunk_kda, kdax.fused_recurrent_kda], ids=["chunk", "recurrent"])
 @pytest.mark.parametrize("name,args,kwargs,message", BAD, ids=[b[0] for b in BAD])
 def test_bad_input_raises(fn, name, args, kwargs, message):
-    if fn is kdax.fused_recurrent_kda and "chunk_size" in kwargs:
-        pytest.skip("fused_recurrent_kda takes no chunk_size")
+    if fn is kdax.fused_recurrent_kda and ("chunk_size" in kwargs or "config" in kwargs):
+        pytest.skip("fused_recurrent_kda takes no chunk_size and no kernel config")
     with pytest.raises(ValueError, match=None) as info:
         fn(**args, **kwargs)
     assert message in str(info.value)

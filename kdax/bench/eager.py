@@ -1,0 +1,65 @@
+"""``kdax bench --eager``: what a call costs without ``jax.jit`` around it.
+
+For chunk_kda (B=1 T=1024 H=4 K=V=64), fused_recurrent_kda (one token, the decode step), the
+tiny model's forward (B=1 T=128) and generate() (16 new tokens), the median time of an eager
+call after the first against the same call under ``jax.jit``; for generate(), its first call
+(which compiles) against a repeat with the same shapes and settings.
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import kdax
+from kdax.bench.kda import make_inputs
+from kdax.models import KDAForCausalLM, generate
+from kdax.train import tiny_config
+
+
+def _median_ms(f, repeats: int) -> float:
+    jax.block_until_ready(f())  # the first call compiles
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f())
+        times.append(time.perf_counter() - t0)
+    return 1e3 * float(np.median(times))
+
+
+def run(repeats: int = 20) -> list[dict]:
+    """Rows of {what, eager_ms, jit_ms, ratio}; generate's row compares first and repeated calls."""
+    rows = []
+
+    def row(what, eager, jitted):
+        e, j = _median_ms(eager, repeats), _median_ms(jitted, repeats)
+        rows.append({"what": what, "eager_ms": e, "jit_ms": j, "ratio": e / j})
+
+    args = make_inputs(1, 1024, 4, 64, 64, jnp.float32)
+    chunk, recurrent = jax.jit(kdax.chunk_kda), jax.jit(kdax.fused_recurrent_kda)
+    row("chunk_kda B=1 T=1024 H=4 K=V=64", lambda: kdax.chunk_kda(*args), lambda: chunk(*args))
+    one = [a[:, :1] for a in args]
+    row("fused_recurrent_kda, one token", lambda: kdax.fused_recurrent_kda(*one), lambda: recurrent(*one))
+    model = KDAForCausalLM(tiny_config(), rngs=nnx.Rngs(0))
+    ids = jax.random.randint(jax.random.key(0), (1, 128), 0, model.config.vocab_size, jnp.int32)
+    forward = nnx.jit(lambda m, x: m(x))
+    row("tiny model forward B=1 T=128", lambda: model(ids), lambda: forward(model, ids))
+    prompt = ids[:, :32]
+    t0 = time.perf_counter()
+    jax.block_until_ready(generate(model, prompt, 16))
+    first = 1e3 * (time.perf_counter() - t0)
+    again = _median_ms(lambda: generate(model, prompt, 16), repeats)
+    rows.append({"what": "generate() 32 + 16 tokens: first call vs repeat", "eager_ms": first, "jit_ms": again,
+                 "ratio": first / again})  # fmt: skip
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    lines = ["| call | eager ms (median) | under jax.jit ms (median) | eager / jit |", "|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['what']} | {r['eager_ms']:.2f} | {r['jit_ms']:.2f} | {r['ratio']:.1f}x |")
+    return "\n".join(lines)
