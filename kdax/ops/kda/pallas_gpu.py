@@ -32,7 +32,16 @@ from jax.experimental.pallas import triton as pltriton
 
 from kdax.ops.common.varlen import ChunkLayout
 from kdax.ops.kda.gate import L2NORM_EPS, l2norm, log_decay, softplus_exp2
-from kdax.ops.kda.tiles import StateProducts, Tiles, gated, last_row, pad_last
+from kdax.ops.kda.tiles import (
+    StateProducts,
+    Tiles,
+    gate_terms,
+    gated,
+    last_row,
+    pad_last,
+    prefix_sums,
+    suffix_sums,
+)
 from kdax.ops.kda.xla import LOG2E
 
 # name: (precision of the matmuls, dtype their bulk operands and the stored intermediates are rounded to)
@@ -180,16 +189,30 @@ def _rows(ref, i, S, cols=slice(None)):  # row block i of S rows (columns cols) 
     return ref[pl.ds(i * S, S), cols].astype(jnp.float32)
 
 
-def _block_gates(tiles, g_rows, nb):
-    """Cumulative log2 gates of nb row blocks ``g_rows(i)`` [S, D] (natural-log per-step gates):
-    the cumulative gate of each block [S, D], the one of the row before it [1, D] (0 before the
-    first), and the chunk's last [1, D]."""
-    G, before, end = [], [], 0.0
-    for i in range(nb):
-        before.append(end)
-        G.append(end + tiles.cumsum(g_rows(i) * LOG2E))
-        end = last_row(G[i])
-    return G, before, end
+class _BlockGates:
+    """The log2 gates of a chunk's nb row blocks, from the natural-log per-step gates
+    ``g_rows(i)`` [S, D] of each: every decay exponent the kernels need is a sum of steps built
+    from per-block sums (never a difference of cumulative gates, whose rounding, eps |G|, would
+    reach the decay factors; docs/kda_xla.md)."""
+
+    def __init__(self, tiles: Tiles, g_rows, nb: int):
+        self.g = [g_rows(i) * LOG2E for i in range(nb)]  # per-step, [S, D]
+        self.prefix = [tiles.cumsum(x) for x in self.g]  # steps from the block's first row to row i
+        self.suffix = [suffix_sums(x, inclusive=False) for x in self.g]  # steps after row i in the block
+        self.total = [last_row(x) for x in self.prefix]  # [1, D]
+        self.nb = nb
+
+    def span(self, a: int, b: int):  # steps of blocks a..b-1, [1, D] (0 when empty)
+        return sum(self.total[a:b], 0.0)
+
+    def G(self, i: int):  # cumulative gate of block i's rows, [S, D]
+        return self.span(0, i) + self.prefix[i]
+
+    def rest(self, i: int):  # G_C - G on block i's rows: the steps after each row to the chunk's end
+        return self.suffix[i] + self.span(i + 1, self.nb)
+
+    def between(self, j: int, i: int):  # G_r - G on block j's rows, r the last row of block i - 1 (j < i)
+        return self.suffix[j] + self.span(j + 1, i)
 
 
 def _intra_kernel(tiles, gate, qk, BK, interpret, q_ref, k_ref, v_ref, g_ref, gp_ref, b_ref, aqk_ref, w_ref, u_ref,
@@ -212,7 +235,7 @@ def _intra_kernel(tiles, gate, qk, BK, interpret, q_ref, k_ref, v_ref, g_ref, gp
         return _rows(ref, i, S, slice(None) if kb is None else pl.ds(kb * BK, BK))
 
     def gates(kb):
-        return _block_gates(tiles, lambda i: gate(rows(g_ref, i, kb), gp_ref, pl.ds(kb * BK, BK)), nb)
+        return _BlockGates(tiles, lambda i: gate(rows(g_ref, i, kb), gp_ref, pl.ds(kb * BK, BK)), nb)
 
     n_kb = q_ref.shape[1] // BK
     q_scale, k_scale = [qk.scale] * nb, [1.0] * nb  # of the rows of each row block: [S, 1] or scalars
@@ -233,16 +256,16 @@ def _intra_kernel(tiles, gate, qk, BK, interpret, q_ref, k_ref, v_ref, g_ref, gp
 
     def pairs(kb, acc):
         cols = pl.ds(kb * BK, BK)
-        G, before, end = gates(kb)
+        gb = gates(kb)
         q, k = zip(*[qk_rows(i, kb) for i in range(nb)])
         blocks = {}
         for i in range(nb):
-            blocks[i, i] = tiles.pairs(q[i], k[i], G[i])
-            e_q = jnp.exp2(G[i] - before[i])
+            blocks[i, i] = tiles.pairs(q[i], k[i], gb.g[i])
+            e_q = jnp.exp2(gb.prefix[i])  # 2^(G - G_r), r the row before block i
             for j in range(i):
-                k_u = k[j] * jnp.exp2(before[i] - G[j])
+                k_u = k[j] * jnp.exp2(gb.between(j, i))
                 blocks[i, j] = tiles.dot_t(q[i] * e_q, k_u), tiles.dot_t(k[i] * e_q, k_u)
-            q_g, k_g, k_d, decay = gated(q[i], k[i], G[i], end)
+            q_g, k_g, k_d, decay = gated(q[i], k[i], gb.G(i), gb.rest(i), gb.span(0, nb))
             for ref, x in zip((w_ref, qg_ref, kd_ref), (beta[i] * k_g, q_g, k_d)):
                 _put(ref, (pl.ds(i * S, S), cols), x)
         _put(dec_ref, (slice(None), cols), decay)
@@ -357,8 +380,8 @@ def _values_kernel(tiles, BK, BV, aqk_ref, t_ref, w_ref, kd_ref, u_ref, v_ref, b
 
 
 def _keys_kernel(tiles, gate, BK, BV, q_ref, k_ref, g_ref, gp_ref, b_ref, kkk_ref, t_ref, w_ref, sin_ref, dso_ref,
-                 do_ref, vn_ref, dvn_ref, d_ref, dakku_ref, dbeta_v_ref, dkkk_ref, db_ref, dq_ref, dk_ref, dG_ref,
-                 dGe_ref):  # fmt: skip
+                 do_ref, vn_ref, dvn_ref, d_ref, dakku_ref, dbeta_v_ref, dkkk_ref, db_ref, dq_ref, dk_ref,
+                 dg_ref):  # fmt: skip
     """Grid (B, HV, chunks): walks the key columns in blocks of BK for the column-wise gradients
     (``Tiles.grads_keys``), summing the [C, C] and [C, 1] terms for dKkk and dbeta; each
     block's products with the states (``Tiles.state_products``) summed over blocks of BV value
@@ -378,59 +401,59 @@ def _keys_kernel(tiles, gate, BK, BV, q_ref, k_ref, g_ref, gp_ref, b_ref, kkk_re
 
         zero = jnp.zeros((C, BK), f32)
         P = lax.fori_loop(0, do_ref.shape[1] // BV, values, StateProducts(zero, zero, zero, jnp.zeros((1, BK), f32)))
-        G = tiles.cumsum(gate(_cols(g_ref, kb, BK), gp_ref, cols) * LOG2E)
-        Kg = tiles.grads_keys(_cols32(q_ref, kb, BK), _cols32(k_ref, kb, BK), beta, G, T, _cols(w_ref, kb, BK), P, d)
-        dq_ref[:, cols], dk_ref[:, cols], dG_ref[:, cols], dGe_ref[:, cols] = Kg.dq, Kg.dk, Kg.dG, Kg.dG_end
+        g = gate(_cols(g_ref, kb, BK), gp_ref, cols) * LOG2E
+        G, R = tiles.cumsum(g), suffix_sums(g, inclusive=False)
+        Kg = tiles.grads_keys(_cols32(q_ref, kb, BK), _cols32(k_ref, kb, BK), beta, G, R, T, _cols(w_ref, kb, BK), P, d)
+        dq_ref[:, cols], dk_ref[:, cols], dg_ref[:, cols] = Kg.dq, Kg.dk, gate_terms(Kg)
         return acc[0] + Kg.dAkk_w, acc[1] + Kg.dbeta
 
     dAkk, dbeta = lax.fori_loop(0, q_ref.shape[1] // BK, keys, (dakku_ref[...], dbeta_v_ref[...]))
     dkkk_ref[...], db_ref[...] = tiles.grads_pairs(beta, kkk_ref[...], dAkk, dbeta)
 
 
-def _levels_kernel(tiles, gate, q_ref, k_ref, g_ref, gp_ref, daqk_ref, dkkk_ref, dq_ref, dk_ref, dG_ref, dGe_ref, dq_out,
+def _levels_kernel(tiles, gate, q_ref, k_ref, g_ref, gp_ref, daqk_ref, dkkk_ref, dq_ref, dk_ref, dg_ref, dq_out,
                    dk_out, dg_out):  # fmt: skip
     """Grid (B, HV, chunks, K-blocks): add the share of the pair products Aqk and Kkk to dq, dk
-    and dG, on the intra kernel's row blocks (a diagonal block by ``Tiles.grads_levels``, an
-    off-diagonal one through its two factors), and turn dG into dg (reverse cumsum). One row
-    block at a time, last first, loading the others' rows as needed (few live tiles).
-    Float32 operands (``Tiles.wide``): dG's terms cancel in dg."""
+    and dg, on the intra kernel's row blocks (a diagonal block by ``Tiles.grads_levels``, an
+    off-diagonal one through its two factors). One row block at a time, last first, loading
+    the others' rows as needed (few live tiles). Each pair (i, j) enters dg at the steps its
+    decay spans, j < t <= i: in block m, the row terms of its pairs (m, j < m) summed over rows
+    >= t, the column terms of its pairs (i > m, m) over rows < t, and in full every pair that
+    straddles the block (i > m > j), so that no pair's terms cancel. Float32 operands
+    (``Tiles.wide``)."""
     C, wide = daqk_ref.shape[0], tiles.wide
     S = min(SUB, C)
     nb = C // S
-    # Each block's decay held, its cumulative gate rebuilt per use in block(): the compiled
-    # code is the same as holding G (the cumsums are common subexpressions) with less spill
-    # (112 B against 128 per thread, bf16 with gate logits: scripts/gpu_compile_report.py).
-    decay = [gate(_rows(g_ref, i, S), gp_ref) for i in range(nb)]
-    _, before, _ = _block_gates(tiles, lambda i: decay[i], nb)
-
-    def block(i):  # q, k and the cumulative log2 gate of row block i, [S, BK] each
-        return _rows(q_ref, i, S), _rows(k_ref, i, S), before[i] + tiles.cumsum(decay[i] * LOG2E)
+    gb = _BlockGates(tiles, lambda i: gate(_rows(g_ref, i, S), gp_ref), nb)
 
     def pair(ref, i, j):  # block (i, j) of a [C, C] ref
         return ref[pl.ds(i * S, S), pl.ds(j * S, S)]
 
-    later = 0.0  # column sums of dG over the row blocks after block m
+    straddling = [0.0] * nb  # per block j: column sums of the row terms of the pairs (i, j) of blocks i done so far
     for m in reversed(range(nb)):
-        q_m, k_m, G_m = block(m)
-        dq, dk, dG = tiles.grads_levels(q_m, k_m, G_m, pair(daqk_ref, m, m), pair(dkkk_ref, m, m))
-        e_q = jnp.exp2(G_m - before[m])
+        q_m, k_m = _rows(q_ref, m, S), _rows(k_ref, m, S)
+        dq, dk, dg = tiles.grads_levels(q_m, k_m, gb.g[m], pair(daqk_ref, m, m), pair(dkkk_ref, m, m))
+        dg = dg + sum(straddling[:m], 0.0)  # pairs (i > m, j < m), all done before block m
+        e_q, row_terms, col_terms = jnp.exp2(gb.prefix[m]), 0.0, 0.0
         for j in range(m):  # blocks (m, j) = (x_m e_q)(k_j e_k)^T, e_q = 2^(G_m - G_r), e_k = 2^(G_r - G_j): x_m's side
-            _, k_j, G_j = block(j)
-            k_u = k_j * jnp.exp2(before[m] - G_j)
+            k_u = _rows(k_ref, j, S) * jnp.exp2(gb.between(j, m))
             dq_m, dk_m = wide.dot(pair(daqk_ref, m, j), k_u) * e_q, wide.dot(pair(dkkk_ref, m, j), k_u) * e_q
-            dq, dk, dG = dq + dq_m, dk + dk_m, dG + q_m * dq_m + k_m * dk_m
+            terms = q_m * dq_m + k_m * dk_m
+            dq, dk, row_terms = dq + dq_m, dk + dk_m, row_terms + terms
+            straddling[j] = straddling[j] + jnp.sum(terms, axis=0, keepdims=True)
         for i in range(m + 1, nb):  # blocks (i, m): k_m's side
-            q_i, k_i, G_i = block(i)
-            e_qi = jnp.exp2(G_i - before[i])
-            dk_m = wide.t_dot(pair(daqk_ref, i, m), q_i * e_qi) + wide.t_dot(pair(dkkk_ref, i, m), k_i * e_qi)
-            dk_m = dk_m * jnp.exp2(before[i] - G_m)
-            dk, dG = dk + dk_m, dG - k_m * dk_m
+            e_qi = jnp.exp2(gb.prefix[i])
+            dk_m = wide.t_dot(pair(daqk_ref, i, m), _rows(q_ref, i, S) * e_qi)
+            dk_m = (dk_m + wide.t_dot(pair(dkkk_ref, i, m), _rows(k_ref, i, S) * e_qi)) * jnp.exp2(gb.between(m, i))
+            dk, col_terms = dk + dk_m, col_terms + k_m * dk_m
+        if m:
+            dg = dg + suffix_sums(row_terms)
+        if m + 1 < nb:
+            dg = dg + prefix_sums(col_terms, inclusive=False)
         rows = (pl.ds(m * S, S), slice(None))
         _put(dq_out, rows, dq_ref[rows] + dq)
         _put(dk_out, rows, dk_ref[rows] + dk)
-        dG = dG_ref[rows] + dG
-        dg_out[rows] = tiles.reverse_cumsum(dG) + later + dGe_ref[...]
-        later = later + jnp.sum(dG, axis=0, keepdims=True)
+        dg_out[rows] = dg_ref[rows] + dg
 
 
 # ----------------------------------------------------------------------------- wrapper
@@ -595,29 +618,28 @@ def _backward(q, k, v, g, gp, beta, ranges, S_in, do, dfinal_t, C, groups, tiles
         + [jax.ShapeDtypeStruct((B, HV, L, d), f32) for d in (C, C, 1, 1)],
         compiler_params=_params(cfg, "values"), interpret=_interpret(cfg),
     )(aqk, T, w, k_d, u, v, beta, S_in, do, dS_out)  # fmt: skip
-    dkkk, dbeta, dq, dk, dG, dG_end = pl.pallas_call(
+    dkkk, dbeta, dq, dk, dG = pl.pallas_call(
         functools.partial(_keys_kernel, tiles, gate, BK, BV),
         grid=(B, HV, NC),
         in_specs=[qk, qk, tok(Kp), _gate_spec(Kp), tok(1), spec(C), spec(C), spec(Kp), st, st, tok(Vp), spec(Vp),
                   spec(Vp), spec(1), spec(C), spec(1)],
-        out_specs=[spec(C), tok(1), spec(Kp), spec(Kp), spec(Kp), _per_chunk_row(Kp)],
+        out_specs=[spec(C), tok(1), spec(Kp), spec(Kp), spec(Kp)],
         out_shape=[jax.ShapeDtypeStruct((B, HV, L, C), f32), jax.ShapeDtypeStruct(beta.shape, f32)]
-        + [jax.ShapeDtypeStruct((B, HV, L, Kp), f32)] * 3 + [jax.ShapeDtypeStruct((B, HV, NC, Kp), f32)],
+        + [jax.ShapeDtypeStruct((B, HV, L, Kp), f32)] * 3,
         compiler_params=_params(cfg, "keys"), interpret=_interpret(cfg),
     )(q, k, g, gp, beta, kkk, T, w, S_in, dS_out, do, v_new, dv_new, d, dakk_u, dbeta_v)  # fmt: skip
     cols = pl.BlockSpec((None, None, C, BK), lambda b, h, c, kb: (b, h, c, kb))
     pair = pl.BlockSpec((None, None, C, C), lambda b, h, c, kb: (b, h, c, 0))
-    row = pl.BlockSpec((None, None, 1, BK), lambda b, h, c, kb: (b, h, c, kb))
     gp_cols = pl.BlockSpec((None, 2, BK), lambda b, h, c, kb: (h, 0, kb))
     dqk = q.dtype if groups == 1 else f32  # summed over the group in XLA otherwise
     dq, dk, dg = pl.pallas_call(
         functools.partial(_levels_kernel, tiles, gate),
         grid=(B, HV, NC, Kp // BK),
-        in_specs=[_token_cols(C, BK, groups)] * 2 + [_token_cols(C, BK), gp_cols, pair, pair, cols, cols, cols, row],
+        in_specs=[_token_cols(C, BK, groups)] * 2 + [_token_cols(C, BK), gp_cols, pair, pair, cols, cols, cols],
         out_specs=[_token_cols(C, BK)] * 3,
         out_shape=[jax.ShapeDtypeStruct((B, L, HV, Kp), t) for t in (dqk, dqk, f32)],
         compiler_params=_params(cfg, "levels"), interpret=_interpret(cfg),
-    )(q, k, g, gp, daqk, dkkk, dq, dk, dG, dG_end)  # fmt: skip
+    )(q, k, g, gp, daqk, dkkk, dq, dk, dG)  # fmt: skip
     dq, dk = (x.reshape(B, L, H, groups, Kp).sum(3).astype(q.dtype) for x in (dq, dk))
     return dq, dk, dv, dg, dbeta, dh0t
 

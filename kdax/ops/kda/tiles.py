@@ -54,28 +54,35 @@ def _exact(a, b):  # a @ b at full float32 precision (cumsums, one-hot gathers)
     return _mm(a, b, ((1,), (0,)), _HIGHEST)
 
 
+def prefix_sums(x, inclusive: bool = True):  # [C, D]: row i sums rows 0..i (0..i-1), exactly (a 0/1 matmul)
+    C = x.shape[0]
+    i, j = _iota((C, C), 0), _iota((C, C), 1)
+    return _exact(_ones_where(j <= i if inclusive else j < i), x)
+
+
+def suffix_sums(x, inclusive: bool = True):  # [C, D]: row i sums rows i..C-1 (i+1..C-1), exactly
+    C = x.shape[0]
+    i, j = _iota((C, C), 0), _iota((C, C), 1)
+    return _exact(_ones_where(j >= i if inclusive else j > i), x)
+
+
 def last_row(x):  # [C, D] -> [1, D]
     return jnp.sum(jnp.where(_iota((x.shape[0], 1), 0) == x.shape[0] - 1, x, 0.0), axis=0, keepdims=True)
 
 
-def _decays(G, G_end=None):
-    """(2^G, 2^(G_C - G), 2^G_C): [C, K] x2 and [1, K], G the cumulative log2 gate, G_C its
-    last row unless given (``G_end`` [1, K], when G holds only some of the chunk's rows)."""
-    G_end = last_row(G) if G_end is None else G_end
-    return jnp.exp2(G), jnp.exp2(G_end - G), jnp.exp2(G_end)
-
-
-def gated(q, k, G, G_end=None):
-    """(q 2^G, k 2^G, k 2^(G_C - G), 2^G_C): [C, K] x3 and [1, K], G the cumulative log2 gate
-    (``G_end`` as :func:`_decays`)."""
-    eG, e_d, decay = _decays(G, G_end)
-    return q * eG, k * eG, k * e_d, decay
+def gated(q, k, G, R, G_end):
+    """(q 2^G, k 2^G, k 2^R, 2^G_end): [C, K] x3 and [1, K], G the cumulative log2 gate, R the
+    exponent of k's decay to the chunk's end (G_C - G) and G_end the chunk's last G."""
+    eG = jnp.exp2(G)
+    return q * eG, k * eG, k * jnp.exp2(R), jnp.exp2(G_end)
 
 
 class Intra(NamedTuple):
     """One chunk's state-free quantities."""
 
-    G: jax.Array  # [C, K] cumulative log2 gate
+    g: jax.Array  # [C, K] per-step log2 gate
+    G: jax.Array  # [C, K] cumulative log2 gate (prefix sums of g)
+    R: jax.Array  # [C, K] G_C - G (exclusive suffix sums of g)
     Aqk: jax.Array  # [C, C] inclusive lower
     Kkk: jax.Array  # [C, C] strictly lower, before beta
     T: jax.Array  # [C, C] (I + beta Kkk)^-1
@@ -114,10 +121,17 @@ class KeyGrads(NamedTuple):
 
     dq: jax.Array  # [C, BK]
     dk: jax.Array  # [C, BK]
-    dG: jax.Array  # [C, BK] w.r.t. the cumulative gate (natural-log units), per row
-    dG_end: jax.Array  # [1, BK] added to every row of dg
+    dG_start: jax.Array  # [C, BK] terms of q 2^G and k 2^G (natural-log units): dg gets their reverse cumsum
+    dG_rest: jax.Array  # [C, BK] terms of k 2^(G_C - G): dg gets their exclusive cumsum
+    dG_end: jax.Array  # [1, BK] the term of 2^G_C, on every row of dg
     dAkk_w: jax.Array  # [C, C] dbk_g w^T, to be summed over key blocks
     dbeta: jax.Array  # [C, 1] rowsums of k_g dbk_g, to be summed over key blocks
+
+
+def gate_terms(Kg: KeyGrads) -> jax.Array:
+    """[C, BK]: the share of dg of the state-side terms, each summed over the steps it decays by:
+    q 2^G and k 2^G over steps 0..i, k 2^(G_C - G) over steps i+1..C-1, 2^G_C over every step."""
+    return suffix_sums(Kg.dG_start) + prefix_sums(Kg.dG_rest, inclusive=False) + Kg.dG_end
 
 
 class Grads(NamedTuple):
@@ -129,33 +143,33 @@ class Grads(NamedTuple):
     dS_in: jax.Array  # [V, K] cotangent of the state entering the chunk (transposed)
 
 
-def _reference_rows(G: jax.Array, s: int, matmul: bool) -> jax.Array:
-    """[C, K]: row i holds G's row r(i) = (i // s) * s + s // 2, exactly (a one-hot matmul,
-    or a masked sum over each s-block of the [C // s, s, K] view)."""
-    C, K = G.shape
-    h = s // 2
-    if matmul:
-        i, j = _iota((C, C), 0), _iota((C, C), 1)
-        return _exact(_ones_where(j == i - _in_block(i, s) + h), G)
-    G3 = G.reshape(C // s, s, K)
-    R = jnp.sum(jnp.where(_iota((1, s, 1), 1) == h, G3, 0.0), axis=1, keepdims=True)
-    return jnp.broadcast_to(R, G3.shape).reshape(C, K)
-
-
-def _level(G: jax.Array, s: int, matmul: bool):
+def _level(g: jax.Array, s: int):
     """Dyadic level s of the pairwise factorisation (docs/kda_xla.md), as full tiles: (e [C, K],
-    block [C, C]).
+    block [C, C]), from the per-step log2 gates g [C, K].
 
     Row i scales by e = 2^(G_i - G_r) in the lower half of its s-block and by 2^(G_r - G_i) in
-    the upper half, r the block's middle row: exponents <= 0 for a decay. ``block`` marks the
-    level's pairs (i lower, j upper, one block), which take e_i on the left and e_j on the
-    right, so one tile serves both sides; the mask drops the other products."""
-    C = G.shape[0]
+    the upper half, r the lower half's first row: both exponents <= 0 for a decay, and each the
+    sum of the steps it spans (one exact 0/1 matmul over g), never a difference of cumulative
+    gates, whose rounding (eps |G|) would reach the factors. ``block`` marks the level's pairs
+    (i lower, j upper, one block), which take e_i on the left and e_j on the right, so one tile
+    serves both sides; the mask drops the other products."""
+    C = g.shape[0]
     i, j = _iota((C, C), 0), _iota((C, C), 1)
+    r = i - _in_block(i, s) + s // 2  # the reference row of row i's block
+    steps = jnp.where(i >= r, (r < j) & (j <= i), (i < j) & (j <= r))  # the steps between row i and r
+    return jnp.exp2(_exact(_ones_where(steps), g)), _lower_left(i, j, s)
+
+
+def _straddle(z: jax.Array, s: int) -> jax.Array:
+    """[C, D]: in each s-block, row t of the lower half sums z's rows i >= t of that half, row t of
+    the upper half z's rows i < t of that half (one exact 0/1 matmul). With z the row terms of a
+    level's pairs (lower half) and their column terms (upper half), that is the sum of the pairs
+    whose decay spans step t: the cotangent of g_t, with no pair's terms cancelling."""
+    C = z.shape[0]
+    t, i = _iota((C, C), 0), _iota((C, C), 1)
     h = s // 2
-    D = G - _reference_rows(G, s, matmul)
-    lower = _in_block(_iota((C, 1), 0), s) >= h  # [C, 1]
-    return jnp.exp2(jnp.where(lower, D, -D)), _lower_left(i, j, s)
+    same_half = _block(t, h) == _block(i, h)
+    return _exact(_ones_where(same_half & jnp.where(_in_block(t, s) >= h, i >= t, i < t)), z)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,15 +217,6 @@ class Tiles:
             return _exact(_ones_where(_iota((C, C), 0) >= _iota((C, C), 1)), x)
         return jnp.cumsum(x, axis=0)
 
-    def reverse_cumsum(self, x):  # [C, D]: row i holds the sum of rows i..C-1
-        if self.matmul_reductions:
-            C = x.shape[0]
-            return _exact(_ones_where(_iota((C, C), 0) <= _iota((C, C), 1)), x)
-        return jnp.sum(x, axis=0, keepdims=True) - jnp.cumsum(x, axis=0) + x  # Triton has no reverse scan
-
-    def level(self, G, s):
-        return _level(G, s, self.matmul_reductions)
-
     def diag(self, x, y):  # [C, C] with the row dot products x_i . y_i on the diagonal
         C = x.shape[0]
         return jnp.where(_iota((C, C), 0) == _iota((C, C), 1), self.rowsum(x * y), 0.0)
@@ -235,22 +240,24 @@ class Tiles:
     def intra(self, q, k, v, g, beta) -> Intra:
         """q, k: [C, K]; v: [C, V]; g: [C, K] per-step log2 gate; beta: [C, 1] (all float32)."""
         G = self.cumsum(g)  # [C, K]
-        Aqk, Kkk = self.pairs(q, k, G)
+        R = suffix_sums(g, inclusive=False)  # the steps after each row
+        Aqk, Kkk = self.pairs(q, k, g)
         T = self.unit_lower_inverse(beta * Kkk)
-        q_g, k_g, k_d, decay = gated(q, k, G)
+        q_g, k_g, k_d, decay = gated(q, k, G, R, last_row(G))
         w = self.dot(T, beta * k_g)
         u = self.dot(T, beta * v)
-        return Intra(G, Aqk, Kkk, T, w, u, q_g, k_g, k_d, decay)
+        return Intra(g, G, R, Aqk, Kkk, T, w, u, q_g, k_g, k_d, decay)
 
-    def pairs(self, q, k, G):
+    def pairs(self, q, k, g):
         """(Aqk, Kkk) [C, C]: Aqk[i, j] = sum_d q_id k_jd 2^(G_id - G_jd) (j <= i) and Kkk likewise
-        (j < i), one masked [C, K] x [K, C] matmul per dyadic level (:func:`_level`). Sums over
-        the key columns: blocks of columns may be summed."""
+        (j < i), G the prefix sums of the per-step log2 gates g [C, K]; one masked [C, K] x [K, C]
+        matmul per dyadic level (:func:`_level`). Sums over the key columns: blocks of columns
+        may be summed."""
         C = k.shape[0]
         Aqk = self.diag(q, k)
         Kkk = jnp.zeros((C, C), jnp.float32)
         for s in dyadic_levels(C):
-            e, block = self.level(G, s)
+            e, block = _level(g, s)
             k_e = k * e
             Aqk = Aqk + jnp.where(block, self.dot_t(q * e, k_e), 0.0)
             Kkk = Kkk + jnp.where(block, self.dot_t(k_e, k_e), 0.0)
@@ -266,10 +273,10 @@ class Tiles:
         dS_in = self.t_dot(do, I.q_g) + dSt * I.decay - self.t_dot(dv_new, I.w)  # [V, K]
         Vg = self.grads_values(I.T, I.u, v, do, v_new, dv_new)
         P = self.state_products(St, dSt, do, v_new, dv_new)
-        Kg = self.grads_keys(q, k, beta, I.G, I.T, I.w, P, Vg.d)
+        Kg = self.grads_keys(q, k, beta, I.G, I.R, I.T, I.w, P, Vg.d)
         dKkk, dbeta = self.grads_pairs(beta, I.Kkk, Kg.dAkk_w + Vg.dAkk_u, Vg.dbeta + Kg.dbeta)
-        dq_p, dk_p, dG_p = self.grads_levels(q, k, I.G, Vg.dAqk, dKkk)
-        dg = self.reverse_cumsum(Kg.dG + dG_p) + Kg.dG_end
+        dq_p, dk_p, dg_p = self.grads_levels(q, k, I.g, Vg.dAqk, dKkk)
+        dg = gate_terms(Kg) + dg_p
         return Grads(Kg.dq + dq_p, Kg.dk + dk_p, beta * Vg.dbv, dg, dbeta, dS_in)
 
     def grads_values(self, T, u, v, do, v_new, dv_new) -> ValueGrads:
@@ -288,19 +295,20 @@ class Tiles:
         return StateProducts(self.dot(do, St), self.dot(v_new, dSt), -self.dot(dv_new, St),
                              jnp.sum(St.astype(jnp.float32) * dSt, axis=0, keepdims=True))  # fmt: skip
 
-    def grads_keys(self, q, k, beta, G, T, w, P: StateProducts, d) -> KeyGrads:
+    def grads_keys(self, q, k, beta, G, R, T, w, P: StateProducts, d) -> KeyGrads:
         """The backward's terms of a block of key columns (every [C, BK] output is column by
-        column; the [C, C] and [C, 1] ones are to be summed over blocks). q, k, G, w: [C, BK];
+        column; the [C, C] and [C, 1] ones are to be summed over blocks). q, k, G, R, w: [C, BK];
         P: :meth:`state_products` summed over every value column; d: [C, 1] from
         :meth:`grads_values`; the rest as there."""
-        eG, e_d, decay = _decays(G)
+        eG, e_d = jnp.exp2(G), jnp.exp2(R)
         dbk_g = self.t_dot(T, P.dw)  # (I + Akk)^-T dw
         dk_g = beta * dbk_g
         return KeyGrads(
             dq=eG * P.dq_g + d * k,
             dk=eG * dk_g + e_d * P.dk_d + d * q,
-            dG=q * eG * P.dq_g + k * eG * dk_g - k * e_d * P.dk_d,
-            dG_end=jnp.sum(k * e_d * P.dk_d, axis=0, keepdims=True) + decay * P.s_ds,
+            dG_start=q * eG * P.dq_g + k * eG * dk_g,
+            dG_rest=k * e_d * P.dk_d,
+            dG_end=jnp.exp2(last_row(G)) * P.s_ds,
             dAkk_w=self.dot_t(dbk_g, w),
             dbeta=self.rowsum(k * eG * dbk_g),
         )
@@ -312,20 +320,24 @@ class Tiles:
         dAkk = jnp.where(_iota((C, C), 0) > _iota((C, C), 1), -dAkk_sum, 0.0)
         return beta * dAkk, dbeta_sum + self.rowsum(dAkk * Kkk)
 
-    def grads_levels(self, q, k, G, dAqk, dKkk):
-        """Backward of the pairwise factorisation of Aqk and Kkk (:meth:`intra`), level by
-        level: (dq, dk, dG) [C, K] each, given their cotangents dAqk, dKkk [C, C]. Float32
-        operands (:attr:`wide`): dG's terms cancel in the sums that make dg."""
+    def grads_levels(self, q, k, g, dAqk, dKkk):
+        """Backward of the pairwise factorisation of Aqk and Kkk (:meth:`intra`), level by level,
+        given their cotangents dAqk, dKkk [C, C] and the per-step log2 gates g: (dq, dk, dg)
+        [C, K] each, dg the pairs' share of the cotangent of g (natural-log units), each pair's
+        term summed over the steps its decay spans (:func:`_straddle`). Float32 operands
+        (:attr:`wide`)."""
         wide = self.wide
-        dq = dk_p = dk_x = jnp.zeros_like(k)  # dk_p: through the right factor k e, dk_x: the left
+        dq = dk_p = dk_x = dg = jnp.zeros_like(k)  # dk_p: through the right factor k e, dk_x: the left
         for s in dyadic_levels(k.shape[0]):
-            e, block = self.level(G, s)  # dQ, dK: zero outside the level's pairs, so e serves both sides
+            e, block = _level(g, s)  # dQ, dK: zero outside the level's pairs, so e serves both sides
             dQ, dK = jnp.where(block, dAqk, 0.0), jnp.where(block, dKkk, 0.0)
             k_e = k * e
-            dq = dq + wide.dot(dQ, k_e) * e
-            dk_p = dk_p + (wide.t_dot(dQ, q * e) + wide.t_dot(dK, k_e)) * e
-            dk_x = dk_x + wide.dot(dK, k_e) * e
-        return dq, dk_p + dk_x, q * dq + k * (dk_x - dk_p)
+            dq_s = wide.dot(dQ, k_e) * e  # rows: lower halves
+            dk_s = (wide.t_dot(dQ, q * e) + wide.t_dot(dK, k_e)) * e  # columns: upper halves
+            dkx_s = wide.dot(dK, k_e) * e  # rows
+            dq, dk_p, dk_x = dq + dq_s, dk_p + dk_s, dk_x + dkx_s
+            dg = dg + _straddle(q * dq_s + k * (dkx_s + dk_s), s)
+        return dq, dk_p + dk_x, dg
 
 
 # ----------------------------------------------------------------------------- wrapper layout

@@ -20,10 +20,8 @@ def _recurrent(*args, chunk_size=None, **kwargs):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("case", CASES, ids=str)
-def test_chunk_fp32(backend, case, request):
+def test_chunk_fp32(backend, case):
     fn = functools.partial(kdax.chunk_kda, backend=backend)
-    if backend != "xla" and case.name == "gate_rate_20_60_varlen":  # the exact gate gradients are xla's so far
-        request.applymarker(pytest.mark.xfail(strict=True, reason="gate gradients not yet exact in the Pallas kernels"))
     if backend == "pallas_gpu" and case.chunk_size > 64:  # float32 tiles that large overflow an H100's shared memory
         with pytest.raises(ValueError, match="chunk_size: pallas_gpu with float32"):
             assert_close_to_reference(fn, case, jnp.float32)
