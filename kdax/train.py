@@ -48,16 +48,16 @@ def unigram_entropy(tokens: np.ndarray) -> float:
 
 @dataclasses.dataclass
 class TrainConfig:
-    steps: int = 300
-    batch_size: int = 16
-    seq_len: int = 128
-    lr: float = 3e-3
-    warmup: int = 30
-    weight_decay: float = 0.1
-    clip: float = 1.0
-    seed: int = 0
-    checkpoint_every: int = 0  # 0: no checkpoints
-    out_dir: str = "checkpoints/tiny"
+    steps: int = dataclasses.field(default=300, metadata={"help": "optimizer steps"})
+    batch_size: int = dataclasses.field(default=16, metadata={"help": "sequences per step"})
+    seq_len: int = dataclasses.field(default=128, metadata={"help": "tokens per sequence"})
+    lr: float = dataclasses.field(default=3e-3, metadata={"help": "peak learning rate (AdamW)"})
+    warmup: int = dataclasses.field(default=30, metadata={"help": "steps of linear warm-up, then cosine decay"})
+    weight_decay: float = dataclasses.field(default=0.1, metadata={"help": "AdamW weight decay"})
+    clip: float = dataclasses.field(default=1.0, metadata={"help": "global gradient-norm clip"})
+    seed: int = dataclasses.field(default=0, metadata={"help": "seed of the weights and the batches"})
+    checkpoint_every: int = dataclasses.field(default=0, metadata={"help": "save every N steps (0: never)"})
+    out_dir: str = dataclasses.field(default="checkpoints/tiny", metadata={"help": "where checkpoints go"})
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "seq_len"):

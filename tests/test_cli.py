@@ -17,3 +17,21 @@ def test_bench_json(capsys):
     assert {(r["backend"], r["mode"]) for r in rows} == {("xla", "fwd"), ("xla", "fwd+bwd"), ("naive", "fwd"),
                                                           ("naive", "fwd+bwd")}  # fmt: skip
     assert all(r["rel_err"] < 1e-4 for r in rows)
+
+
+def test_version_and_every_train_option_states_its_default(capsys):
+    import dataclasses
+
+    import pytest
+
+    import kdax
+    from kdax.train import TrainConfig
+
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    assert f"kdax {kdax.__version__}" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # help lines wrap
+    for f in dataclasses.fields(TrainConfig):
+        assert f"{f.metadata['help']} (default: {f.default})" in text, f.name

@@ -12,6 +12,7 @@ import sys
 
 import jax
 
+import kdax
 from kdax import train
 from kdax.bench import kda
 from kdax.train import TrainConfig
@@ -81,19 +82,28 @@ def _pairs(text: str) -> list[tuple[int, int]]:  # "1x2048,8x8192" -> [(1, 2048)
     return pairs
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Help that states each option's default, where it has one (not for flags, nor None)."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None or action.default is False else super()._get_help_string(action)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kdax", description="kdax: Kimi Delta Attention for JAX")
+    parser.add_argument("--version", action="version", version=f"kdax {kdax.__version__} (jax {jax.__version__})")
     sub = parser.add_subparsers(dest="command", required=True)
-    b = sub.add_parser("bench", help="time KDA backends against the naive scan, with errors vs float64")
+    b = sub.add_parser("bench", help="time KDA backends against the naive scan, with errors vs float64",
+                       formatter_class=_Help)  # fmt: skip
     b.add_argument("--B", type=int, help="default 1 (--gpu-tune: B=1 T=8192 H=16 K=V=128)")
     b.add_argument("--T", type=int, help="default 1024")
     b.add_argument("--H", type=int, help="default 4")
     b.add_argument("--K", type=int, help="default 64")
     b.add_argument("--V", type=int, help="default 64")
-    b.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    b.add_argument("--chunk-size", type=int, default=64)
-    b.add_argument("--backends", default="xla,naive", help="comma-separated, e.g. xla,naive")
-    b.add_argument("--repeats", type=int, default=5)
+    b.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="input dtype")
+    b.add_argument("--chunk-size", type=int, default=64, help="chunk_size of chunk_kda")
+    b.add_argument("--backends", default="xla,naive", help="comma-separated backends to time")
+    b.add_argument("--repeats", type=int, default=5, help="timed calls per measurement (the median is reported)")
     b.add_argument("--no-error", action="store_true", help="skip the float64 reference")
     b.add_argument("--json", action="store_true", help="print JSON instead of the table")
     b.add_argument("--memory", action="store_true", help="peak memory of forward+backward (default T: use --T)")
@@ -107,13 +117,16 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--fla-python", default=sys.executable, help="python that runs the workers (FLA and kdax)")
     b.add_argument("--model", choices=["tiny", "24x2048"],
                    help="prefill (--B x --T prompt) and decode (--decode-steps) tokens/s of a model, random weights")  # fmt: skip
-    b.add_argument("--decode-steps", type=int, default=32)
+    b.add_argument("--decode-steps", type=int, default=32, help="--model: decode steps timed after the prefill")
     b.add_argument("--eager", action="store_true", help="eager calls of the ops and the tiny model against jitted ones")
-    t = sub.add_parser("train", help="train the tiny hybrid on byte-level text, then print a sample")
+    t = sub.add_parser("train", help="train the tiny hybrid on byte-level text, then print a sample",
+                       formatter_class=_Help)  # fmt: skip
     for f in dataclasses.fields(TrainConfig):
-        t.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default)
-    t.add_argument("--corpus", default=None, help="a text file (default: the public-domain text shipped with kdax)")
-    t.add_argument("--sample-tokens", type=int, default=200)
+        t.add_argument(
+            "--" + f.name.replace("_", "-"), type=type(f.default), default=f.default, help=f.metadata["help"]
+        )
+    t.add_argument("--corpus", default=None, help="a text file (None: the public-domain text shipped with kdax)")
+    t.add_argument("--sample-tokens", type=int, default=200, help="tokens to generate after training")
     ns = parser.parse_args(argv)
     if ns.command == "train":
         fields = {f.name: getattr(ns, f.name) for f in dataclasses.fields(TrainConfig)}
