@@ -21,23 +21,25 @@ from kdax.models import KDAForCausalLM, generate
 from kdax.train import tiny_config
 
 
-def _median_ms(f, repeats: int) -> float:
-    jax.block_until_ready(f())  # the first call compiles
+def _times_ms(f, repeats: int) -> list[float]:
+    """(median, 25th, 75th percentile) of ``repeats`` calls after the first, which compiles."""
+    jax.block_until_ready(f())
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         jax.block_until_ready(f())
-        times.append(time.perf_counter() - t0)
-    return 1e3 * float(np.median(times))
+        times.append(1e3 * (time.perf_counter() - t0))
+    return [float(np.percentile(times, p)) for p in (50, 25, 75)]
 
 
 def run(repeats: int = 20) -> list[dict]:
-    """Rows of {what, eager_ms, jit_ms, ratio}; generate's row compares first and repeated calls."""
+    """Rows of {what, eager_ms, jit_ms: [median, p25, p75], ratio of the medians}; generate's row
+    compares its first call (one time) with repeated ones."""
     rows = []
 
     def row(what, eager, jitted):
-        e, j = _median_ms(eager, repeats), _median_ms(jitted, repeats)
-        rows.append({"what": what, "eager_ms": e, "jit_ms": j, "ratio": e / j})
+        e, j = _times_ms(eager, repeats), _times_ms(jitted, repeats)
+        rows.append({"what": what, "eager_ms": e, "jit_ms": j, "ratio": e[0] / j[0]})
 
     args = make_inputs(1, 1024, 4, 64, 64, jnp.float32)
     chunk, recurrent = jax.jit(kdax.chunk_kda), jax.jit(kdax.fused_recurrent_kda)
@@ -52,14 +54,15 @@ def run(repeats: int = 20) -> list[dict]:
     t0 = time.perf_counter()
     jax.block_until_ready(generate(model, prompt, 16))
     first = 1e3 * (time.perf_counter() - t0)
-    again = _median_ms(lambda: generate(model, prompt, 16), repeats)
-    rows.append({"what": "generate() 32 + 16 tokens: first call vs repeat", "eager_ms": first, "jit_ms": again,
-                 "ratio": first / again})  # fmt: skip
+    again = _times_ms(lambda: generate(model, prompt, 16), repeats)
+    rows.append({"what": "generate() 32 + 16 tokens: first call vs repeats", "eager_ms": [first] * 3, "jit_ms": again,
+                 "ratio": first / again[0]})  # fmt: skip
     return rows
 
 
 def format_table(rows: list[dict]) -> str:
-    lines = ["| call | eager ms (median) | under jax.jit ms (median) | eager / jit |", "|---|---|---|---|"]
+    ms = lambda t: f"{t[0]:.2f} ({t[1]:.2f}-{t[2]:.2f})" if t[1] != t[2] else f"{t[0]:.0f}"
+    lines = ["| call | eager ms, median (IQR) | under jax.jit ms, median (IQR) | eager / jit |", "|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['what']} | {r['eager_ms']:.2f} | {r['jit_ms']:.2f} | {r['ratio']:.1f}x |")
+        lines.append(f"| {r['what']} | {ms(r['eager_ms'])} | {ms(r['jit_ms'])} | {r['ratio']:.1f}x |")
     return "\n".join(lines)
