@@ -135,6 +135,8 @@ def _resolve_backend(backend: str, cores, dtype, chunk_size: int | None, config=
         why, backend = f"no {where} kernels for this op" if kernels else "no kernels for this device", "xla"
     elif dtype == jnp.float64:
         why, backend = "float64 inputs (the kernels compute in float32 at most)", "xla"
+    elif kernels == "pallas_gpu" and config is None and not pallas_gpu.VERIFIED_ON_GPU:
+        why, backend = "the GPU kernels are not yet verified on a GPU (pallas_gpu.VERIFIED_ON_GPU)", "xla"
     elif kernels == "pallas_gpu" and not pallas_gpu.chunk_fits(dtype, chunk_size, config or pallas_gpu.Config()):
         why, backend = f"chunk_size={chunk_size} with {jnp.dtype(dtype)} inputs does not fit the GPU kernels", "xla"
     else:

@@ -301,6 +301,9 @@ def test_auto_picks_the_gpu_kernels_on_gpu_where_they_fit(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
     assert pick(jnp.float32, 64) == "xla"
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert pick(jnp.bfloat16, 64, config=None) == ("pallas_gpu" if pallas_gpu.VERIFIED_ON_GPU else "xla")
+    assert pick(jnp.bfloat16, 64, config=pallas_gpu.Config()) == "pallas_gpu"  # a config asks for its kernels
+    monkeypatch.setattr(pallas_gpu, "VERIFIED_ON_GPU", True)  # what follows: once verified
     assert pick(jnp.float32, 64) == pick(jnp.bfloat16, 64) == pick(jnp.bfloat16, 128) == "pallas_gpu"
     assert pick(jnp.float32, 128) == "xla"  # float32 intermediates at C = 128 do not fit (shared memory)
     assert pick(jnp.float64, 64) == "xla"  # the kernels compute in float32 at most
@@ -314,6 +317,7 @@ def test_auto_on_gpu_runs_xla_where_the_kernels_do_not_fit(monkeypatch):
     case = next(c for c in CASES if c.name == "chunk128")
     args, kwargs = make_inputs(case, jnp.float32)
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(pallas_gpu, "VERIFIED_ON_GPU", True)
     with pytest.raises(ValueError, match="chunk_size: pallas_gpu with float32 intermediates"):
         chunk_kda_gpu(*args, **kwargs)
     auto, xla = (kdax.chunk_kda(*args, **kwargs, backend=b) for b in ("auto", "xla"))
