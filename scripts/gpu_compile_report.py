@@ -125,11 +125,15 @@ DOT = re.compile(r"(?:tt\.dot|ttng\.warp_group_dot) .*-> tensor<(\d+)x(\d+)x\w+,
 def replicated_dots(ttgir: str) -> list[int]:
     """For each matmul of a kernel's TritonGPU IR, how many warps compute each element of its
     result: an MMA layout with warpsPerCTA [wm, wn] and instrShape [im, in, ...] tiles
-    [wm * im, wn * in] per step; a smaller result is repeated across the warps that overhang it."""
+    [wm * im, wn * in] per step; a smaller result is repeated across the warps that overhang it.
+    An IEEE float32 dot (the exact 0/1 sums) runs on the FMA units in a blocked layout: 1."""
     layouts = {name: ([int(x) for x in warps.split(",")], [int(x) for x in instr.split(",")][:2])
                for name, warps, instr in MMA_LAYOUT.findall(ttgir)}  # fmt: skip
     factors = []
     for rows, cols, layout in DOT.findall(ttgir):
+        if layout not in layouts:  # an IEEE float32 dot on the FMA units: a blocked layout, no MMA tiles to repeat
+            factors.append(1)
+            continue
         warps, instr = layouts[layout]
         factors.append(math.prod(max(1, w * i // int(n)) for n, w, i in zip((rows, cols), warps, instr)))
     return factors

@@ -61,6 +61,10 @@ class KDAConfig:
     def __post_init__(self):
         for name in ("hidden_size", "head_dim", "num_heads", "conv_size", "num_hidden_layers", "vocab_size"):
             _positive_int(name, getattr(self, name))
+        if self.head_dim > 256:  # chunk_kda's key head dim (KDA's q and k heads are head_dim wide)
+            raise ValueError(
+                f"head_dim: expected at most 256 (the largest key head dim of the KDA ops), got {self.head_dim}"
+            )
         if self.attn_mode not in MODES:
             raise ValueError(f"attn_mode: expected one of {MODES}, got {self.attn_mode!r}")
         if self.num_v_heads is not None:

@@ -198,7 +198,7 @@ def test_generate_bad_arguments_name_the_field(model, kw, field):
      ({"attn": {"layers": [5], "num_heads": 4}}, "attn.layers"), ({"attn": {"layers": [0], "num_heads": 5}}, "attn.num_heads"),
      ({"attn": {"layers": [0], "num_heads": 4, "num_kv_heads": 3}}, "attn.num_kv_heads"),
      ({"attn": {"layers": [0], "num_heads": 4, "window": 3}}, "attn"), ({"attnres_block_size": 2}, "attnres_block_size"),
-     ({"eos_token_id": VOCAB}, "eos_token_id")],
+     ({"eos_token_id": VOCAB}, "eos_token_id"), ({"head_dim": 320}, "head_dim: expected at most 256")],
 )  # fmt: skip
 def test_bad_configs_name_the_field(kw, field):
     with pytest.raises(ValueError, match=field):

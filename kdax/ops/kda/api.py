@@ -109,6 +109,11 @@ def _validate(
     return N
 
 
+def _offsets(cu_seqlens):
+    """cu_seqlens as an array: a list or tuple of offsets becomes a numpy array (then checked)."""
+    return np.asarray(cu_seqlens) if isinstance(cu_seqlens, (list, tuple)) else cu_seqlens
+
+
 def _preprocess(q, k, g, beta, use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias, lower_bound,
                 use_beta_sigmoid_in_kernel, allow_neg_eigval):  # fmt: skip
     if use_qk_l2norm_in_kernel:
@@ -201,6 +206,7 @@ def chunk_kda(
     what a jitted one does. Returns ``(o [B, T, HV, V] in q's dtype, final_state
     [N, HV, K, V] float32 or None)``.
     """
+    cu_seqlens = _offsets(cu_seqlens)
     N = _validate(q, k, v, g, beta, scale, initial_state, use_gate_in_kernel, A_log, dt_bias, lower_bound,
                   use_beta_sigmoid_in_kernel, allow_neg_eigval, cu_seqlens, chunk_size, backend, safe_gate,
                   state_v_first)  # fmt: skip
@@ -219,6 +225,7 @@ def fused_recurrent_kda(
     safe_gate=False, state_v_first=False, cu_seqlens=None, backend="auto",
 ):  # fmt: skip
     """Token-by-token Kimi Delta Attention (decoding, short T). Same contract as :func:`chunk_kda`."""
+    cu_seqlens = _offsets(cu_seqlens)
     N = _validate(q, k, v, g, beta, scale, initial_state, use_gate_in_kernel, A_log, dt_bias, lower_bound,
                   use_beta_sigmoid_in_kernel, allow_neg_eigval, cu_seqlens, None, backend, safe_gate,
                   state_v_first)  # fmt: skip

@@ -32,16 +32,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from kdax.ops.common.varlen import ChunkLayout
 from kdax.ops.kda.gate import L2NORM_EPS, l2norm, log_decay, softplus_exp2
-from kdax.ops.kda.tiles import (
-    StateProducts,
-    Tiles,
-    gate_terms,
-    gated,
-    last_row,
-    pad_last,
-    prefix_sums,
-    suffix_sums,
-)
+from kdax.ops.kda.tiles import StateProducts, Tiles, gated, last_row, pad_last
 from kdax.ops.kda.xla import LOG2E
 
 # Whether the compiled kernels have passed the shared cases' error bars on a GPU
@@ -203,7 +194,7 @@ class _BlockGates:
     def __init__(self, tiles: Tiles, g_rows, nb: int):
         self.g = [g_rows(i) * LOG2E for i in range(nb)]  # per-step, [S, D]
         self.prefix = [tiles.cumsum(x) for x in self.g]  # steps from the block's first row to row i
-        self.suffix = [suffix_sums(x, inclusive=False) for x in self.g]  # steps after row i in the block
+        self.suffix = [tiles.suffix_sums(x, inclusive=False) for x in self.g]  # steps after row i in the block
         self.total = [last_row(x) for x in self.prefix]  # [1, D]
         self.nb = nb
 
@@ -407,9 +398,9 @@ def _keys_kernel(tiles, gate, BK, BV, q_ref, k_ref, g_ref, gp_ref, b_ref, kkk_re
         zero = jnp.zeros((C, BK), f32)
         P = lax.fori_loop(0, do_ref.shape[1] // BV, values, StateProducts(zero, zero, zero, jnp.zeros((1, BK), f32)))
         g = gate(_cols(g_ref, kb, BK), gp_ref, cols) * LOG2E
-        G, R = tiles.cumsum(g), suffix_sums(g, inclusive=False)
+        G, R = tiles.cumsum(g), tiles.suffix_sums(g, inclusive=False)
         Kg = tiles.grads_keys(_cols32(q_ref, kb, BK), _cols32(k_ref, kb, BK), beta, G, R, T, _cols(w_ref, kb, BK), P, d)
-        dq_ref[:, cols], dk_ref[:, cols], dg_ref[:, cols] = Kg.dq, Kg.dk, gate_terms(Kg)
+        dq_ref[:, cols], dk_ref[:, cols], dg_ref[:, cols] = Kg.dq, Kg.dk, tiles.gate_terms(Kg)
         return acc[0] + Kg.dAkk_w, acc[1] + Kg.dbeta
 
     dAkk, dbeta = lax.fori_loop(0, q_ref.shape[1] // BK, keys, (dakku_ref[...], dbeta_v_ref[...]))
@@ -452,9 +443,9 @@ def _levels_kernel(tiles, gate, q_ref, k_ref, g_ref, gp_ref, daqk_ref, dkkk_ref,
             dk_m = (dk_m + wide.t_dot(pair(dkkk_ref, i, m), _rows(k_ref, i, S) * e_qi)) * jnp.exp2(gb.between(m, i))
             dk, col_terms = dk + dk_m, col_terms + k_m * dk_m
         if m:
-            dg = dg + suffix_sums(row_terms)
+            dg = dg + tiles.suffix_sums(row_terms)
         if m + 1 < nb:
-            dg = dg + prefix_sums(col_terms, inclusive=False)
+            dg = dg + tiles.prefix_sums(col_terms, inclusive=False)
         rows = (pl.ds(m * S, S), slice(None))
         _put(dq_out, rows, dq_ref[rows] + dq)
         _put(dk_out, rows, dk_ref[rows] + dk)
@@ -477,9 +468,11 @@ def _tiles(cfg: Config, input_dtype) -> Tiles:
     if name == "auto":
         name = "bf16" if input_dtype == jnp.bfloat16 else "tf32x3"  # bf16 would lose float16's 3 extra bits
     precision, operands = PRECISIONS[name]
-    if isinstance(precision, lax.DotAlgorithmPreset) and _interpret(cfg):
-        precision = lax.Precision.HIGHEST  # no such algorithm on CPU; float32 there is exact anyway
-    return Tiles(precision=precision, matmul_reductions=False, operands=operands)
+    sums = lax.DotAlgorithmPreset.TF32_TF32_F32_X3  # the 0/1 sums on the tensor cores (docs/kda_gpu.md)
+    if _interpret(cfg):  # no such algorithm on CPU; float32 there is exact anyway
+        precision = lax.Precision.HIGHEST if isinstance(precision, lax.DotAlgorithmPreset) else precision
+        sums = lax.Precision.HIGHEST
+    return Tiles(precision=precision, matmul_reductions=False, operands=operands, sums=sums)
 
 
 # Inputs and gradients are token-major [B, L, heads, D], as the caller has them (no layout copies);

@@ -6,8 +6,8 @@ reshapes, which neither Mosaic nor Triton lowers well. Gates are in log2 units
 (``exp2``). The formulas are those of docs/kda_xla.md; docs/kda_tpu.md explains the
 full-tile forms.
 
-:class:`Tiles` fixes how the bulk matmuls run (their precision) and how row sums are
-taken; the gate cumsums and one-hot gathers are always exact (``HIGHEST``).
+:class:`Tiles` fixes how the bulk matmuls run (their precision), how row sums are taken
+and the precision of the 0/1 sums over rows (decay exponents, cumsums, the gate cotangent).
 """
 
 from __future__ import annotations
@@ -48,22 +48,6 @@ def _lower_left(i, j, s: int):  # [C, C] mask of (row in the lower half, column 
 
 def _mm(a, b, dims, precision):
     return lax.dot_general(a, b, (dims, ((), ())), precision=precision, preferred_element_type=jnp.float32)
-
-
-def _exact(a, b):  # a @ b at full float32 precision (cumsums, one-hot gathers)
-    return _mm(a, b, ((1,), (0,)), _HIGHEST)
-
-
-def prefix_sums(x, inclusive: bool = True):  # [C, D]: row i sums rows 0..i (0..i-1), exactly (a 0/1 matmul)
-    C = x.shape[0]
-    i, j = _iota((C, C), 0), _iota((C, C), 1)
-    return _exact(_ones_where(j <= i if inclusive else j < i), x)
-
-
-def suffix_sums(x, inclusive: bool = True):  # [C, D]: row i sums rows i..C-1 (i+1..C-1), exactly
-    C = x.shape[0]
-    i, j = _iota((C, C), 0), _iota((C, C), 1)
-    return _exact(_ones_where(j >= i if inclusive else j > i), x)
 
 
 def last_row(x):  # [C, D] -> [1, D]
@@ -128,12 +112,6 @@ class KeyGrads(NamedTuple):
     dbeta: jax.Array  # [C, 1] rowsums of k_g dbk_g, to be summed over key blocks
 
 
-def gate_terms(Kg: KeyGrads) -> jax.Array:
-    """[C, BK]: the share of dg of the state-side terms, each summed over the steps it decays by:
-    q 2^G and k 2^G over steps 0..i, k 2^(G_C - G) over steps i+1..C-1, 2^G_C over every step."""
-    return suffix_sums(Kg.dG_start) + prefix_sums(Kg.dG_rest, inclusive=False) + Kg.dG_end
-
-
 class Grads(NamedTuple):
     dq: jax.Array  # [C, K]
     dk: jax.Array  # [C, K]
@@ -143,35 +121,6 @@ class Grads(NamedTuple):
     dS_in: jax.Array  # [V, K] cotangent of the state entering the chunk (transposed)
 
 
-def _level(g: jax.Array, s: int):
-    """Dyadic level s of the pairwise factorisation (docs/kda_xla.md), as full tiles: (e [C, K],
-    block [C, C]), from the per-step log2 gates g [C, K].
-
-    Row i scales by e = 2^(G_i - G_r) in the lower half of its s-block and by 2^(G_r - G_i) in
-    the upper half, r the lower half's first row: both exponents <= 0 for a decay, and each the
-    sum of the steps it spans (one exact 0/1 matmul over g), never a difference of cumulative
-    gates, whose rounding (eps |G|) would reach the factors. ``block`` marks the level's pairs
-    (i lower, j upper, one block), which take e_i on the left and e_j on the right, so one tile
-    serves both sides; the mask drops the other products."""
-    C = g.shape[0]
-    i, j = _iota((C, C), 0), _iota((C, C), 1)
-    r = i - _in_block(i, s) + s // 2  # the reference row of row i's block
-    steps = jnp.where(i >= r, (r < j) & (j <= i), (i < j) & (j <= r))  # the steps between row i and r
-    return jnp.exp2(_exact(_ones_where(steps), g)), _lower_left(i, j, s)
-
-
-def _straddle(z: jax.Array, s: int) -> jax.Array:
-    """[C, D]: in each s-block, row t of the lower half sums z's rows i >= t of that half, row t of
-    the upper half z's rows i < t of that half (one exact 0/1 matmul). With z the row terms of a
-    level's pairs (lower half) and their column terms (upper half), that is the sum of the pairs
-    whose decay spans step t: the cotangent of g_t, with no pair's terms cancelling."""
-    C = z.shape[0]
-    t, i = _iota((C, C), 0), _iota((C, C), 1)
-    h = s // 2
-    same_half = _block(t, h) == _block(i, h)
-    return _exact(_ones_where(same_half & jnp.where(_in_block(t, s) >= h, i >= t, i < t)), z)
-
-
 @dataclasses.dataclass(frozen=True)
 class Tiles:
     """precision: of the bulk matmuls (``lax.Precision`` or ``lax.DotAlgorithmPreset``; on GPU
@@ -179,14 +128,62 @@ class Tiles:
     operands: None, or a dtype (bfloat16) the bulk matmuls round their operands to,
     accumulating in float32; the triangular inverse and the backward of the
     pairwise factorisation keep float32 operands (:attr:`wide`; docs/kda_gpu.md, Precision).
-    matmul_reductions: take row sums, cumsums and reference-row gathers as matmuls with 0/1
-    matrices (TPU, where lane reductions, scans and sublane reshapes lower poorly) or as
-    reductions, scans and reshapes (GPU, where an exact float32 matmul runs on the FMA
-    units, not the tensor cores, and a matmul needs every dimension >= 16)."""
+    matmul_reductions: take row sums and gate cumsums as matmuls with 0/1 matrices (TPU,
+    where lane reductions and scans lower poorly) or as reductions and scans (GPU, where a
+    matmul needs every dimension >= 16). sums: the precision of the 0/1 sums that must
+    keep float32 accuracy: HIGHEST (IEEE float32; on a GPU that runs on the FMA units), or
+    on a GPU TF32_TF32_F32_X3, whose three tensor-core products keep about 22 of float32's
+    24 bits (the 0/1 operand is exact in TF32)."""
 
     precision: lax.Precision | lax.DotAlgorithmPreset = _HIGHEST
     matmul_reductions: bool = True
     operands: jnp.dtype | None = None
+    sums: lax.Precision | lax.DotAlgorithmPreset = _HIGHEST
+
+    def _sum(self, mask, x):  # (0/1 matrix of the bool mask [C, C]) @ x at the precision of ``sums``
+        return _mm(_ones_where(mask), x, ((1,), (0,)), self.sums)
+
+    def prefix_sums(self, x, inclusive: bool = True):  # [C, D]: row i sums rows 0..i (0..i-1)
+        C = x.shape[0]
+        i, j = _iota((C, C), 0), _iota((C, C), 1)
+        return self._sum(j <= i if inclusive else j < i, x)
+
+    def suffix_sums(self, x, inclusive: bool = True):  # [C, D]: row i sums rows i..C-1 (i+1..C-1)
+        C = x.shape[0]
+        i, j = _iota((C, C), 0), _iota((C, C), 1)
+        return self._sum(j >= i if inclusive else j > i, x)
+
+    def level(self, g: jax.Array, s: int):
+        """Dyadic level s of the pairwise factorisation (docs/kda_xla.md), as full tiles: (e [C, K],
+        block [C, C]), from the per-step log2 gates g [C, K].
+
+        Row i scales by e = 2^(G_i - G_r) in the lower half of its s-block and by 2^(G_r - G_i) in
+        the upper half, r the lower half's first row: both exponents <= 0 for a decay, and each the
+        sum of the steps it spans (one 0/1 matmul over g), never a difference of cumulative gates,
+        whose rounding (eps |G|) would reach the factors. ``block`` marks the level's pairs (i
+        lower, j upper, one block), which take e_i on the left and e_j on the right, so one tile
+        serves both sides; the mask drops the other products."""
+        C = g.shape[0]
+        i, j = _iota((C, C), 0), _iota((C, C), 1)
+        r = i - _in_block(i, s) + s // 2  # the reference row of row i's block
+        steps = jnp.where(i >= r, (r < j) & (j <= i), (i < j) & (j <= r))  # the steps between row i and r
+        return jnp.exp2(self._sum(steps, g)), _lower_left(i, j, s)
+
+    def straddle(self, z: jax.Array, s: int) -> jax.Array:
+        """[C, D]: in each s-block, row t of the lower half sums z's rows i >= t of that half, row t
+        of the upper half z's rows i < t of that half. With z the row terms of a level's pairs
+        (lower half) and their column terms (upper half), that is the sum of the pairs whose
+        decay spans step t: the cotangent of g_t, with no pair's terms cancelling."""
+        C = z.shape[0]
+        t, i = _iota((C, C), 0), _iota((C, C), 1)
+        h = s // 2
+        same_half = _block(t, h) == _block(i, h)
+        return self._sum(same_half & jnp.where(_in_block(t, s) >= h, i >= t, i < t), z)
+
+    def gate_terms(self, Kg: KeyGrads) -> jax.Array:
+        """[C, BK]: the share of dg of the state-side terms, each summed over the steps it decays
+        by: q 2^G and k 2^G over steps 0..i, k 2^(G_C - G) over i+1..C-1, 2^G_C over every step."""
+        return self.suffix_sums(Kg.dG_start) + self.prefix_sums(Kg.dG_rest, inclusive=False) + Kg.dG_end
 
     @property
     def wide(self) -> Tiles:  # the same matmuls with float32 operands
@@ -213,8 +210,7 @@ class Tiles:
 
     def cumsum(self, x):  # [C, D] inclusive cumsum over rows
         if self.matmul_reductions:
-            C = x.shape[0]
-            return _exact(_ones_where(_iota((C, C), 0) >= _iota((C, C), 1)), x)
+            return self.prefix_sums(x)
         return jnp.cumsum(x, axis=0)
 
     def diag(self, x, y):  # [C, C] with the row dot products x_i . y_i on the diagonal
@@ -240,7 +236,7 @@ class Tiles:
     def intra(self, q, k, v, g, beta) -> Intra:
         """q, k: [C, K]; v: [C, V]; g: [C, K] per-step log2 gate; beta: [C, 1] (all float32)."""
         G = self.cumsum(g)  # [C, K]
-        R = suffix_sums(g, inclusive=False)  # the steps after each row
+        R = self.suffix_sums(g, inclusive=False)  # the steps after each row
         Aqk, Kkk = self.pairs(q, k, g)
         T = self.unit_lower_inverse(beta * Kkk)
         q_g, k_g, k_d, decay = gated(q, k, G, R, last_row(G))
@@ -251,13 +247,13 @@ class Tiles:
     def pairs(self, q, k, g):
         """(Aqk, Kkk) [C, C]: Aqk[i, j] = sum_d q_id k_jd 2^(G_id - G_jd) (j <= i) and Kkk likewise
         (j < i), G the prefix sums of the per-step log2 gates g [C, K]; one masked [C, K] x [K, C]
-        matmul per dyadic level (:func:`_level`). Sums over the key columns: blocks of columns
+        matmul per dyadic level (:meth:`level`). Sums over the key columns: blocks of columns
         may be summed."""
         C = k.shape[0]
         Aqk = self.diag(q, k)
         Kkk = jnp.zeros((C, C), jnp.float32)
         for s in dyadic_levels(C):
-            e, block = _level(g, s)
+            e, block = self.level(g, s)
             k_e = k * e
             Aqk = Aqk + jnp.where(block, self.dot_t(q * e, k_e), 0.0)
             Kkk = Kkk + jnp.where(block, self.dot_t(k_e, k_e), 0.0)
@@ -276,7 +272,7 @@ class Tiles:
         Kg = self.grads_keys(q, k, beta, I.G, I.R, I.T, I.w, P, Vg.d)
         dKkk, dbeta = self.grads_pairs(beta, I.Kkk, Kg.dAkk_w + Vg.dAkk_u, Vg.dbeta + Kg.dbeta)
         dq_p, dk_p, dg_p = self.grads_levels(q, k, I.g, Vg.dAqk, dKkk)
-        dg = gate_terms(Kg) + dg_p
+        dg = self.gate_terms(Kg) + dg_p
         return Grads(Kg.dq + dq_p, Kg.dk + dk_p, beta * Vg.dbv, dg, dbeta, dS_in)
 
     def grads_values(self, T, u, v, do, v_new, dv_new) -> ValueGrads:
@@ -324,19 +320,19 @@ class Tiles:
         """Backward of the pairwise factorisation of Aqk and Kkk (:meth:`intra`), level by level,
         given their cotangents dAqk, dKkk [C, C] and the per-step log2 gates g: (dq, dk, dg)
         [C, K] each, dg the pairs' share of the cotangent of g (natural-log units), each pair's
-        term summed over the steps its decay spans (:func:`_straddle`). Float32 operands
+        term summed over the steps its decay spans (:meth:`straddle`). Float32 operands
         (:attr:`wide`)."""
         wide = self.wide
         dq = dk_p = dk_x = dg = jnp.zeros_like(k)  # dk_p: through the right factor k e, dk_x: the left
         for s in dyadic_levels(k.shape[0]):
-            e, block = _level(g, s)  # dQ, dK: zero outside the level's pairs, so e serves both sides
+            e, block = self.level(g, s)  # dQ, dK: zero outside the level's pairs, so e serves both sides
             dQ, dK = jnp.where(block, dAqk, 0.0), jnp.where(block, dKkk, 0.0)
             k_e = k * e
             dq_s = wide.dot(dQ, k_e) * e  # rows: lower halves
             dk_s = (wide.t_dot(dQ, q * e) + wide.t_dot(dK, k_e)) * e  # columns: upper halves
             dkx_s = wide.dot(dK, k_e) * e  # rows
             dq, dk_p, dk_x = dq + dq_s, dk_p + dk_s, dk_x + dkx_s
-            dg = dg + _straddle(q * dq_s + k * (dkx_s + dk_s), s)
+            dg = dg + self.straddle(q * dq_s + k * (dkx_s + dk_s), s)
         return dq, dk_p + dk_x, dg
 
 

@@ -33,35 +33,48 @@ def _tf32(x):  # round float32 to TF32 (10 explicit mantissa bits, to nearest ev
 _TF32X3 = jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
 
 
+def _tf32x3(a, b, dims):  # the three products of TF32 high and low parts Triton sums
+    a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+    a_hi, b_hi = _tf32(a), _tf32(b)
+    a_lo, b_lo = _tf32(a - a_hi), _tf32(b - b_hi)
+    exact = functools.partial(jax.lax.dot_general, dimension_numbers=(dims, ((), ())),
+                              precision=jax.lax.Precision.HIGHEST)  # fmt: skip
+    return exact(a_lo, b_hi) + exact(a_hi, b_lo) + exact(a_hi, b_hi)
+
+
 class _GPUTiles(tiles.Tiles):
     """The GPU's matmuls on CPU: float32 operands rounded to TF32 under Precision.DEFAULT,
     and under TF32_TF32_F32_X3 the three products of TF32 high and low parts Triton sums
-    (bfloat16 operands need nothing: their products are exact in float32)."""
+    (bfloat16 operands need nothing: their products are exact in float32); the 0/1 sums as
+    three TF32 products, as ``pallas_gpu._tiles`` gives them on a GPU."""
 
     def _bulk(self, a, b, dims):
         if self.operands is None and self.precision == jax.lax.Precision.DEFAULT:
             a, b = _tf32(a), _tf32(b)
         if self.precision != _TF32X3:
             return super()._bulk(a, b, dims)
-        a, b = a.astype(jnp.float32), b.astype(jnp.float32)
-        a_hi, b_hi = _tf32(a), _tf32(b)
-        a_lo, b_lo = _tf32(a - a_hi), _tf32(b - b_hi)
-        exact = functools.partial(jax.lax.dot_general, dimension_numbers=(dims, ((), ())),
-                                  precision=jax.lax.Precision.HIGHEST)  # fmt: skip
-        return exact(a_lo, b_hi) + exact(a_hi, b_lo) + exact(a_hi, b_hi)
+        return _tf32x3(a, b, dims)
+
+    def _sum(self, mask, x):
+        return _tf32x3(jnp.where(mask, 1.0, 0.0), x, ((1,), (0,)))
 
 
 def test_float32_inputs_get_three_pass_tf32_on_gpu():
     assert pallas_gpu._tiles(pallas_gpu.Config(interpret=False), jnp.float32).precision == _TF32X3
     assert pallas_gpu._tiles(pallas_gpu.Config(interpret=True), jnp.float32).precision == jax.lax.Precision.HIGHEST
+    for dtype in (jnp.float32, jnp.bfloat16):  # the 0/1 sums: three TF32 products on a GPU, float32 off it
+        assert pallas_gpu._tiles(pallas_gpu.Config(interpret=False), dtype).sums == _TF32X3
+        assert pallas_gpu._tiles(pallas_gpu.Config(interpret=True), dtype).sums == jax.lax.Precision.HIGHEST
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c.name in ("T65_gva_h0", "strong_decay_varlen")], ids=str)
+@pytest.mark.parametrize(
+    "case", [c for c in CASES if c.name in ("T65_gva_h0", "strong_decay_varlen", "gate_rate_20_60_varlen")], ids=str
+)
 def test_float32_inputs_within_bars_with_gpu_matmuls(case, monkeypatch):
     """float32 inputs with the matmuls "auto" picks on a GPU (tf32x3), emulated here: the
     float32 bars, which one-pass TF32 misses."""
     prec, operands = pallas_gpu.PRECISIONS["tf32x3"]
-    monkeypatch.setattr(pallas_gpu, "_tiles", lambda cfg, dtype: _GPUTiles(prec, False, operands))
+    monkeypatch.setattr(pallas_gpu, "_tiles", lambda cfg, dtype: _GPUTiles(prec, False, operands, _TF32X3))
     assert_close_to_reference(chunk_kda_gpu, case, jnp.float32)
 
 
@@ -75,7 +88,7 @@ def test_bf16_inputs_within_bars_with_gpu_matmuls(case, precision, monkeypatch):
     the GPU's TF32 rounding emulated here."""
     assert pallas_gpu._tiles(pallas_gpu.Config(), jnp.bfloat16).operands == jnp.bfloat16
     prec, operands = pallas_gpu.PRECISIONS[precision]
-    monkeypatch.setattr(pallas_gpu, "_tiles", lambda cfg, dtype: _GPUTiles(prec, False, operands))
+    monkeypatch.setattr(pallas_gpu, "_tiles", lambda cfg, dtype: _GPUTiles(prec, False, operands, _TF32X3))
     assert_close_to_reference(chunk_kda_gpu, case, jnp.bfloat16)
 
 

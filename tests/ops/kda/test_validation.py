@@ -35,6 +35,8 @@ BAD = [
     ("backend", _args(), {"backend": "cuda"}, "backend: expected one of"),
     ("h0 shape", _args(), {"initial_state": jnp.zeros((2, HV, K, V))}, "initial_state: expected shape (1, 4, 16, 8)"),
     ("cu dtype", _args(), {"cu_seqlens": jnp.asarray([0.0, 8.0])}, "cu_seqlens: expected an integer dtype"),
+    ("cu list dtype", _args(), {"cu_seqlens": [0.0, 8.0]}, "cu_seqlens: expected an integer dtype"),
+    ("cu list values", _args(), {"cu_seqlens": [0, 9]}, "non-decreasing offsets from 0 to T=8"),
     ("cu shape", _args(), {"cu_seqlens": jnp.asarray([[0, 8]])}, "cu_seqlens: expected a 1-d array"),
     ("cu short", _args(), {"cu_seqlens": jnp.asarray([0])}, "cu_seqlens: expected at least 2 entries"),
     ("cu values", _args(), {"cu_seqlens": jnp.asarray([0, 5, 7])}, "non-decreasing offsets from 0 to T=8"),
@@ -88,3 +90,14 @@ def test_naive_backend_needs_concrete_cu_seqlens():
     f = jax.jit(lambda cu: kdax.chunk_kda(**a, cu_seqlens=cu, backend="naive")[0])
     with pytest.raises(ValueError, match="cu_seqlens: expected a concrete array"):
         f(jnp.asarray(np.array([0, 8]), jnp.int32))
+
+
+def test_cu_seqlens_may_be_a_list():
+    rng = np.random.default_rng(0)
+    x = {n: jnp.asarray(rng.standard_normal(z.shape), jnp.float32) for n, z in _args().items()}
+    a = dict(x, g=-jnp.abs(x["g"]), beta=jnp.full((B, T, HV), 0.5), output_final_state=True)
+    for fn in (kdax.chunk_kda, kdax.fused_recurrent_kda):
+        o_list, s_list = fn(**a, cu_seqlens=[0, 3, 8])
+        o_arr, s_arr = fn(**a, cu_seqlens=jnp.asarray([0, 3, 8], jnp.int32))
+        np.testing.assert_array_equal(o_list, o_arr)
+        np.testing.assert_array_equal(s_list, s_arr)
