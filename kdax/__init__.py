@@ -1,6 +1,6 @@
 """kdax: Kimi Delta Attention for JAX."""
 
-from kdax.ops.kda.api import chunk_kda, fused_recurrent_kda
+from kdax.ops.kda.api import chunk_kda, explain_backend, fused_recurrent_kda
 from kdax.ops.kda.gate import beta_activation, kda_gate, l2norm
 from kdax.ops.kda.reference import naive_chunk_kda, naive_recurrent_kda
 
@@ -9,6 +9,7 @@ __version__ = "0.1.0"
 __all__ = [
     "beta_activation",
     "chunk_kda",
+    "explain_backend",
     "fused_recurrent_kda",
     "kda_gate",
     "l2norm",

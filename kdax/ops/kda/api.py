@@ -125,6 +125,45 @@ def _preprocess(q, k, g, beta, use_qk_l2norm_in_kernel, use_gate_in_kernel, A_lo
     return q, k, g, beta
 
 
+def explain_backend(dtype=jnp.float32, chunk_size: int | None = 64, config=None, op: str = "chunk_kda"):
+    """Which backend ``backend="auto"`` runs for inputs of ``dtype`` on the default device, and why.
+
+    Args:
+        dtype: the inputs' dtype.
+        chunk_size: chunk_kda's chunk size (None for fused_recurrent_kda).
+        config: a backend's kernel config, which asks for that backend's kernels.
+        op: "chunk_kda" or "fused_recurrent_kda".
+
+    Returns:
+        (backend, reason): e.g. ("xla", "no kernels for this device (cpu)").
+
+    Raises:
+        ValueError: for an unknown op.
+    """
+    cores = {"chunk_kda": _CHUNK_BACKENDS, "fused_recurrent_kda": _RECURRENT_BACKENDS}.get(op)
+    if cores is None:
+        _fail("op", "'chunk_kda' or 'fused_recurrent_kda'", repr(op))
+    return _explain(cores, dtype, chunk_size, config)
+
+
+def _explain(cores, dtype, chunk_size, config) -> tuple[str, str]:  # explain_backend for an op with these cores
+    if config is not None:
+        kernels, where = next((n for n, cls in CONFIGS.items() if isinstance(config, cls)), None), "config"
+    else:
+        kernels, where = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(jax.default_backend()), "device"
+    if kernels is None:
+        return "xla", f"no kernels for this device ({jax.default_backend()})"
+    if kernels not in cores:
+        return "xla", f"the op has no {kernels} kernels"
+    if dtype == jnp.float64:
+        return "xla", "float64 inputs (the kernels compute in float32 at most)"
+    if kernels == "pallas_gpu" and config is None and not pallas_gpu.VERIFIED_ON_GPU:
+        return "xla", "the GPU kernels are not yet verified on a GPU (pallas_gpu.VERIFIED_ON_GPU)"
+    if kernels == "pallas_gpu" and not pallas_gpu.chunk_fits(dtype, chunk_size, config or pallas_gpu.Config()):
+        return "xla", f"chunk_size={chunk_size} with {jnp.dtype(dtype)} inputs does not fit the GPU kernels"
+    return kernels, f"the {where}'s kernels"
+
+
 def _resolve_backend(backend: str, cores, dtype, chunk_size: int | None, config=None) -> str:
     """The backend to run: ``backend`` itself, or for "auto" the kernels of ``config``'s backend
     (of the default device when config is None) where they take these inputs, else xla."""
@@ -132,20 +171,7 @@ def _resolve_backend(backend: str, cores, dtype, chunk_size: int | None, config=
         if backend != "naive" and backend not in cores:
             raise NotImplementedError(f"backend={backend!r}: not available for this op in this version")
         return backend
-    if config is not None:
-        kernels, where = next((n for n, cls in CONFIGS.items() if isinstance(config, cls)), None), "config"
-    else:
-        kernels, where = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(jax.default_backend()), "device"
-    if kernels not in cores:
-        why, backend = f"no {where} kernels for this op" if kernels else "no kernels for this device", "xla"
-    elif dtype == jnp.float64:
-        why, backend = "float64 inputs (the kernels compute in float32 at most)", "xla"
-    elif kernels == "pallas_gpu" and config is None and not pallas_gpu.VERIFIED_ON_GPU:
-        why, backend = "the GPU kernels are not yet verified on a GPU (pallas_gpu.VERIFIED_ON_GPU)", "xla"
-    elif kernels == "pallas_gpu" and not pallas_gpu.chunk_fits(dtype, chunk_size, config or pallas_gpu.Config()):
-        why, backend = f"chunk_size={chunk_size} with {jnp.dtype(dtype)} inputs does not fit the GPU kernels", "xla"
-    else:
-        why, backend = f"the {where}'s kernels", kernels
+    backend, why = _explain(cores, dtype, chunk_size, config)
     log.debug("backend='auto' -> %r: %s", backend, why)
     return backend
 

@@ -101,3 +101,15 @@ def test_cu_seqlens_may_be_a_list():
         o_arr, s_arr = fn(**a, cu_seqlens=jnp.asarray([0, 3, 8], jnp.int32))
         np.testing.assert_array_equal(o_list, o_arr)
         np.testing.assert_array_equal(s_list, s_arr)
+
+
+def test_explain_backend_says_what_auto_runs_and_why():
+    from kdax.ops.kda import pallas_tpu
+
+    backend, why = kdax.explain_backend(jnp.float32)
+    assert backend == "xla" and "cpu" in why  # this machine has no accelerator
+    assert kdax.explain_backend(config=pallas_tpu.Config()) == ("pallas_tpu", "the config's kernels")
+    assert kdax.explain_backend(jnp.float64, config=pallas_tpu.Config())[0] == "xla"
+    assert kdax.explain_backend(config=pallas_tpu.Config(), op="fused_recurrent_kda")[0] == "xla"
+    with pytest.raises(ValueError, match="op: expected 'chunk_kda' or 'fused_recurrent_kda'"):
+        kdax.explain_backend(op="attention")
