@@ -10,7 +10,7 @@ def test_bench_table(capsys):
     out = capsys.readouterr().out
     assert "| shape" in out and "xla" in out and "naive" in out and "fwd+bwd" in out
     # a newcomer's reading: what each column is, which gradients, what "auto" runs and why
-    header = out.splitlines()[[i for i, line in enumerate(out.splitlines()) if line.startswith("| shape")][0]]
+    header = next(line for line in out.splitlines() if line.startswith("| shape"))
     assert "median ms (IQR)" in header and "x faster than the naive scan" in header
     assert "rel. RMS error vs float64" in header and "worst of the five gradients" in out
     assert "# backend='auto' runs 'xla' here: no kernels for this device (cpu)" in out

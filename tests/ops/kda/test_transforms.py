@@ -51,6 +51,8 @@ def test_jit_vmap_grad_and_no_recompilation():
     np.testing.assert_allclose(batched, looped, rtol=1e-5, atol=1e-6)
     gb = jax.vmap(jax.grad(lambda q, v: loss(q, k, v, g, b)))(qs, vs)
     assert gb.shape == qs.shape and bool(jnp.all(jnp.isfinite(gb)))
+    g_loop = jnp.stack([jax.grad(lambda q, v: loss(q, k, v, g, b))(qs[i], vs[i]) for i in range(3)])
+    np.testing.assert_allclose(gb, g_loop, rtol=1e-5, atol=1e-6)  # the values, not only the shapes
 
 
 def test_traced_cu_seqlens_does_not_recompile():
