@@ -261,7 +261,7 @@ def fused_recurrent_kda(
                  use_beta_sigmoid_in_kernel, allow_neg_eigval, None, state_v_first)  # fmt: skip
 
 
-_CHUNK_BACKENDS = ("xla", "pallas_tpu", "pallas_gpu")
+_CHUNK_BACKENDS = tuple(CONFIGS)  # every backend with a kernel config has a chunk core
 _RECURRENT_BACKENDS = ("xla",)
 _STATIC = ("op", "backend", "config", "N", "scale", "output_final_state", "use_qk_l2norm_in_kernel", "use_gate_in_kernel",
            "lower_bound", "use_beta_sigmoid_in_kernel", "allow_neg_eigval", "chunk_size", "state_v_first")  # fmt: skip
