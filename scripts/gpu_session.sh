@@ -4,8 +4,11 @@
 #   scripts/gpu_session.sh compare [BxT,...]       kdax bench --gpu-compare-fla, FLA in its own process;
 #                                                  default 1x8192 (the acceptance shape), then e.g.
 #                                                  1x2048,1x32768 and 8x2048,8x8192,8x32768
-#   scripts/gpu_session.sh tests                   pallas_gpu compiled for real: every shared case,
-#                                                  fp32 and bf16, on 8 pytest workers
+#   scripts/gpu_session.sh tests [FILE|TEST ...]   pallas_gpu compiled for real: every shared case,
+#                                                  fp32 and bf16, on 16 pytest workers (the 67 tests
+#                                                  take about 9 minutes on an H100: give a subset,
+#                                                  e.g. node ids, to rerun some); failures are written
+#                                                  to $OUT/failures.txt as they happen
 #   scripts/gpu_session.sh tune [KERNELS] [BVxBK]  kdax bench --gpu-tune: the block sizes (KERNELS
 #                                                  none, the default), then one or two kernels'
 #                                                  launches per call at the blocks found
@@ -15,8 +18,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
 if compgen -G ".wheels/*.whl" > /dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .wheels/*.whl
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .wheels/*.whl
 fi
 export PYTHONPATH="$PWD:/tmp/site:${PYTHONPATH:-}" XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
@@ -25,8 +29,12 @@ python3 -c "import jax; assert jax.default_backend() == 'gpu', jax.devices(); pr
 stage=${1:-compare}
 case "$stage" in
   tests)
-    python3 -m pytest -q -p no:cacheprovider -n 8 --durations=15 tests/ops/kda/test_chunk.py \
-      tests/ops/kda/test_pallas_gpu.py tests/ops/kda/test_fla_parity.py -k "pallas_gpu or gpu" 2>&1 | tee "$OUT/tests.txt" ;;
+    shift
+    targets=("$@")
+    [ ${#targets[@]} -gt 0 ] || targets=(tests/ops/kda/test_chunk.py tests/ops/kda/test_pallas_gpu.py
+                                         tests/ops/kda/test_fla_parity.py -k "pallas_gpu or gpu")
+    KDAX_FAILURE_LOG="$OUT/failures.txt" python3 -m pytest -v -p no:cacheprovider -p no:benchmark -n 16 \
+      --durations=20 --timeout=480 "${targets[@]}" 2>&1 | tee "$OUT/tests.txt" ;;
   tune)
     name="tune-${2:-none}"
     python3 -m kdax.bench.cli bench --gpu-tune --repeats 10 --tune-kernels "${2:-none}" ${3:+--tune-blocks "$3"} \
@@ -36,7 +44,7 @@ case "$stage" in
     shapes=${2:-1x8192}
     name="compare-${shapes//,/_}"
     python3 -m kdax.bench.cli bench --gpu-compare-fla --repeats 20 --shapes "$shapes" --workdir "$OUT/$name" --json \
-      > "$OUT/$name.json"
+      > "$OUT/$name.json" 2> >(tee "$OUT/$name.log" >&2)
     python3 -c "import json,sys; from kdax.bench.fla_compare import format_compare; \
 print(format_compare(json.load(open(sys.argv[1]))))" "$OUT/$name.json" | tee "$OUT/$name.md" ;;
   *) echo "unknown stage $stage (compare, tests, tune)" >&2; exit 2 ;;

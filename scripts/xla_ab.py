@@ -18,10 +18,10 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import kdax
 from kdax.bench.kda import make_inputs
+from kdax.bench.measure import Timing
 from kdax.ops.kda import api, xla
 
 
@@ -66,11 +66,8 @@ def main() -> None:
     for m in ("fwd", "fwd+bwd"):
         med = {}
         for n in fns:
-            t = np.asarray(times[(n, m)])
-            med[n] = np.median(t)
-            print(
-                f"  {m:8s} {n:14s} median {med[n]:7.1f} ms (IQR {np.percentile(t, 25):.1f}-{np.percentile(t, 75):.1f})"
-            )
+            med[n], q25, q75 = Timing.of(times[(n, m)])
+            print(f"  {m:8s} {n:14s} median {med[n]:7.1f} ms (IQR {q25:.1f}-{q75:.1f})")
         print(f"  {m:8s} ratio {med['working tree'] / med[ns.against]:.3f}")
 
 

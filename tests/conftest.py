@@ -1,5 +1,7 @@
 """Test configuration: float64 on, so the references can run as the gold standard."""
 
+import os
+
 import jax
 import pytest
 
@@ -19,3 +21,13 @@ def _fresh_compiled_ops(request):
     api._compiled.clear_cache()
     yield
     api._compiled.clear_cache()
+
+
+def pytest_runtest_logreport(report):
+    """With KDAX_FAILURE_LOG set, each failure's report is appended to that file as it happens
+    (by the xdist controller, not its workers), so a run cut short by a time limit still shows
+    why tests failed."""
+    path = os.environ.get("KDAX_FAILURE_LOG")
+    if path and report.failed and "PYTEST_XDIST_WORKER" not in os.environ:
+        with open(path, "a") as f:
+            f.write(f"\n==== {report.nodeid} ({report.when})\n{report.longreprtext}\n")

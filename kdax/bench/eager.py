@@ -12,24 +12,13 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 import kdax
 from kdax.bench.kda import make_inputs
+from kdax.bench.measure import time_calls
 from kdax.models import KDAForCausalLM, generate
 from kdax.train import tiny_config
-
-
-def _times_ms(f, repeats: int) -> list[float]:
-    """(median, 25th, 75th percentile) of ``repeats`` calls after the first, which compiles."""
-    jax.block_until_ready(f())
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f())
-        times.append(1e3 * (time.perf_counter() - t0))
-    return [float(np.percentile(times, p)) for p in (50, 25, 75)]
 
 
 def run(repeats: int = 20) -> list[dict]:
@@ -38,7 +27,7 @@ def run(repeats: int = 20) -> list[dict]:
     rows = []
 
     def row(what, eager, jitted):
-        e, j = _times_ms(eager, repeats), _times_ms(jitted, repeats)
+        e, j = time_calls(eager, repeats), time_calls(jitted, repeats)
         rows.append({"what": what, "eager_ms": e, "jit_ms": j, "ratio": e[0] / j[0]})
 
     args = make_inputs(1, 1024, 4, 64, 64, jnp.float32)
@@ -54,7 +43,7 @@ def run(repeats: int = 20) -> list[dict]:
     t0 = time.perf_counter()
     jax.block_until_ready(generate(model, prompt, 16))
     first = 1e3 * (time.perf_counter() - t0)
-    again = _times_ms(lambda: generate(model, prompt, 16), repeats)
+    again = time_calls(lambda: generate(model, prompt, 16), repeats)
     rows.append({"what": "generate() 32 + 16 tokens: first call vs repeats", "eager_ms": [first] * 3, "jit_ms": again,
                  "ratio": first / again[0]})  # fmt: skip
     return rows

@@ -5,14 +5,16 @@ the same inputs: each draws them from the same seeded NumPy generator and rounds
 bfloat16 the same way. Both use the in-op options of a Kimi Linear layer (q/k L2 norm,
 the gate ``-exp(A_log) softplus(g + dt_bias)``, beta = sigmoid) and the loss
 0.5 sum(o^2) for the backward. Both time batches of back-to-back calls (about
-:data:`BATCH_MS` each, at most 10 calls) so that launch overhead is amortised the same
+:data:`kdax.bench.measure.BATCH_MS` each, at most 10 calls) so that launch overhead is amortised the same
 way: FLA with CUDA events around the batch, JAX with a host clock around it and one
-``block_until_ready`` at its end; the median over ``repeats`` batches, after warm-up.
+``block_until_ready`` at its end (:func:`kdax.bench.measure.time_batches`); the median and
+quartiles over ``repeats`` batches, after warm-up.
 Each worker rewrites its results after every shape, so a run cut short keeps what it timed.
 kdax compiles each pass ahead of time and reports the seconds it took.
 For the first shape each worker also traces :data:`PROFILE_CALLS` calls of each pass and
-reports the device time per kernel (kdax pallas_gpu with ``jax.profiler``, FLA with
-``torch.profiler``): where the time goes when the ratio is missed.
+reports the device time per kernel (kdax pallas_gpu with ``jax.profiler``, right after its
+timings and before the xla backend's, FLA with ``torch.profiler``): where the time goes
+when the ratio is missed.
 
 TFLOP/s and GB/s use the algorithmic counts of :func:`flops` and :func:`min_bytes`
 (the same for every implementation), against a bf16 matmul peak and a device-to-device
@@ -34,34 +36,12 @@ import time
 
 import numpy as np
 
+from kdax.bench.measure import jax_batch, rel_rms, time_batches
+
 SHAPES = [(1, 2048), (1, 8192), (1, 32768), (8, 2048), (8, 8192), (8, 32768)]  # (B, T)
 H, K, V, CHUNK = 16, 128, 128, 64
 SMALL = (1, 512, 4)  # (B, T, H) of the error check
-BATCH_MS = 5.0  # length of one timed batch of calls
 PROFILE_CALLS = 5  # calls traced per pass for the per-kernel profile of the first shape
-
-
-def _calls_per_batch(ms_once: float) -> int:
-    return max(1, min(10, round(BATCH_MS / max(ms_once, 1e-3))))
-
-
-def jax_ms(f, args, repeats: int) -> float:
-    """Median ms per call of a jitted or compiled ``f(*args)`` (see the module docstring)."""
-    import jax
-
-    for _ in range(2):
-        jax.block_until_ready(f(*args))
-    t0 = time.perf_counter()
-    jax.block_until_ready(f(*args))
-    n = _calls_per_batch((time.perf_counter() - t0) * 1e3)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            out = f(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t0) * 1e3 / n)
-    return float(np.median(times))
 
 
 def kernel_profile(events, calls: int) -> list[dict]:
@@ -149,7 +129,7 @@ def _fla_worker(shapes, repeats, out):
 
     dev = "cuda"
 
-    def event_ms(fn):
+    def event_ms(fn, repeats=repeats):
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
         def batch(n):
@@ -160,16 +140,14 @@ def _fla_worker(shapes, repeats, out):
             torch.cuda.synchronize()
             return s.elapsed_time(e) / n
 
-        for _ in range(2):  # warm-up
-            batch(1)
-        n = _calls_per_batch(batch(1))
-        return float(np.median([batch(n) for _ in range(repeats)]))
+        return time_batches(batch, repeats)
 
     def peaks():  # bf16 matmul TFLOP/s on random data, device-to-device copy GB/s (read + write)
         a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
         x = torch.randint(0, 255, (2**30,), device=dev, dtype=torch.uint8)
         y = torch.empty_like(x)
-        return 2 * 8192**3 / event_ms(lambda: a @ a) / 1e9, 2 * x.numel() / event_ms(lambda: y.copy_(x)) / 1e6
+        mm, copy = event_ms(lambda: a @ a).median, event_ms(lambda: y.copy_(x)).median
+        return 2 * 8192**3 / mm / 1e9, 2 * x.numel() / copy / 1e6
 
     def profile(fn):
         from torch.profiler import ProfilerActivity
@@ -212,7 +190,8 @@ def _fla_worker(shapes, repeats, out):
     for B, T in shapes:
         fs = passes(*make(B, T, H))
         for mode, fn in fs.items():
-            rows.append({"B": B, "T": T, "impl": "fla", "mode": mode, "ms": event_ms(fn)})
+            ms, q25, q75 = event_ms(fn)
+            rows.append({"B": B, "T": T, "impl": "fla", "mode": mode, "ms": ms, "q25": q25, "q75": q75})
         print(f"fla B={B} T={T}: {rows[-2]['ms']:.3f} / {rows[-1]['ms']:.3f} ms", file=sys.stderr, flush=True)
         _save(result, out)
         if (B, T) == shapes[0]:
@@ -248,30 +227,30 @@ def _kdax_worker(shapes, repeats, out, backends=("pallas_gpu", "xla")):
         return {"fwd": jax.jit(op), "fwd+bwd": jax.jit(jax.value_and_grad(loss, argnums=tuple(range(5))))}
 
     result = {"rows": [], "device": str(jax.devices()[0].device_kind), "jax": jax.__version__}
+    log = functools.partial(print, file=sys.stderr, flush=True)
     for B, T in shapes:
         args = make(B, T, H)
-        profiled = {}  # pass -> pallas_gpu compiled for it
         for backend in backends:
+            profiled = {}  # pass -> compiled for it
             for mode, f in fns(backend).items():
-                ms = compile_s = None
+                ms = q25 = q75 = compile_s = None
+                log(f"kdax {backend} B={B} T={T} {mode}: compiling")
                 try:
                     t0 = time.perf_counter()
                     f = f.lower(*args).compile()
                     compile_s, err = time.perf_counter() - t0, None
-                    ms = jax_ms(f, args, repeats)
+                    ms, q25, q75 = time_batches(jax_batch(f, args), repeats)
+                    profiled[mode] = f
                 except jax.errors.JaxRuntimeError as e:  # e.g. out of memory: reported, not hidden
                     err = f"{type(e).__name__}: {str(e)[:200]}"
-                if backend == "pallas_gpu" and err is None:
-                    profiled[mode] = f
-                result["rows"].append({"B": B, "T": T, "impl": f"kdax {backend}", "mode": mode, "ms": ms,
-                                       "error": err, "compile_s": compile_s})  # fmt: skip
-                print(f"kdax {backend} B={B} T={T} {mode}: {ms if err is None else err}, compiled in {compile_s} s",
-                      file=sys.stderr, flush=True)  # fmt: skip
-        _save(result, out)
-        if (B, T) == shapes[0]:  # after every timing of the shape
-            passes = {mode: functools.partial(jax_kernel_profile, f, args) for mode, f in profiled.items()}
-            result["profile"] = _profiled(B, T, passes)
-            _save(result, out)
+                result["rows"].append({"B": B, "T": T, "impl": f"kdax {backend}", "mode": mode, "ms": ms, "q25": q25,
+                                       "q75": q75, "error": err, "compile_s": compile_s})  # fmt: skip
+                log(f"kdax {backend} B={B} T={T} {mode}: {ms if err is None else err} ms, compiled in {compile_s} s")
+                _save(result, out)
+            if backend == "pallas_gpu" and (B, T) == shapes[0]:  # before the next backend's compiles
+                passes = {mode: functools.partial(jax_kernel_profile, f, args) for mode, f in profiled.items()}
+                result["profile"] = _profiled(B, T, passes)
+                _save(result, out)
         del args
     args = make(*SMALL)
     small = {}
@@ -298,10 +277,6 @@ def _worker(impl, shapes, repeats, out, python):  # its progress and errors go t
         return json.load(f)
 
 
-def _rel(x, ref):
-    return float(np.linalg.norm(np.float64(x) - ref) / np.linalg.norm(np.float64(ref)))
-
-
 def compare(shapes=SHAPES, repeats=20, python=sys.executable, workdir=None) -> dict:
     """Run both workers; return rows with TFLOP/s, GB/s and the ratio to FLA, and the errors.
     ``workdir``: where the workers write (kept), else a temporary folder."""
@@ -317,11 +292,13 @@ def compare(shapes=SHAPES, repeats=20, python=sys.executable, workdir=None) -> d
         for backend in ("pallas_gpu", "xla"):
             mine = [k_small[f"{backend}_{i}"] for i in range(6)]
             errors[backend] = {
-                "vs_fla": max(_rel(a, b) for a, b in zip(mine, fla_small)),
-                "vs_fp64": max(_rel(a, k_small[f"fp64_{i}"]) for i, a in enumerate(mine)),
-                "per_output_vs_fp64": {n: _rel(a, k_small[f"fp64_{i}"]) for i, (n, a) in enumerate(zip(names, mine))},
+                "vs_fla": max(rel_rms(a, b) for a, b in zip(mine, fla_small)),
+                "vs_fp64": max(rel_rms(a, k_small[f"fp64_{i}"]) for i, a in enumerate(mine)),
+                "per_output_vs_fp64": {
+                    n: rel_rms(a, k_small[f"fp64_{i}"]) for i, (n, a) in enumerate(zip(names, mine))
+                },
             }
-        errors["fla"] = {"vs_fp64": max(_rel(a, k_small[f"fp64_{i}"]) for i, a in enumerate(fla_small))}
+        errors["fla"] = {"vs_fp64": max(rel_rms(a, k_small[f"fp64_{i}"]) for i, a in enumerate(fla_small))}
     fla_ms = {(r["B"], r["T"], r["mode"]): r["ms"] for r in fla["rows"]}
     rows = []
     for r in fla["rows"] + kd["rows"]:
@@ -374,7 +351,7 @@ def format_compare(res: dict) -> str:
     m = res["meta"]
     pk, bw = m["peak_tflops"], m["copy_gbs"]
     out = [f"# {m['device']}: measured bf16 matmul {pk:.0f} TFLOP/s, copy {bw:.0f} GB/s; H={H} K=V={K} bf16"]
-    out.append("| B | T | pass | impl | median ms | TFLOP/s (% peak) | GB/s (% copy) | time / FLA | compile s |")
+    out.append("| B | T | pass | impl | median ms (IQR) | TFLOP/s (% peak) | GB/s (% copy) | time / FLA | compile s |")
     out.append("|---|---|---|---|---|---|---|---|---|")
     for r in res["rows"]:
         compile_s = f"{r['compile_s']:.1f}" if r.get("compile_s") else ""
@@ -384,7 +361,7 @@ def format_compare(res: dict) -> str:
             )
             continue
         out.append(
-            f"| {r['B']} | {r['T']} | {r['mode']} | {r['impl']} | {r['ms']:.3f} | {r['tflops']:.1f} "
+            f"| {r['B']} | {r['T']} | {r['mode']} | {r['impl']} | {r['ms']:.3f} ({r['q25']:.3f}-{r['q75']:.3f}) | {r['tflops']:.1f} "
             f"({100 * r['tflops'] / pk:.0f}%) | {r['gbs']:.0f} ({100 * r['gbs'] / bw:.0f}%) | {r['vs_fla']:.2f} "
             f"| {compile_s} |"
         )

@@ -3,7 +3,7 @@
 At one shape (default B=1, T=8192, H=16, K=V=128 bf16, the in-op options of
 :mod:`kdax.bench.fla_compare`), first ``block_v`` and ``block_k``, then each kernel's
 (num_warps, num_stages) in turn with the others at their best so far (coordinate
-descent), timing forward+backward (:func:`~kdax.bench.fla_compare.jax_ms`). Logs each
+descent), timing forward+backward (:func:`~kdax.bench.measure.time_batches`). Logs each
 trial to stderr as it goes; returns the table to put in LAUNCH.
 """
 
@@ -29,7 +29,8 @@ def tune(B=1, T=8192, H=16, K=128, V=128, repeats=10, kernels=None, blocks=None,
     import jax.numpy as jnp
 
     import kdax
-    from kdax.bench.fla_compare import inputs, jax_ms
+    from kdax.bench.fla_compare import inputs
+    from kdax.bench.measure import jax_batch, time_batches
     from kdax.ops.kda import pallas_gpu
 
     if unknown := set(kernels or ()) - set(pallas_gpu.LAUNCH):
@@ -45,7 +46,7 @@ def tune(B=1, T=8192, H=16, K=128, V=128, repeats=10, kernels=None, blocks=None,
     def measure(cfg) -> float:
         f = jax.jit(jax.grad(functools.partial(loss, cfg=cfg), argnums=tuple(range(5))))
         try:
-            ms = jax_ms(f, args, repeats)
+            ms = time_batches(jax_batch(f, args), repeats).median
         except jax.errors.JaxRuntimeError as e:  # a launch that does not fit (registers, shared memory)
             log(f"  {cfg}: failed ({str(e)[:120]})")
             return float("inf")

@@ -7,8 +7,8 @@ call), and the relative RMS error of each against the float64 token-by-token ref
 from __future__ import annotations
 
 import dataclasses
+import functools
 import resource
-import time
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +16,7 @@ import numpy as np
 from tqdm import tqdm
 
 import kdax
+from kdax.bench.measure import rel_rms, time_calls
 
 GRAD_ARGS = ("q", "k", "v", "g", "beta")
 
@@ -55,22 +56,6 @@ def _fns(backend: str, chunk_size: int):
     return fwd, jax.jit(jax.grad(loss, argnums=tuple(range(5))))
 
 
-def _time(f, args, repeats):
-    """(median, 25th, 75th percentile) in ms of ``repeats`` calls after the first (which compiles)."""
-    jax.block_until_ready(f(*args))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        times.append(time.perf_counter() - t0)
-    return tuple(float(np.percentile(times, p)) * 1e3 for p in (50, 25, 75))
-
-
-def _rel(x, ref):
-    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
-    return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
-
-
 def run(B=1, T=1024, H=4, K=64, V=64, dtype="float32", chunk_size=64, backends=("xla", "naive"),
         repeats=5, check_error=True, progress=True) -> list[Row]:  # fmt: skip
     """Benchmark the given backends on one shape; returns one Row per backend and mode."""
@@ -84,7 +69,7 @@ def run(B=1, T=1024, H=4, K=64, V=64, dtype="float32", chunk_size=64, backends=(
         fwd, bwd = _fns(backend, chunk_size)
         for mode, f in (("fwd", fwd), ("fwd+bwd", bwd)):
             bar.set_postfix_str(f"{backend} {mode}: compiling, then {repeats} timed calls")
-            med, p25, p75 = _time(f, args, repeats)
+            med, p25, p75 = time_calls(functools.partial(f, *args), repeats)
             timings[backend, mode] = med
             if check_error:
                 outputs[backend, mode] = jax.tree.map(np.asarray, f(*args))
@@ -98,7 +83,7 @@ def run(B=1, T=1024, H=4, K=64, V=64, dtype="float32", chunk_size=64, backends=(
             ref_o, ref_g = np.asarray(fwd64(*a64)), [np.asarray(x) for x in bwd64(*a64)]
         for r in rows:
             out = outputs[r.backend, r.mode]
-            r.rel_err = _rel(out, ref_o) if r.mode == "fwd" else max(_rel(a, b) for a, b in zip(out, ref_g))
+            r.rel_err = rel_rms(out, ref_o) if r.mode == "fwd" else max(rel_rms(a, b) for a, b in zip(out, ref_g))
         bar.update()
     bar.close()
     for r in rows:

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import time
-
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
+from kdax.bench.measure import time_calls
 from kdax.models import KDAConfig, KDAForCausalLM
 from kdax.models.generation import decode_sample, prefill_sample
 from kdax.train import tiny_config
@@ -18,17 +16,6 @@ MODELS = {
     # FLA's KDAConfig defaults (24 layers, hidden 2048, 16 heads of 128) with attention on every 4th layer
     "24x2048": lambda: KDAConfig(attn={"layers": [3, 7, 11, 15, 19, 23], "num_heads": 16}),
 }
-
-
-def _median_time(fn, repeats: int, setup=lambda: ()) -> float:
-    """Median seconds of fn(*setup()), setup untimed."""
-    times = []
-    for _ in range(repeats):
-        args = jax.block_until_ready(setup())
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t)
-    return float(np.median(times))
 
 
 def run(name: str, batch: int, prompt_len: int, decode_steps: int, repeats: int, dtype: str = "float32") -> dict:
@@ -53,7 +40,8 @@ def run(name: str, batch: int, prompt_len: int, decode_steps: int, repeats: int,
 
     fresh = lambda: (token, jax.tree.map(jnp.copy, cache))  # decode_sample donates its cache
     jax.block_until_ready(decode(*fresh()))  # compiles
-    t_prefill, t_decode = _median_time(prefill, repeats), _median_time(decode, repeats, fresh)
+    t_prefill = time_calls(prefill, repeats).median / 1e3
+    t_decode = time_calls(decode, repeats, fresh).median / 1e3
     return {
         "model": name, "dtype": dtype, "params": model.num_parameters(), "batch": batch, "prompt_len": prompt_len, "decode_steps": decode_steps,
         "prefill_ms": 1e3 * t_prefill, "prefill_tok_s": batch * prompt_len / t_prefill,

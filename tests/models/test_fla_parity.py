@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from kdax.bench.measure import rel_rms
 from kdax.models import from_pretrained, save_pretrained
 from kdax.models.checkpoint import read_safetensors
-from tests.ops.kda.cases import rel_rms
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "..", "fixtures", "fla_tiny")
 

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from kdax.bench.measure import rel_rms
 from kdax.models import KDAConfig, KDAForCausalLM, generate, generation
 from kdax.models.checkpoint import from_pretrained, read_safetensors, save_pretrained, write_safetensors
 from kdax.models.kda import row_segments
-from tests.ops.kda.cases import rel_rms
 
 VOCAB = 61
 

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from kdax.bench.measure import rel_rms
 from kdax.nn import Attention, KimiDeltaAttention
-from tests.ops.kda.cases import rel_rms
 
 
 def _kda(**kw):

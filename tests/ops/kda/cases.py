@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import kdax
+from kdax.bench.measure import rel_rms
 
 # Error bars (relative RMS against the float64 reference).
 TOL = {
@@ -153,16 +154,6 @@ def make_inputs(case: Case, dtype=jnp.float32, seed: int = 0):
         else:
             kwargs[key] = val
     return args, kwargs
-
-
-def rel_rms(x, ref) -> float:
-    """||x - ref|| / ||ref||; where ref is exactly zero (a structurally zero gradient, e.g.
-    dg at T = 1 without a state) the RMS of x itself, inputs being O(1)."""
-    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
-    norm = np.linalg.norm(ref)
-    if norm == 0:
-        return float(np.sqrt(np.mean(x**2))) if x.size else 0.0
-    return float(np.linalg.norm(x - ref) / norm)
 
 
 def diff_argnames(kwargs) -> list[str]:

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 import kdax
-from tests.ops.kda.cases import TOL, rel_rms
+from kdax.bench.measure import rel_rms
+from tests.ops.kda.cases import TOL
 
 FIXTURE = np.load(os.path.join(os.path.dirname(__file__), "..", "..", "fixtures", "fla_kda_ops.npz"))
 CASES = sorted({key.split("/")[0] for key in FIXTURE.files})

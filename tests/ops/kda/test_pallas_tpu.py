@@ -9,8 +9,9 @@ import pytest
 from jax._src.pallas.mosaic.interpret import interpret_pallas_call
 
 import kdax
+from kdax.bench.measure import rel_rms
 from kdax.ops.kda import api, pallas_tpu, xla
-from tests.ops.kda.cases import CASES, Case, assert_close_to_reference, rel_rms
+from tests.ops.kda.cases import CASES, Case, assert_close_to_reference
 
 PIPELINES = ["fused", "staged"]
 # The fused pipeline runs every shared case through tests/ops/kda/test_chunk.py; here the

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 import kdax
+from kdax.bench.measure import rel_rms
 from kdax.ops.kda.gate import softplus_exp2
-from tests.ops.kda.cases import Case, make_inputs, rel_rms
+from tests.ops.kda.cases import Case, make_inputs
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import kdax
-from tests.ops.kda.cases import rel_rms
+from kdax.bench.measure import rel_rms
 
 
 @pytest.mark.parametrize("fn", [kdax.chunk_kda, kdax.fused_recurrent_kda], ids=["chunk", "recurrent"])
