@@ -1,5 +1,7 @@
 """kdax: Kimi Delta Attention for JAX."""
 
+from kdax.ops.common.dispatch import use_backend
+from kdax.ops.common.lowering import lower
 from kdax.ops.kda.api import chunk_kda, explain_backend, fused_recurrent_kda
 from kdax.ops.kda.gate import beta_activation, kda_gate, l2norm
 from kdax.ops.kda.reference import naive_chunk_kda, naive_recurrent_kda
@@ -13,6 +15,8 @@ __all__ = [
     "fused_recurrent_kda",
     "kda_gate",
     "l2norm",
+    "lower",
     "naive_chunk_kda",
     "naive_recurrent_kda",
+    "use_backend",
 ]

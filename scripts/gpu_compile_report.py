@@ -47,15 +47,14 @@ from triton._C.libtriton import ir
 from triton.backends.compiler import GPUTarget
 from triton.compiler.compiler import make_backend
 
+import kdax
+from kdax.ops.common import dispatch
 from kdax.ops.kda import api, pallas_gpu
 from kdax.ops.kda.api import chunk_kda
 
 SMEM_LIMIT = 227 * 1024  # bytes of shared memory one H100 block may use
 ISSUE_PER_S = 132 * 4 * 1.75e9  # warp-instructions an H100 issues a second at most: 132 SMs, 4 a cycle each
 BYTES_PER_S = 3.35e12  # an H100 SXM's HBM bandwidth
-H100 = jax.sharding.AbstractMesh(
-    (1,), ("d",), abstract_device=jax.sharding.AbstractDevice(device_kind="NVIDIA H100", num_cores=132, platform="gpu")
-)
 FORWARD = ("intra", "state", "output")  # the forward's kernels, in order
 KERNELS = {"_intra_kernel": "intra", "_state_kernel": "state", "_output_kernel": "output",
            "_dstate_kernel": "dstate", "_values_kernel": "values", "_keys_kernel": "keys", "_levels_kernel": "levels"}  # fmt: skip
@@ -84,10 +83,9 @@ def triton_modules(T: int, dtype, cfg: pallas_gpu.Config, fla_options: bool = Fa
     args = [jax.ShapeDtypeStruct(s, dtype) for s in [(B, T, H, K)] * 2 + [(B, T, H, V), (B, T, H, K), (B, T, H)]]
     pallas_call_registration.lowering.lower_jaxpr_to_triton_module = capture
     api._compiled.clear_cache()  # traced afresh, so that every kernel is lowered through capture
+    grad = jax.grad(loss, argnums=range(5))
     try:
-        with jax.sharding.use_abstract_mesh(H100):  # jax >= 0.11 lowers for a named GPU only
-            traced = jax.jit(jax.grad(loss, argnums=range(5))).trace(*args)
-            traced.lower(lowering_platforms=("cuda",))
+        kdax.lower(grad, *args, platform="cuda")
     finally:
         pallas_call_registration.lowering.lower_jaxpr_to_triton_module = lower
 
@@ -101,7 +99,8 @@ def triton_modules(T: int, dtype, cfg: pallas_gpu.Config, fla_options: bool = Fa
             for sub in jax.extend.core.jaxprs_in_params(eqn.params):
                 walk(sub)
 
-    walk(traced.jaxpr.jaxpr)
+    with dispatch.building_for("gpu"):  # the kernels as kdax.lower built them
+        walk(jax.make_jaxpr(grad)(*args).jaxpr)
     assert [name for name, _ in mods] == [name for name, *_ in calls], "lowered and traced kernels differ"
     return [(name, ttir, *call[1:]) for (name, ttir), call in zip(mods, calls)]
 

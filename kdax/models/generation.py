@@ -11,6 +11,7 @@ import numpy as np
 from flax import nnx
 
 from kdax.models.kda import KDAForCausalLM, _check_ids, align_rows
+from kdax.ops.common import dispatch
 
 
 def sample_logits(logits, rng, temperature: float, top_k: int | None, top_p: float | None):
@@ -32,17 +33,20 @@ def sample_logits(logits, rng, temperature: float, top_k: int | None, top_p: flo
     return jax.random.categorical(rng, logits, axis=-1).astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 4, 5, 6, 7))
-def prefill_sample(graphdef, state, ids, lengths, max_length, temperature, top_k, top_p, rng):
+# The two steps of generate(), compiled; ``ctx``: the dispatch context to run under (part of the cache key).
+@functools.partial(jax.jit, static_argnums=(0, 4, 5, 6, 7), static_argnames="ctx")
+def prefill_sample(graphdef, state, ids, lengths, max_length, temperature, top_k, top_p, rng, ctx=("auto", None)):
     model = nnx.merge(graphdef, state)
-    logits, cache = model.prefill(ids, model.init_cache(ids.shape[0], max_length), lengths)
+    with dispatch.restored(ctx):
+        logits, cache = model.prefill(ids, model.init_cache(ids.shape[0], max_length), lengths)
     last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
     return sample_logits(last, rng, temperature, top_k, top_p), cache
 
 
-@functools.partial(jax.jit, static_argnums=(0, 4, 5, 6), donate_argnums=(3,))
-def decode_sample(graphdef, state, tokens, cache, temperature, top_k, top_p, rng):
-    logits, cache = nnx.merge(graphdef, state).decode(tokens, cache)
+@functools.partial(jax.jit, static_argnums=(0, 4, 5, 6), static_argnames="ctx", donate_argnums=(3,))
+def decode_sample(graphdef, state, tokens, cache, temperature, top_k, top_p, rng, ctx=("auto", None)):
+    with dispatch.restored(ctx):
+        logits, cache = nnx.merge(graphdef, state).decode(tokens, cache)
     return sample_logits(logits, rng, temperature, top_k, top_p), cache
 
 
@@ -86,7 +90,8 @@ def generate(model: KDAForCausalLM, input_ids, max_new_tokens: int, *, temperatu
     rngs = jax.random.split(jax.random.key(0) if rng is None else rng, max_new_tokens)
     graphdef, state = nnx.split(model)
     options = (float(temperature), top_k, None if top_p is None else float(top_p))
-    token, cache = prefill_sample(graphdef, state, ids, lengths, T + max_new_tokens, *options, rngs[0])
+    ctx = dispatch.context()
+    token, cache = prefill_sample(graphdef, state, ids, lengths, T + max_new_tokens, *options, rngs[0], ctx=ctx)
     done = jnp.zeros((B,), bool)
     out = []
     for i in range(max_new_tokens):
@@ -96,7 +101,7 @@ def generate(model: KDAForCausalLM, input_ids, max_new_tokens: int, *, temperatu
         out.append(token)
         if i + 1 == max_new_tokens or (eos_token_id is not None and bool(done.all())):
             break
-        token, cache = decode_sample(graphdef, state, token, cache, *options, rngs[i + 1])
+        token, cache = decode_sample(graphdef, state, token, cache, *options, rngs[i + 1], ctx=ctx)
     new = jnp.stack(out, axis=1)
     if new.shape[1] < max_new_tokens:
         new = jnp.pad(new, ((0, 0), (0, max_new_tokens - new.shape[1])), constant_values=eos_token_id)

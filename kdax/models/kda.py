@@ -12,6 +12,7 @@ from flax import nnx
 
 from kdax.models.config import KDAConfig
 from kdax.nn import Attention, GatedMLP, KimiDeltaAttention, RMSNorm, ShortConvolution
+from kdax.ops.common import dispatch
 
 
 class ModelCache(NamedTuple):
@@ -164,7 +165,7 @@ class KDAForCausalLM(nnx.Module):
         if attention_mask is not None:
             attention_mask = _check_mask(attention_mask, (B, T))
         graphdef, state = nnx.split(self)
-        return _forward(graphdef, state, input_ids, attention_mask, cu_seqlens)
+        return _forward(graphdef, state, input_ids, attention_mask, cu_seqlens, dispatch.context())
 
     def _forward(self, input_ids, attention_mask, cu_seqlens):
         B, T = input_ids.shape
@@ -209,10 +210,11 @@ class KDAForCausalLM(nnx.Module):
         return self._logits(h)[:, 0], ModelCache(layers, cache.lengths + 1)
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _forward(graphdef, state, input_ids, attention_mask, cu_seqlens):
-    """:meth:`KDAForCausalLM.__call__` on validated inputs, compiled."""
-    return nnx.merge(graphdef, state)._forward(input_ids, attention_mask, cu_seqlens)
+@functools.partial(jax.jit, static_argnums=(0, 5))
+def _forward(graphdef, state, input_ids, attention_mask, cu_seqlens, ctx):
+    """:meth:`KDAForCausalLM.__call__` on validated inputs, compiled once per dispatch context too."""
+    with dispatch.restored(ctx):
+        return nnx.merge(graphdef, state)._forward(input_ids, attention_mask, cu_seqlens)
 
 
 def _check_mask(attention_mask, shape) -> jax.Array:

@@ -11,6 +11,7 @@ from flax import nnx
 
 from kdax.nn.conv import ShortConvolution
 from kdax.nn.norm import GatedRMSNorm
+from kdax.ops.common.dispatch import PORTABLE, scoped_backend
 from kdax.ops.kda.api import chunk_kda, fused_recurrent_kda
 
 MODES = ("chunk", "fused_recurrent")
@@ -32,7 +33,10 @@ class KimiDeltaAttention(nnx.Module):
     default num_heads) of dim head_dim * expand_v (V). ``deterministic`` (set by
     ``model.eval()`` / ``model.train()``) selects FLA's rule: in inference, inputs of
     <= 64 tokens run the recurrent kernel, longer ones ``mode``; training always chunks.
-    ``backend`` and ``chunk_size`` are passed to :func:`kdax.chunk_kda`."""
+    ``backend`` and ``chunk_size`` are passed to :func:`kdax.chunk_kda`, ``backend`` to
+    :func:`kdax.fused_recurrent_kda` too; the recurrent op has no Pallas kernels, so on a Pallas
+    backend (the layer's own or :func:`kdax.use_backend`'s) decoding runs that backend's chunked
+    kernels over the new tokens."""
 
     def __init__(self, hidden_size: int = 2048, expand_v: float = 1.0, head_dim: int = 128, num_heads: int = 16,
                  num_v_heads: int | None = None, mode: str = "chunk", use_short_conv: bool = True,
@@ -121,13 +125,13 @@ class KimiDeltaAttention(nnx.Module):
             "use_qk_l2norm_in_kernel": True, "use_gate_in_kernel": True, "use_beta_sigmoid_in_kernel": True,
             "allow_neg_eigval": self.allow_neg_eigval, "cu_seqlens": cu_seqlens,
         }  # fmt: skip
-        if mode == "chunk":
+        backend = scoped_backend() if self.backend == "auto" else self.backend
+        if mode == "fused_recurrent" and backend in ("auto", *PORTABLE):
+            o, final = fused_recurrent_kda(q, k, v, g, self.b_proj(x), backend=self.backend, **options)
+        else:  # the chunked form; on a Pallas backend decoding too (no recurrent kernels there)
             o, final = chunk_kda(
                 q, k, v, g, self.b_proj(x), chunk_size=self.chunk_size, backend=self.backend, **options
             )
-        else:  # the recurrent op has one core (xla); 'naive' stays the reference
-            backend = "naive" if self.backend == "naive" else "auto"
-            o, final = fused_recurrent_kda(q, k, v, g, self.b_proj(x), backend=backend, **options)
         gate = self.g_proj(x).reshape(B, T, HV, self.head_v_dim)
         y = self.o_proj(self.o_norm(o, gate).reshape(B, T, HV * self.head_v_dim))
         return y, (KDACache(final, conv_out) if output_cache else None)

@@ -7,6 +7,11 @@ import jax.numpy as jnp
 from jax import lax
 
 
+def dyadic_levels(C: int) -> list[int]:
+    """Block sizes of the dyadic levels of a [C, C] triangle: C, C/2, ..., 2 (C a power of two)."""
+    return [C >> i for i in range(C.bit_length() - 1)]
+
+
 def unit_lower_inverse(A: jax.Array) -> jax.Array:
     """``(I + A)^-1`` for strictly lower-triangular A: [..., C, C], C a power of two.
 

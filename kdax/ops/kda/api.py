@@ -3,21 +3,19 @@
 from __future__ import annotations
 
 import functools
-import logging
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kdax.ops.common.dispatch import BACKENDS, OpBackends
+from kdax.ops.common.validation import check_array, fail
 from kdax.ops.common.varlen import chunk_layout
 from kdax.ops.kda import pallas_gpu, pallas_tpu, xla
 from kdax.ops.kda.gate import beta_activation, kda_gate, l2norm
 from kdax.ops.kda.recurrent import fused_recurrent_kda_xla
 from kdax.ops.kda.reference import naive_recurrent_kda
 
-log = logging.getLogger("kdax")
-
-BACKENDS = ("auto", "xla", "pallas_tpu", "pallas_gpu", "naive")
 CONFIGS = {
     "xla": xla.Config,
     "pallas_tpu": pallas_tpu.Config,
@@ -27,85 +25,69 @@ CHUNK_SIZES = (16, 32, 64, 128)
 MAX_HEAD_DIM = 256
 
 
-def _fail(name: str, expected: str, got) -> None:
-    raise ValueError(f"{name}: expected {expected}, got {got}")
-
-
-def _check_array(name, x, ndim, shape=None, integer=False):
-    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-        _fail(name, "an array", type(x).__name__)
-    if x.ndim != ndim:
-        _fail(name, f"a {ndim}-d array", f"shape {tuple(x.shape)}")
-    if shape is not None and tuple(x.shape) != tuple(shape):
-        _fail(name, f"shape {tuple(shape)}", f"shape {tuple(x.shape)}")
-    kind = jnp.integer if integer else jnp.floating
-    if not jnp.issubdtype(x.dtype, kind):
-        _fail(name, "an integer dtype" if integer else "a floating dtype", f"dtype {x.dtype}")
-
-
 def _validate(
     q, k, v, g, beta, scale, initial_state, use_gate_in_kernel, A_log, dt_bias, lower_bound,
     use_beta_sigmoid_in_kernel, allow_neg_eigval, cu_seqlens, chunk_size, backend, safe_gate, state_v_first,
 ):  # fmt: skip
     """Raise ValueError naming the first bad argument; return the number of sequences N."""
     if backend not in BACKENDS:
-        _fail("backend", f"one of {BACKENDS}", repr(backend))
-    _check_array("q", q, 4)
+        fail("backend", f"one of {BACKENDS}", repr(backend))
+    check_array("q", q, 4)
     B, T, H, K = q.shape
-    _check_array("k", k, 4, q.shape)
-    _check_array("v", v, 4)
+    check_array("k", k, 4, q.shape)
+    check_array("v", v, 4)
     if tuple(v.shape[:2]) != (B, T):
-        _fail("v", f"shape ({B}, {T}, HV, V) matching q's batch and time", f"shape {tuple(v.shape)}")
+        fail("v", f"shape ({B}, {T}, HV, V) matching q's batch and time", f"shape {tuple(v.shape)}")
     HV, V = v.shape[2:]
     if HV % H:
-        _fail("v", f"a number of value heads HV divisible by q's heads H={H}", f"HV={HV}")
-    _check_array("g", g, 4, (B, T, HV, K))
-    _check_array("beta", beta, 3, (B, T, HV))
+        fail("v", f"a number of value heads HV divisible by q's heads H={H}", f"HV={HV}")
+    check_array("g", g, 4, (B, T, HV, K))
+    check_array("beta", beta, 3, (B, T, HV))
     if T < 1:
-        _fail("q", "at least one token (T >= 1)", f"T={T}")
+        fail("q", "at least one token (T >= 1)", f"T={T}")
     if not 1 <= K <= MAX_HEAD_DIM:
-        _fail("q", f"head dim K in [1, {MAX_HEAD_DIM}]", f"K={K}")
+        fail("q", f"head dim K in [1, {MAX_HEAD_DIM}]", f"K={K}")
     if V < 1:
-        _fail("v", "value dim V >= 1", f"V={V}")
+        fail("v", "value dim V >= 1", f"V={V}")
     if q.dtype != k.dtype or q.dtype != v.dtype:
-        _fail("k, v", f"the dtype of q ({q.dtype})", f"k {k.dtype}, v {v.dtype}")
+        fail("k, v", f"the dtype of q ({q.dtype})", f"k {k.dtype}, v {v.dtype}")
     if backend.startswith("pallas") and q.dtype == jnp.float64:
-        _fail("q", f"float32 or bfloat16 inputs with backend={backend!r} (the kernels have no float64)", "float64")
+        fail("q", f"float32 or bfloat16 inputs with backend={backend!r} (the kernels have no float64)", "float64")
     if scale is not None and not isinstance(scale, (int, float, np.floating, np.integer)):
-        _fail("scale", "a Python float or None", type(scale).__name__)
+        fail("scale", "a Python float or None", type(scale).__name__)
     if chunk_size is not None and chunk_size not in CHUNK_SIZES:
-        _fail("chunk_size", f"one of {CHUNK_SIZES}", repr(chunk_size))
+        fail("chunk_size", f"one of {CHUNK_SIZES}", repr(chunk_size))
     if use_gate_in_kernel:
         if A_log is None and lower_bound is None:
-            _fail("A_log", "an array of shape (HV,) when use_gate_in_kernel and no lower_bound", None)
+            fail("A_log", "an array of shape (HV,) when use_gate_in_kernel and no lower_bound", None)
         if A_log is not None:
-            _check_array("A_log", A_log, 1, (HV,))
+            check_array("A_log", A_log, 1, (HV,))
         if dt_bias is not None:
-            _check_array("dt_bias", dt_bias, 1, (HV * K,))
+            check_array("dt_bias", dt_bias, 1, (HV * K,))
     else:
         for name, val in (("A_log", A_log), ("dt_bias", dt_bias), ("lower_bound", lower_bound)):
             if val is not None:
-                _fail(name, "None unless use_gate_in_kernel=True", type(val).__name__)
+                fail(name, "None unless use_gate_in_kernel=True", type(val).__name__)
     if lower_bound is not None and not (isinstance(lower_bound, (int, float)) and lower_bound < 0):
-        _fail("lower_bound", "a negative float (e.g. -5.0)", repr(lower_bound))
+        fail("lower_bound", "a negative float (e.g. -5.0)", repr(lower_bound))
     if safe_gate and use_gate_in_kernel and not (isinstance(lower_bound, (int, float)) and -5 <= lower_bound < 0):
-        _fail("lower_bound", "a float in [-5, 0) with safe_gate=True and use_gate_in_kernel=True", repr(lower_bound))
+        fail("lower_bound", "a float in [-5, 0) with safe_gate=True and use_gate_in_kernel=True", repr(lower_bound))
     if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
-        _fail("allow_neg_eigval", "use_beta_sigmoid_in_kernel=True alongside it", "use_beta_sigmoid_in_kernel=False")
+        fail("allow_neg_eigval", "use_beta_sigmoid_in_kernel=True alongside it", "use_beta_sigmoid_in_kernel=False")
     N = B
     if cu_seqlens is not None:
-        _check_array("cu_seqlens", cu_seqlens, 1, integer=True)
+        check_array("cu_seqlens", cu_seqlens, 1, integer=True)
         if cu_seqlens.shape[0] < 2:
-            _fail("cu_seqlens", "at least 2 entries [0, ..., T]", f"shape {tuple(cu_seqlens.shape)}")
+            fail("cu_seqlens", "at least 2 entries [0, ..., T]", f"shape {tuple(cu_seqlens.shape)}")
         if B != 1:
-            _fail("q", "batch size B=1 when cu_seqlens is given", f"B={B}")
+            fail("q", "batch size B=1 when cu_seqlens is given", f"B={B}")
         N = cu_seqlens.shape[0] - 1
         if not isinstance(cu_seqlens, jax.core.Tracer):
             cu = np.asarray(cu_seqlens)
             if cu[0] != 0 or cu[-1] != T or np.any(np.diff(cu) < 0):
-                _fail("cu_seqlens", f"non-decreasing offsets from 0 to T={T}", cu.tolist())
+                fail("cu_seqlens", f"non-decreasing offsets from 0 to T={T}", cu.tolist())
     if initial_state is not None:
-        _check_array("initial_state", initial_state, 4, (N, HV, V, K) if state_v_first else (N, HV, K, V))
+        check_array("initial_state", initial_state, 4, (N, HV, V, K) if state_v_first else (N, HV, K, V))
     return N
 
 
@@ -125,8 +107,26 @@ def _preprocess(q, k, g, beta, use_qk_l2norm_in_kernel, use_gate_in_kernel, A_lo
     return q, k, g, beta
 
 
+def _refuse(kernels, dtype, config, asked, chunk_size=None) -> str | None:
+    """Why these kernels do not take the inputs (None: they do); see OpBackends.refuse."""
+    if kernels == "pallas_gpu" and not asked and not pallas_gpu.VERIFIED_ON_GPU:
+        return "the GPU kernels are not yet verified on a GPU (pallas_gpu.VERIFIED_ON_GPU)"
+    if kernels == "pallas_gpu" and not pallas_gpu.chunk_fits(dtype, chunk_size, config or pallas_gpu.Config()):
+        return f"chunk_size={chunk_size} with {jnp.dtype(dtype)} inputs does not fit the GPU kernels"
+    return None
+
+
+_OPS = {
+    "chunk_kda": OpBackends("chunk_kda", tuple(CONFIGS), CONFIGS, _refuse),
+    "fused_recurrent_kda": OpBackends("fused_recurrent_kda", ("xla",), CONFIGS, _refuse),
+}
+
+
 def explain_backend(dtype=jnp.float32, chunk_size: int | None = 64, config=None, op: str = "chunk_kda"):
-    """Which backend ``backend="auto"`` runs for inputs of ``dtype`` on the default device, and why.
+    """Which backend ``backend="auto"`` runs for inputs of ``dtype`` here, and why.
+
+    "auto" takes the kernels a config names, else those :func:`kdax.use_backend` names,
+    else the default device's, where the op has them and they take the inputs; else xla.
 
     Args:
         dtype: the inputs' dtype.
@@ -138,53 +138,11 @@ def explain_backend(dtype=jnp.float32, chunk_size: int | None = 64, config=None,
         (backend, reason): e.g. ("xla", "no kernels for this device (cpu)").
 
     Raises:
-        ValueError: for an unknown op.
+        ValueError: for an unknown op or a config of no backend.
     """
-    cores = {"chunk_kda": _CHUNK_BACKENDS, "fused_recurrent_kda": _RECURRENT_BACKENDS}.get(op)
-    if cores is None:
-        _fail("op", "'chunk_kda' or 'fused_recurrent_kda'", repr(op))
-    return _explain(cores, dtype, chunk_size, config)
-
-
-def _explain(cores, dtype, chunk_size, config) -> tuple[str, str]:  # explain_backend for an op with these cores
-    if config is not None:
-        kernels, where = next((n for n, cls in CONFIGS.items() if isinstance(config, cls)), None), "config"
-    else:
-        kernels, where = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(jax.default_backend()), "device"
-    if kernels is None:
-        return "xla", f"no kernels for this device ({jax.default_backend()})"
-    if kernels not in cores:
-        return "xla", f"the op has no {kernels} kernels"
-    if dtype == jnp.float64:
-        return "xla", "float64 inputs (the kernels compute in float32 at most)"
-    if kernels == "pallas_gpu" and config is None and not pallas_gpu.VERIFIED_ON_GPU:
-        return "xla", "the GPU kernels are not yet verified on a GPU (pallas_gpu.VERIFIED_ON_GPU)"
-    if kernels == "pallas_gpu" and not pallas_gpu.chunk_fits(dtype, chunk_size, config or pallas_gpu.Config()):
-        return "xla", f"chunk_size={chunk_size} with {jnp.dtype(dtype)} inputs does not fit the GPU kernels"
-    return kernels, f"the {where}'s kernels"
-
-
-def _resolve_backend(backend: str, cores, dtype, chunk_size: int | None, config=None) -> str:
-    """The backend to run: ``backend`` itself, or for "auto" the kernels of ``config``'s backend
-    (of the default device when config is None) where they take these inputs, else xla."""
-    if backend != "auto":
-        if backend != "naive" and backend not in cores:
-            raise NotImplementedError(f"backend={backend!r}: not available for this op in this version")
-        return backend
-    backend, why = _explain(cores, dtype, chunk_size, config)
-    log.debug("backend='auto' -> %r: %s", backend, why)
-    return backend
-
-
-def _checked_config(config, backend: str):
-    """The backend's config (its default for None), checked and resolved for this device."""
-    cls = CONFIGS.get(backend)
-    if config is None:
-        return None if cls is None else cls().resolved()
-    if cls is None or not isinstance(config, cls):
-        expected = f"None or a kdax.ops.kda.{backend}.Config" if cls else "None"
-        _fail("config", f"{expected} for backend={backend!r}", type(config).__name__)
-    return config.resolved()
+    if op not in _OPS:
+        fail("op", "'chunk_kda' or 'fused_recurrent_kda'", repr(op))
+    return _OPS[op].explain(dtype, config, chunk_size=chunk_size)
 
 
 def _repeated_qk(core):
@@ -236,10 +194,8 @@ def chunk_kda(
     N = _validate(q, k, v, g, beta, scale, initial_state, use_gate_in_kernel, A_log, dt_bias, lower_bound,
                   use_beta_sigmoid_in_kernel, allow_neg_eigval, cu_seqlens, chunk_size, backend, safe_gate,
                   state_v_first)  # fmt: skip
-    resolved = _resolve_backend(backend, _CHUNK_BACKENDS, q.dtype, chunk_size, config)
-    if backend == "auto" and not isinstance(config, CONFIGS.get(resolved, ())):
-        config = None  # "auto" fell back from the config's backend to xla (logged)
-    return _call("chunk", resolved, _checked_config(config, resolved), N, q, k, v, g, beta, initial_state, A_log,
+    backend, config = _OPS["chunk_kda"].resolve(backend, q.dtype, config, chunk_size=chunk_size)
+    return _call("chunk", backend, config, N, q, k, v, g, beta, initial_state, A_log,
                  dt_bias, cu_seqlens, scale, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
                  lower_bound, use_beta_sigmoid_in_kernel, allow_neg_eigval, chunk_size, state_v_first)  # fmt: skip
 
@@ -255,14 +211,12 @@ def fused_recurrent_kda(
     N = _validate(q, k, v, g, beta, scale, initial_state, use_gate_in_kernel, A_log, dt_bias, lower_bound,
                   use_beta_sigmoid_in_kernel, allow_neg_eigval, cu_seqlens, None, backend, safe_gate,
                   state_v_first)  # fmt: skip
-    backend = _resolve_backend(backend, _RECURRENT_BACKENDS, q.dtype, None)
+    backend, _ = _OPS["fused_recurrent_kda"].resolve(backend, q.dtype)
     return _call("recurrent", backend, None, N, q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, scale,
                  output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound,
                  use_beta_sigmoid_in_kernel, allow_neg_eigval, None, state_v_first)  # fmt: skip
 
 
-_CHUNK_BACKENDS = tuple(CONFIGS)  # every backend with a kernel config has a chunk core
-_RECURRENT_BACKENDS = ("xla",)
 _STATIC = ("op", "backend", "config", "N", "scale", "output_final_state", "use_qk_l2norm_in_kernel", "use_gate_in_kernel",
            "lower_bound", "use_beta_sigmoid_in_kernel", "allow_neg_eigval", "chunk_size", "state_v_first")  # fmt: skip
 
@@ -323,7 +277,7 @@ _compiled = jax.jit(_apply, static_argnames=_STATIC)
 
 def _naive(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
     if isinstance(cu_seqlens, jax.core.Tracer):
-        _fail("cu_seqlens", "a concrete array with backend='naive' (the reference loops over sequences)", "a tracer")
+        fail("cu_seqlens", "a concrete array with backend='naive' (the reference loops over sequences)", "a tracer")
     return naive_recurrent_kda(
         q, k, v, g, beta, scale=scale, initial_state=initial_state,
         output_final_state=output_final_state, cu_seqlens=cu_seqlens,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kdax.ops.kda.xla import LOG2E
+from kdax.ops.common.arrays import LOG2E
 
 L2NORM_EPS = 1e-6
 

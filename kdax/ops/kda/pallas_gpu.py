@@ -30,10 +30,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from kdax.ops.common import dispatch
+from kdax.ops.common.arrays import LOG2E, pad_last
 from kdax.ops.common.varlen import ChunkLayout
 from kdax.ops.kda.gate import L2NORM_EPS, l2norm, log_decay, softplus_exp2
-from kdax.ops.kda.tiles import StateProducts, Tiles, gated, last_row, pad_last
-from kdax.ops.kda.xla import LOG2E
+from kdax.ops.kda.tiles import StateProducts, Tiles, gated, last_row
 
 # Whether the compiled kernels have passed the shared cases' error bars on a GPU
 # (`scripts/gpu_session.sh tests`, recorded in BENCHMARKS.md). Until then backend="auto" runs
@@ -75,7 +76,7 @@ class Config:
                 raise ValueError(f"config.{name}: expected a power of two >= 16, got {n}")
         if unknown := set(dict(self.launch)) - set(LAUNCH):
             raise ValueError(f"config.launch: expected kernels among {tuple(LAUNCH)}, got {sorted(unknown)}")
-        interpret = jax.default_backend() != "gpu" if self.interpret is None else self.interpret
+        interpret = dispatch.platform() != "gpu" if self.interpret is None else self.interpret
         return dataclasses.replace(self, interpret=interpret)
 
 

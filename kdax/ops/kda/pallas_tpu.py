@@ -28,9 +28,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from kdax.ops.common import dispatch
+from kdax.ops.common.arrays import LOG2E, pad_last, round_up
 from kdax.ops.common.varlen import ChunkLayout
-from kdax.ops.kda.tiles import Tiles, head_major, pad_last, round_up
-from kdax.ops.kda.xla import LOG2E
+from kdax.ops.kda.tiles import Tiles, head_major
 
 LANE = 128
 _TILES = Tiles(precision=lax.Precision.HIGHEST, matmul_reductions=True)  # see Precision in docs/kda_tpu.md
@@ -52,7 +53,7 @@ class Config:
             raise ValueError(f"config.pipeline: expected 'fused' or 'staged', got {self.pipeline!r}")
         if self.block_v % LANE:
             raise ValueError(f"config.block_v: expected a multiple of {LANE}, got {self.block_v}")
-        interpret = jax.default_backend() != "tpu" if self.interpret is None else self.interpret
+        interpret = dispatch.platform() != "tpu" if self.interpret is None else self.interpret
         return dataclasses.replace(self, interpret=interpret)
 
 

@@ -19,8 +19,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from kdax.ops.common.arrays import pad_last
+from kdax.ops.common.triangular import dyadic_levels
 from kdax.ops.common.varlen import ChunkLayout
-from kdax.ops.kda.xla import dyadic_levels
 
 _HIGHEST = lax.Precision.HIGHEST
 
@@ -339,15 +340,7 @@ class Tiles:
 # ----------------------------------------------------------------------------- wrapper layout
 
 
-def pad_last(x: jax.Array, n: int, fill: float = 0.0) -> jax.Array:
-    return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, n - x.shape[-1])], constant_values=fill)
-
-
 def head_major(layout: ChunkLayout, x: jax.Array, width: int | None) -> jax.Array:
     """[B, T, heads, D] -> [B, heads, NC * C, width] (packed, D zero-padded to width)."""
     x = jnp.moveaxis(layout.pack(x), 2, 1)
     return x if width is None else pad_last(x, width)
-
-
-def round_up(n: int, m: int) -> int:
-    return -(-n // m) * m

@@ -21,10 +21,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kdax.ops.common.triangular import unit_lower_inverse
+from kdax.ops.common import dispatch
+from kdax.ops.common.arrays import LOG2E
+from kdax.ops.common.triangular import dyadic_levels, unit_lower_inverse
 from kdax.ops.common.varlen import ChunkLayout
-
-LOG2E = 1.4426950408889634
 
 
 def _mm(eq: str, *xs: jax.Array) -> jax.Array:
@@ -52,10 +52,6 @@ class _PairFactors(NamedTuple):
 
     lower: tuple[jax.Array, ...]  # per level: [..., C/s, s/2, K] 2^(G_i - G_r), lower-half rows
     upper: tuple[jax.Array, ...]  # per level: [..., C/s, s/2, K] 2^(G_r - G_j), upper-half rows
-
-
-def dyadic_levels(C: int) -> list[int]:
-    return [C >> i for i in range(C.bit_length() - 1)]  # C, C/2, ..., 2
 
 
 def _halves(x: jax.Array, s: int) -> tuple[jax.Array, jax.Array]:
@@ -229,7 +225,7 @@ class Config:
             raise ValueError(f"config.schedule: expected 'auto', 'per_chunk' or 'all_chunks', got {self.schedule!r}")
         if self.schedule != "auto":
             return self
-        return Config("per_chunk" if jax.default_backend() == "cpu" else "all_chunks")
+        return Config("per_chunk" if dispatch.platform() == "cpu" else "all_chunks")
 
 
 def _grouped(xs, gs: int):

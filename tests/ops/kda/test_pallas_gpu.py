@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import kdax
-from kdax.ops.kda import api, pallas_gpu, tiles
+from kdax.ops.kda import pallas_gpu, tiles
 from tests.ops.kda.cases import CASES, Case, assert_close_to_reference, make_inputs
 
 chunk_kda_gpu = functools.partial(kdax.chunk_kda, backend="pallas_gpu")
@@ -254,29 +254,23 @@ def test_gate_in_kernels_lowers_for_cuda(lower_bound, monkeypatch):
     _assert_lowers_for_cuda(jnp.bfloat16, K, True, monkeypatch, lower_bound=lower_bound, **gate)
 
 
-# With no GPU present, jax >= 0.11 lowers Pallas-Triton only for a named abstract GPU (0.10 assumed sm_90).
-_H100 = jax.sharding.AbstractMesh(
-    (1,), ("d",), abstract_device=jax.sharding.AbstractDevice(device_kind="NVIDIA H100", num_cores=132, platform="gpu")
-)
-
-
 def _assert_lowers_for_cuda(dtype, dim, varlen, monkeypatch, **options):
-    chunk_kda_gpu = functools.partial(kdax.chunk_kda, backend="pallas_gpu", config=pallas_gpu.Config(interpret=False))
+    """kdax.lower builds the "auto" backend's GPU kernels for an H100 here, without one."""
+    monkeypatch.setattr(pallas_gpu, "VERIFIED_ON_GPU", True)  # so that "auto" picks them there
     B, T, H, HV = (1, 130, 2, 4) if varlen else (2, 130, 2, 4)
     cu = jnp.asarray([0, 1, 100, 130], jnp.int32) if varlen else None
     shapes = [(B, T, H, dim), (B, T, H, dim), (B, T, HV, dim), (B, T, HV, dim), (B, T, HV)]
     args = [jax.ShapeDtypeStruct(s, dtype) for s in shapes]
-    fwd = jax.jit(lambda *a: chunk_kda_gpu(*a, cu_seqlens=cu, output_final_state=True, **options))
+    fwd = lambda *a: kdax.chunk_kda(*a, cu_seqlens=cu, output_final_state=True, **options)
 
     def loss(*a):
-        o, s = chunk_kda_gpu(*a, cu_seqlens=cu, output_final_state=True, **options)
+        o, s = kdax.chunk_kda(*a, cu_seqlens=cu, output_final_state=True, **options)
         return jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(s**2)  # squares: o and s are used (no dead kernel)
 
-    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
+    grad = jax.grad(loss, argnums=(0, 1, 2, 3, 4))
     triton = "__gpu$xla.gpu.triton"
-    with jax.sharding.use_abstract_mesh(_H100):
-        assert fwd.trace(*args).lower(lowering_platforms=("cuda",)).as_text().count(triton) == N_FWD
-        assert grad.trace(*args).lower(lowering_platforms=("cuda",)).as_text().count(triton) == N_FWD + N_BWD
+    assert kdax.lower(fwd, *args, platform="cuda").as_text().count(triton) == N_FWD
+    assert kdax.lower(grad, *args, platform="cuda").as_text().count(triton) == N_FWD + N_BWD
 
 
 def test_intra_kernel_overwrites_its_stash_behind_barriers(monkeypatch):
@@ -297,10 +291,8 @@ def test_intra_kernel_overwrites_its_stash_behind_barriers(monkeypatch):
         return result
 
     monkeypatch.setattr(lowering, "lower_jaxpr_to_triton_module", capture)
-    chunk_kda_gpu = functools.partial(kdax.chunk_kda, backend="pallas_gpu", config=pallas_gpu.Config(interpret=False))
     x, b = jax.ShapeDtypeStruct((1, 64, 1, 32), jnp.bfloat16), jax.ShapeDtypeStruct((1, 64, 1), jnp.bfloat16)
-    with jax.sharding.use_abstract_mesh(_H100):
-        jax.jit(chunk_kda_gpu).trace(x, x, x, x, b).lower(lowering_platforms=("cuda",))
+    kdax.lower(chunk_kda_gpu, x, x, x, x, b, platform="cuda")
     (ir,) = irs
     before, walk = ir.rsplit("scf.for", 1)
     assert "gpu.barrier" in before  # the pair walk's stores of beta k_g before the output walk's loads
@@ -309,8 +301,8 @@ def test_intra_kernel_overwrites_its_stash_behind_barriers(monkeypatch):
 
 
 def test_auto_picks_the_gpu_kernels_on_gpu_where_they_fit(monkeypatch):
-    cores = {"xla": None, "pallas_tpu": None, "pallas_gpu": None}
-    pick = lambda dtype, C, cores=cores, config=None: api._resolve_backend("auto", cores, dtype, C, config)
+    ops = {"chunk": "chunk_kda", "recurrent": "fused_recurrent_kda"}
+    pick = lambda dtype, C, op="chunk", config=None: kdax.explain_backend(dtype, C, config, op=ops[op])[0]
     monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
     assert pick(jnp.float32, 64) == "xla"
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
@@ -320,7 +312,7 @@ def test_auto_picks_the_gpu_kernels_on_gpu_where_they_fit(monkeypatch):
     assert pick(jnp.float32, 64) == pick(jnp.bfloat16, 64) == pick(jnp.bfloat16, 128) == "pallas_gpu"
     assert pick(jnp.float32, 128) == "xla"  # float32 intermediates at C = 128 do not fit (shared memory)
     assert pick(jnp.float64, 64) == "xla"  # the kernels compute in float32 at most
-    assert pick(jnp.float32, None, {"xla": None}) == "xla"  # fused_recurrent_kda has no GPU kernel
+    assert pick(jnp.float32, None, "recurrent") == "xla"  # fused_recurrent_kda has no GPU kernel
     tf32 = pallas_gpu.Config(precision="tf32")
     assert pick(jnp.bfloat16, 128, config=tf32) == "xla"  # a float32 precision for bf16 inputs: float32 intermediates
 

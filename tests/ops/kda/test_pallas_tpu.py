@@ -10,7 +10,8 @@ from jax._src.pallas.mosaic.interpret import interpret_pallas_call
 
 import kdax
 from kdax.bench.measure import rel_rms
-from kdax.ops.kda import api, pallas_tpu, xla
+from kdax.ops.common.arrays import LOG2E
+from kdax.ops.kda import pallas_tpu, xla
 from tests.ops.kda.cases import CASES, Case, assert_close_to_reference
 
 PIPELINES = ["fused", "staged"]
@@ -31,7 +32,7 @@ def test_chunk_intra_matches_xla():
         v, g, beta = rng.standard_normal((C, V)), rng.uniform(g_min, g_min / 100, (C, K)), rng.uniform(0, 1, C)
         ref = xla._intra(*(jnp.asarray(x) for x in (q, k, v, g, beta)))
         f32 = functools.partial(jnp.asarray, dtype=jnp.float32)
-        got = jax.jit(pallas_tpu._TILES.intra)(f32(q), f32(k), f32(v), f32(g * xla.LOG2E), f32(beta[:, None]))
+        got = jax.jit(pallas_tpu._TILES.intra)(f32(q), f32(k), f32(v), f32(g * LOG2E), f32(beta[:, None]))
         for name in ("Aqk", "w", "u", "q_g", "k_d"):
             assert rel_rms(getattr(got, name), getattr(ref, name)) < 2e-6, (g_min, name)
         np.testing.assert_allclose(got.decay[0], ref.decay, rtol=1e-5, atol=1e-30)
@@ -73,30 +74,28 @@ def test_float64_inputs_are_rejected():
 @pytest.mark.parametrize("pipeline", PIPELINES)
 def test_lowers_for_tpu(pipeline, dtype, dim, varlen, monkeypatch):
     """Forward alone, and forward (storing states) + backward: every kernel lowers to Mosaic."""
-    chunk_kda_tpu = functools.partial(
-        kdax.chunk_kda, backend="pallas_tpu", config=pallas_tpu.Config(pipeline=pipeline, interpret=False)
-    )
+    chunk_kda_tpu = functools.partial(kdax.chunk_kda, config=pallas_tpu.Config(pipeline=pipeline))
     B, T, H, HV = (1, 130, 2, 4) if varlen else (2, 130, 2, 4)
     cu = jnp.asarray([0, 1, 100, 130], jnp.int32) if varlen else None
     shapes = [(B, T, H, dim), (B, T, H, dim), (B, T, HV, dim), (B, T, HV, dim), (B, T, HV)]
     args = [jax.ShapeDtypeStruct(s, dtype) for s in shapes]
-    fwd = jax.jit(lambda *a: chunk_kda_tpu(*a, cu_seqlens=cu, output_final_state=True))
+    fwd = lambda *a: chunk_kda_tpu(*a, cu_seqlens=cu, output_final_state=True)
     n_fwd = 1 if pipeline == "fused" else 3
-    assert fwd.trace(*args).lower(lowering_platforms=("tpu",)).as_text().count("tpu_custom_call") == n_fwd
+    assert kdax.lower(fwd, *args, platform="tpu").as_text().count("tpu_custom_call") == n_fwd
 
     def loss(*a):
         o, s = chunk_kda_tpu(*a, cu_seqlens=cu, output_final_state=True)
         return jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(s**2)  # squares: o and s are used (no dead kernel)
 
-    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
-    assert grad.trace(*args).lower(lowering_platforms=("tpu",)).as_text().count("tpu_custom_call") == n_fwd + 1
+    grad = jax.grad(loss, argnums=(0, 1, 2, 3, 4))
+    assert kdax.lower(grad, *args, platform="tpu").as_text().count("tpu_custom_call") == n_fwd + 1
 
 
 def test_auto_picks_the_tpu_kernels_on_tpu(monkeypatch):
-    cores = {"xla": None, "pallas_tpu": None}
-    pick = lambda dtype, cores=cores: api._resolve_backend("auto", cores, dtype, 64)
+    ops = {"chunk": "chunk_kda", "recurrent": "fused_recurrent_kda"}
+    pick = lambda dtype, op="chunk": kdax.explain_backend(dtype, 64, op=ops[op])[0]
     assert pick(jnp.float32) == "xla"  # this machine has no TPU
     monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
     assert pick(jnp.float32) == pick(jnp.bfloat16) == "pallas_tpu"
     assert pick(jnp.float64) == "xla"  # the kernels compute in float32 at most
-    assert pick(jnp.float32, {"xla": None}) == "xla"  # fused_recurrent_kda has no TPU kernel
+    assert pick(jnp.float32, "recurrent") == "xla"  # fused_recurrent_kda has no TPU kernel

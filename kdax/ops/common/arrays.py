@@ -1,0 +1,18 @@
+"""Small helpers the backends of every op family share."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x * LOG2E); the kernels work in log2 space
+
+
+def pad_last(x: jax.Array, n: int, fill: float = 0.0) -> jax.Array:
+    """x [..., d] -> [..., n], padded with ``fill`` (n >= d)."""
+    return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, n - x.shape[-1])], constant_values=fill)
+
+
+def round_up(n: int, m: int) -> int:
+    """The least multiple of m that is >= n."""
+    return -(-n // m) * m
