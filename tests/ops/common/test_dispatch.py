@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 
 import kdax
+from kdax.bench.measure import rel_rms
 from kdax.models import KDAConfig, KDAForCausalLM, generate
 from kdax.ops.common import dispatch
 
@@ -66,7 +67,7 @@ def test_a_model_runs_the_scoped_backend_and_compiles_per_scope(caplog):
         caplog.clear()
         plain = model(ids)  # not the scoped compilation again
         assert "chunk_kda: backend='auto' -> 'xla'" in caplog.text
-    np.testing.assert_allclose(scoped, plain, rtol=1e-4, atol=1e-4)
+    assert rel_rms(scoped, plain) <= 1e-5  # float32 kernels against xla: the outputs' bar
 
 
 def test_a_model_on_a_pallas_backend_decodes_on_it():

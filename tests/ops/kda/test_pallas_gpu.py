@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 
 import kdax
+from kdax.bench.measure import rel_rms
 from kdax.ops.kda import pallas_gpu, tiles
-from tests.ops.kda.cases import CASES, Case, assert_close_to_reference, make_inputs
+from tests.ops.kda.cases import CASES, TOL, Case, assert_close_to_reference, make_inputs
 
 chunk_kda_gpu = functools.partial(kdax.chunk_kda, backend="pallas_gpu")
 
@@ -189,9 +190,10 @@ def test_gate_in_kernels_equals_the_gate_in_xla():
             jnp.asarray([-200.0, 0.3]), jnp.linspace(-1, 1, 2 * 24), g
         )
 
-    for got, want in zip(jax.tree.leaves(run("pallas_gpu")), jax.tree.leaves(run("xla"))):
-        assert np.all(np.isfinite(got))
-        np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5)
+    got, want = jax.tree.leaves(run("pallas_gpu")), jax.tree.leaves(run("xla"))  # loss, o, s; dA_log, ddt_bias, dg
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert np.all(np.isfinite(a))
+        assert rel_rms(a, b) <= (TOL[jnp.float32]["out"] if i < 3 else TOL[jnp.float32]["grad"]), i
 
 
 def test_tf32_rounding_helper():
