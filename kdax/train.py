@@ -18,14 +18,7 @@ import optax
 from flax import nnx
 from tqdm import tqdm
 
-from kdax.models import KDAConfig, KDAForCausalLM, generate, save_pretrained
-
-
-def tiny_config(**overrides) -> KDAConfig:
-    """A 4-layer byte-level hybrid (hidden 128, one attention layer), 1.1M parameters."""
-    args = {"hidden_size": 128, "head_dim": 32, "num_heads": 4, "num_hidden_layers": 4, "vocab_size": 256,
-            "attn": {"layers": [2], "num_heads": 4}, "bos_token_id": 0, "eos_token_id": 0, "tie_word_embeddings": True}  # fmt: skip
-    return KDAConfig(**{**args, **overrides})
+from kdax.models import KDAForCausalLM, generate, save_pretrained, tiny_config
 
 
 def load_corpus(path: str | None = None) -> np.ndarray:

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from kdax.bench.cli import main
-from kdax.models import KDAForCausalLM, from_pretrained
-from kdax.train import TrainConfig, load_corpus, tiny_config, train, unigram_entropy
+from kdax.cli import main
+from kdax.models import KDAForCausalLM, from_pretrained, tiny_config
+from kdax.train import TrainConfig, load_corpus, train, unigram_entropy
 
 
 def test_loss_falls_well_below_unigram_entropy():

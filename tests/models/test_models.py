@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from kdax.bench.measure import rel_rms
-from kdax.models import KDAConfig, KDAForCausalLM, generate, generation
+from kdax.models import PRESETS, KDAConfig, KDAForCausalLM, generate, generation, tiny_config
 from kdax.models.checkpoint import from_pretrained, read_safetensors, save_pretrained, write_safetensors
 from kdax.models.kda import row_segments
 
@@ -211,6 +211,15 @@ def test_config_round_trips_through_json():
     assert KDAConfig.from_dict({**d, "architectures": ["KDAForCausalLM"], "torch_dtype": "float32"}) == config
     with pytest.raises(ValueError, match="model_type"):
         KDAConfig.from_dict({**d, "model_type": "llama"})
+
+
+def test_presets_build_their_configs():
+    assert set(PRESETS) == {"tiny", "24x2048"} and PRESETS["tiny"] is tiny_config
+    assert PRESETS["tiny"]().vocab_size == 256 and tiny_config(num_hidden_layers=3).num_hidden_layers == 3
+    big = PRESETS["24x2048"]()
+    assert (big.num_hidden_layers, big.hidden_size, big.attn["layers"]) == (24, 2048, [3, 7, 11, 15, 19, 23])
+    with pytest.raises(ValueError, match="hidden_size"):
+        tiny_config(hidden_size=0)
 
 
 @pytest.mark.parametrize("tie", [False, True])

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import kdax
 from kdax import train
 from kdax.bench import kda
+from kdax.models import PRESETS
 from kdax.train import TrainConfig
 
 
@@ -125,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--tune-kernels", default="all", help="--gpu-tune: kernels whose launch to sweep (a,b,...|none)")
     b.add_argument("--tune-blocks", type=_pairs, help="--gpu-tune: block_v x block_k to keep (e.g. 32x16), not sweep")
     b.add_argument("--fla-python", default=sys.executable, help="python that runs the workers (FLA and kdax)")
-    b.add_argument("--model", choices=["tiny", "24x2048"],
+    b.add_argument("--model", choices=list(PRESETS),
                    help="prefill (--B x --T prompt) and decode (--decode-steps) tokens/s of a model, random weights")  # fmt: skip
     b.add_argument("--decode-steps", type=int, default=32, help="--model: decode steps timed after the prefill")
     b.add_argument("--eager", action="store_true", help="eager calls of the ops and the tiny model against jitted ones")
