@@ -138,10 +138,13 @@ def main(argv: list[str] | None = None) -> int:
         )
     t.add_argument("--corpus", default=None, help="a text file (None: the public-domain text shipped with kdax)")
     t.add_argument("--sample-tokens", type=int, default=200, help="tokens to generate after training")
+    t.add_argument(
+        "--resume", action="store_true", help="continue from the newest checkpoint in --out-dir (same settings)"
+    )
     ns = parser.parse_args(argv)
     if ns.command == "train":
         fields = {f.name: getattr(ns, f.name) for f in dataclasses.fields(TrainConfig)}
-        train.main(TrainConfig(**fields), ns.corpus, ns.sample_tokens)
+        train.main(TrainConfig(**fields), ns.corpus, ns.sample_tokens, ns.resume)
         return 0
     return _bench(ns)
 
