@@ -1,12 +1,15 @@
 """Train a small hybrid KDA language model on byte-level text (``kdax train``, examples/train_tiny.py).
 
 Tokens are the text's bytes (vocab 256). AdamW with warmup and cosine decay, global-norm
-clipping, one jit-compiled step, loss and tokens/s on a progress bar, a checkpoint in FLA's
-format every ``checkpoint_every`` steps."""
+clipping, one jit-compiled step, loss and tokens/s on a progress bar. With
+``checkpoint_every``, the training state goes through orbax to ``out_dir/state/<step>`` (for
+``resume``) and the final weights in FLA's format to ``out_dir/model`` (for ``from_pretrained``)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import os
 import time
 from importlib import resources
@@ -15,17 +18,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 from flax import nnx
 from tqdm import tqdm
 
-from kdax.models import KDAConfig, KDAForCausalLM, generate, save_pretrained
-
-
-def tiny_config(**overrides) -> KDAConfig:
-    """A 4-layer byte-level hybrid (hidden 128, one attention layer), 1.1M parameters."""
-    args = {"hidden_size": 128, "head_dim": 32, "num_heads": 4, "num_hidden_layers": 4, "vocab_size": 256,
-            "attn": {"layers": [2], "num_heads": 4}, "bos_token_id": 0, "eos_token_id": 0, "tie_word_embeddings": True}  # fmt: skip
-    return KDAConfig(**{**args, **overrides})
+from kdax.models import KDAForCausalLM, generate, save_pretrained, tiny_config
 
 
 def load_corpus(path: str | None = None) -> np.ndarray:
@@ -56,8 +53,14 @@ class TrainConfig:
     weight_decay: float = dataclasses.field(default=0.1, metadata={"help": "AdamW weight decay"})
     clip: float = dataclasses.field(default=1.0, metadata={"help": "global gradient-norm clip"})
     seed: int = dataclasses.field(default=0, metadata={"help": "seed of the weights and the batches"})
-    checkpoint_every: int = dataclasses.field(default=0, metadata={"help": "save every N steps (0: never)"})
-    out_dir: str = dataclasses.field(default="checkpoints/tiny", metadata={"help": "where checkpoints go"})
+    checkpoint_every: int = dataclasses.field(
+        default=0, metadata={"help": "save the training state every N steps and at the last (0: never)"}
+    )
+    keep: int = dataclasses.field(default=3, metadata={"help": "training states kept (the newest)"})
+    out_dir: str = dataclasses.field(
+        default="checkpoints/tiny",
+        metadata={"help": "where checkpoints go: state/<step> (orbax, for --resume), model (FLA's format, at the end)"},
+    )
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "seq_len"):
@@ -67,6 +70,12 @@ class TrainConfig:
             raise ValueError(f"lr: expected a positive float, got {self.lr}")
         if self.checkpoint_every < 0:
             raise ValueError(f"checkpoint_every: expected >= 0, got {self.checkpoint_every}")
+        if self.keep < 1:
+            raise ValueError(f"keep: expected a positive int, got {self.keep}")
+
+
+# The settings a resumed run must share with the checkpoint's to continue it exactly.
+_RUN_FIELDS = ("steps", "batch_size", "seq_len", "lr", "warmup", "weight_decay", "clip", "seed")
 
 
 def loss_fn(model: KDAForCausalLM, batch: jax.Array) -> jax.Array:
@@ -82,46 +91,148 @@ def train_step(model: KDAForCausalLM, optimizer: nnx.Optimizer, batch: jax.Array
     return loss
 
 
-def _batches(tokens: np.ndarray, cfg: TrainConfig):
-    rng = np.random.default_rng(cfg.seed)
-    span = cfg.seq_len + 1
-    if tokens.size <= span:
-        raise ValueError(f"corpus: expected more than seq_len + 1 = {span} tokens, got {tokens.size}")
-    while True:
-        starts = rng.integers(0, tokens.size - span, cfg.batch_size)
-        yield jnp.asarray(np.stack([tokens[s : s + span] for s in starts]), jnp.int32)
+@functools.cache
+def _optimizer(steps: int, lr: float, warmup: int, weight_decay: float, clip: float) -> optax.GradientTransformation:
+    """AdamW with warm-up, cosine decay and clipping; one object per setting, so that runs with
+    the same settings share the compiled step (the optimizer is part of what it is compiled for)."""
+    warmup = min(warmup, steps - 1)  # the cosine part needs at least one step
+    schedule = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, steps, lr / 10)
+    return optax.chain(optax.clip_by_global_norm(clip), optax.adamw(schedule, weight_decay=weight_decay))
 
 
-def train(model: KDAForCausalLM, tokens: np.ndarray, cfg: TrainConfig, progress: bool = True) -> list[float]:
-    """Train ``model`` in place on random windows of ``tokens``; returns the loss of every step."""
-    warmup = min(cfg.warmup, cfg.steps - 1)  # the cosine part needs at least one step
-    schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, warmup, cfg.steps, cfg.lr / 10)
-    tx = optax.chain(optax.clip_by_global_norm(cfg.clip), optax.adamw(schedule, weight_decay=cfg.weight_decay))
+def _batch(tokens: np.ndarray, rng: np.random.Generator, cfg: TrainConfig) -> jax.Array:
+    starts = rng.integers(0, tokens.size - cfg.seq_len - 1, cfg.batch_size)
+    return jnp.asarray(np.stack([tokens[s : s + cfg.seq_len + 1] for s in starts]), jnp.int32)
+
+
+def _checkpoints(cfg: TrainConfig, create: bool) -> ocp.CheckpointManager:
+    """The orbax manager of ``out_dir/state``: each save is written to a temporary directory and
+    renamed when complete, and only the newest ``cfg.keep`` are kept."""
+    options = ocp.CheckpointManagerOptions(
+        preservation_policy=ocp.checkpoint_managers.LatestN(cfg.keep), create=create, cleanup_tmp_directories=True
+    )
+    return ocp.CheckpointManager(os.path.abspath(os.path.join(cfg.out_dir, "state")), options=options)
+
+
+def _save(
+    manager: ocp.CheckpointManager,
+    step: int,
+    model: KDAForCausalLM,
+    optimizer: nnx.Optimizer,
+    rng: np.random.Generator,
+    cfg: TrainConfig,
+) -> None:
+    """Parameters and optimizer state (arrays), the step, the batch generator's state and the run's settings."""
+    arrays = {"model": nnx.state(model), "optimizer": nnx.state(optimizer)}
+    progress = {"step": step, "data": rng.bit_generator.state, "run": {f: getattr(cfg, f) for f in _RUN_FIELDS}}
+    manager.save(
+        step, args=ocp.args.Composite(arrays=ocp.args.StandardSave(arrays), progress=ocp.args.JsonSave(progress))
+    )
+
+
+def _restore(
+    manager: ocp.CheckpointManager,
+    model: KDAForCausalLM,
+    optimizer: nnx.Optimizer,
+    rng: np.random.Generator,
+    cfg: TrainConfig,
+) -> int:
+    """Load the newest complete checkpoint into the model, optimizer and batch generator; returns
+    its step (0 where there is none)."""
+    step = manager.latest_step()
+    if step is None:
+        return 0
+    target = {"model": nnx.state(model), "optimizer": nnx.state(optimizer)}
+    got = manager.restore(
+        step, args=ocp.args.Composite(arrays=ocp.args.StandardRestore(target), progress=ocp.args.JsonRestore())
+    )
+    differ = [
+        f"{k}={v!r} (this run: {getattr(cfg, k)!r})" for k, v in got.progress["run"].items() if getattr(cfg, k) != v
+    ]
+    if differ:
+        raise ValueError(f"resume: the checkpoint of step {step} in {manager.directory} was written with "
+                         f"{', '.join(differ)}; resume with its settings")  # fmt: skip
+    nnx.update(model, got.arrays["model"])
+    nnx.update(optimizer, got.arrays["optimizer"])
+    rng.bit_generator.state = got.progress["data"]
+    return step
+
+
+def train(
+    model: KDAForCausalLM, tokens: np.ndarray, cfg: TrainConfig, progress: bool = True, resume: bool = False
+) -> list[float]:
+    """Train ``model`` in place on random windows of ``tokens``.
+
+    With ``cfg.checkpoint_every``, orbax saves the training state (parameters, optimizer state,
+    step and the batch generator's state) to ``out_dir/state/<step>`` every that many steps and
+    at the last, keeping the newest ``cfg.keep``; at the end ``save_pretrained`` writes the
+    weights in FLA's format to ``out_dir/model``.
+
+    Args:
+        model: the model to train.
+        tokens: the corpus, a 1-D array of token ids.
+        cfg: the run's settings.
+        progress: show a progress bar.
+        resume: continue from the newest complete checkpoint in ``out_dir/state`` (from step 0
+            where there is none); the batches and updates after it are those of an
+            uninterrupted run.
+
+    Returns:
+        The loss of every step this call ran.
+
+    Raises:
+        ValueError: the corpus is not longer than ``seq_len + 1`` tokens; ``out_dir`` holds
+            checkpoints and ``resume`` is off; the checkpoint to resume from was written with
+            other settings.
+    """
+    if tokens.size <= cfg.seq_len + 1:
+        raise ValueError(f"corpus: expected more than seq_len + 1 = {cfg.seq_len + 1} tokens, got {tokens.size}")
+    tx = _optimizer(cfg.steps, cfg.lr, cfg.warmup, cfg.weight_decay, cfg.clip)
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
-    batches = _batches(tokens, cfg)
-    losses, start = [], None
-    bar = tqdm(range(1, cfg.steps + 1), disable=not progress, desc="train")
-    for step in bar:
-        loss = float(train_step(model, optimizer, next(batches)))
-        losses.append(loss)
-        if start is None:  # the first step includes compilation
-            start, done = time.perf_counter(), 0
-        else:
-            done += cfg.batch_size * cfg.seq_len
-            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{done / (time.perf_counter() - start):,.0f}")
-        if cfg.checkpoint_every and (step % cfg.checkpoint_every == 0 or step == cfg.steps):
-            save_pretrained(model, os.path.join(cfg.out_dir, f"step_{step}"))
+    rng = np.random.default_rng(cfg.seed)
+    saving = cfg.checkpoint_every > 0
+    losses, start, first = [], None, 0
+    with _checkpoints(cfg, create=saving) if saving or resume else contextlib.nullcontext() as manager:
+        if resume:
+            first = _restore(manager, model, optimizer, rng, cfg)
+        elif saving and manager.latest_step() is not None:
+            raise ValueError(f"out_dir: {cfg.out_dir!r} holds checkpoints up to step {manager.latest_step()}; "
+                             "continue them with resume (kdax train --resume) or choose another out_dir")  # fmt: skip
+        bar = tqdm(range(first + 1, cfg.steps + 1), initial=first, total=cfg.steps, disable=not progress, desc="train")
+        for step in bar:
+            loss = float(train_step(model, optimizer, _batch(tokens, rng, cfg)))
+            losses.append(loss)
+            if start is None:  # the first step includes compilation
+                start, done = time.perf_counter(), 0
+            else:
+                done += cfg.batch_size * cfg.seq_len
+                bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{done / (time.perf_counter() - start):,.0f}")
+            if saving and (step % cfg.checkpoint_every == 0 or step == cfg.steps):
+                _save(manager, step, model, optimizer, rng, cfg)
+    if saving:
+        save_pretrained(model, os.path.join(cfg.out_dir, "model"))
     return losses
 
 
-def main(cfg: TrainConfig, corpus: str | None = None, sample_tokens: int = 200) -> KDAForCausalLM:
-    """Train the tiny model, print the loss against the unigram entropy, then a sample."""
+def main(cfg: TrainConfig, corpus: str | None = None, sample_tokens: int = 200, resume: bool = False) -> KDAForCausalLM:
+    """Train the tiny model, print the loss against the unigram entropy, then a sample.
+
+    Args:
+        cfg: the run's settings.
+        corpus: a text file (None: the text shipped with kdax).
+        sample_tokens: tokens to generate after training (0: none).
+        resume: continue from the newest checkpoint in ``cfg.out_dir`` (see :func:`train`).
+
+    Returns:
+        The trained model.
+    """
     tokens = load_corpus(corpus)
     model = KDAForCausalLM(tiny_config(), rngs=nnx.Rngs(cfg.seed))
     entropy = unigram_entropy(tokens)
     print(f"corpus {tokens.size:,} bytes, unigram entropy {entropy:.3f} nats; model {model.num_parameters():,} params")
-    losses = train(model, tokens, cfg)
-    print(f"loss: first {losses[0]:.3f}, mean of last 20 steps {np.mean(losses[-20:]):.3f} nats")
+    losses = train(model, tokens, cfg, resume=resume)
+    if losses:
+        print(f"loss: first {losses[0]:.3f}, mean of last 20 steps {np.mean(losses[-20:]):.3f} nats")
     if sample_tokens:
         prompt = jnp.asarray(tokens[None, :64], jnp.int32)
         out = generate(model, prompt, sample_tokens)

@@ -37,13 +37,13 @@ case "$stage" in
       --durations=20 --timeout=480 "${targets[@]}" 2>&1 | tee "$OUT/tests.txt" ;;
   tune)
     name="tune-${2:-none}"
-    python3 -m kdax.bench.cli bench --gpu-tune --repeats 10 --tune-kernels "${2:-none}" ${3:+--tune-blocks "$3"} \
+    python3 -m kdax.cli bench --gpu-tune --repeats 10 --tune-kernels "${2:-none}" ${3:+--tune-blocks "$3"} \
       > "$OUT/$name.json" 2> >(tee "$OUT/$name.log" >&2)
     cat "$OUT/$name.json" ;;
   compare)
     shapes=${2:-1x8192}
     name="compare-${shapes//,/_}"
-    python3 -m kdax.bench.cli bench --gpu-compare-fla --repeats 20 --shapes "$shapes" --workdir "$OUT/$name" --json \
+    python3 -m kdax.cli bench --gpu-compare-fla --repeats 20 --shapes "$shapes" --workdir "$OUT/$name" --json \
       > "$OUT/$name.json" 2> >(tee "$OUT/$name.log" >&2)
     python3 -c "import json,sys; from kdax.bench.fla_compare import format_compare; \
 print(format_compare(json.load(open(sys.argv[1]))))" "$OUT/$name.json" | tee "$OUT/$name.md" ;;

@@ -2,7 +2,7 @@
 
 import json
 
-from kdax.bench.cli import main
+from kdax.cli import main
 
 
 def test_bench_table(capsys):

@@ -17,8 +17,7 @@ from flax import nnx
 import kdax
 from kdax.bench.kda import make_inputs
 from kdax.bench.measure import time_calls
-from kdax.models import KDAForCausalLM, generate
-from kdax.train import tiny_config
+from kdax.models import KDAForCausalLM, generate, tiny_config
 
 
 def run(repeats: int = 20) -> list[dict]:

@@ -7,24 +7,17 @@ import jax.numpy as jnp
 from flax import nnx
 
 from kdax.bench.measure import time_calls
-from kdax.models import KDAConfig, KDAForCausalLM
+from kdax.models import PRESETS, KDAForCausalLM
 from kdax.models.generation import decode_sample, prefill_sample
-from kdax.train import tiny_config
-
-MODELS = {
-    "tiny": tiny_config,
-    # FLA's KDAConfig defaults (24 layers, hidden 2048, 16 heads of 128) with attention on every 4th layer
-    "24x2048": lambda: KDAConfig(attn={"layers": [3, 7, 11, 15, 19, 23], "num_heads": 16}),
-}
 
 
 def run(name: str, batch: int, prompt_len: int, decode_steps: int, repeats: int, dtype: str = "float32") -> dict:
     """Median wall time of a jit-compiled prefill of [batch, prompt_len] tokens and of
     ``decode_steps`` single-token steps after it (greedy, caches preallocated), with the
     weights in ``dtype`` (:meth:`KDAForCausalLM.astype`)."""
-    if name not in MODELS:
-        raise ValueError(f"model: expected one of {tuple(MODELS)}, got {name!r}")
-    config = MODELS[name]()
+    if name not in PRESETS:
+        raise ValueError(f"model: expected one of {tuple(PRESETS)}, got {name!r}")
+    config = PRESETS[name]()
     model = KDAForCausalLM(config, rngs=nnx.Rngs(0)).astype(dtype)
     graphdef, state = nnx.split(model)
     ids = jax.random.randint(jax.random.key(1), (batch, prompt_len), 0, config.vocab_size, jnp.int32)

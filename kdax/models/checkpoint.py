@@ -10,54 +10,26 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
+import safetensors
+import safetensors.numpy
 from flax import nnx
 
 from kdax.models.config import KDAConfig
 from kdax.models.kda import KDAForCausalLM
 
-_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
-           "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}  # fmt: skip
-_CODES = {np.dtype(v): k for k, v in _DTYPES.items()}
 _SEQUENTIAL = ("f_proj", "g_proj")
 
 
-def write_safetensors(path: str, tensors: dict[str, np.ndarray]) -> None:
-    """Write ``tensors`` (name -> array) to a safetensors file."""
-    header, offset, blobs = {}, 0, []
-    for name in sorted(tensors):
-        a = np.ascontiguousarray(tensors[name])
-        if a.dtype not in _CODES:
-            raise ValueError(f"tensors[{name!r}]: dtype {a.dtype} has no safetensors code")
-        header[name] = {"dtype": _CODES[a.dtype], "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
-        offset += a.nbytes
-        blobs.append(a.tobytes())
-    head = json.dumps(header, separators=(",", ":")).encode()
-    head += b" " * (-len(head) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(head)) + head)
-        f.writelines(blobs)
-
-
-def read_safetensors(path: str) -> dict[str, np.ndarray]:
-    """Read every tensor of a safetensors file into NumPy arrays."""
-    with open(path, "rb") as f:
-        data = f.read()
-    (n,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8 : 8 + n])
-    header.pop("__metadata__", None)
-    out = {}
-    for name, info in header.items():
-        if info["dtype"] not in _DTYPES:
-            raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {info['dtype']}")
-        begin, end = info["data_offsets"]
-        raw = data[8 + n + begin : 8 + n + end]
-        out[name] = np.frombuffer(raw, _DTYPES[info["dtype"]]).reshape(info["shape"]).copy()
-    return out
+def _read_safetensors(path: str) -> dict[str, np.ndarray]:
+    """Every tensor of the safetensors file ``path`` as NumPy arrays (bfloat16 through ml_dtypes);
+    a truncated or corrupt file raises ValueError naming it."""
+    try:
+        return safetensors.numpy.load_file(path)
+    except safetensors.SafetensorError as e:
+        raise ValueError(f"directory: expected a complete safetensors file at {path!r}: {e}") from e
 
 
 def _fla_name(path: tuple) -> tuple[str, bool]:
@@ -77,7 +49,7 @@ def fla_state_dict(model: KDAForCausalLM) -> dict[str, np.ndarray]:
     for path, value in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         name, transpose = _fla_name(path)
         a = np.asarray(value[...], np.float32)
-        out[name] = a.T if transpose else a
+        out[name] = np.ascontiguousarray(a.T) if transpose else a  # safetensors writes the buffer as it lies
     return out
 
 
@@ -106,29 +78,46 @@ def load_fla_state_dict(model: KDAForCausalLM, tensors: dict[str, np.ndarray]) -
 
 
 def save_pretrained(model: KDAForCausalLM, directory: str) -> None:
-    """Write config.json and model.safetensors (FLA's names, float32) into ``directory``."""
+    """Write config.json and model.safetensors (FLA's names, float32) into ``directory``.
+
+    Args:
+        model: the model to save.
+        directory: created if missing; files already there are overwritten.
+    """
     os.makedirs(directory, exist_ok=True)
     config = {**model.config.to_dict(), "architectures": ["KDAForCausalLM"]}
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
-    write_safetensors(os.path.join(directory, "model.safetensors"), fla_state_dict(model))
+    safetensors.numpy.save_file(fla_state_dict(model), os.path.join(directory, "model.safetensors"))
 
 
 def _read_weights(directory: str) -> dict[str, np.ndarray]:
     single = os.path.join(directory, "model.safetensors")
     index = single + ".index.json"
     if os.path.exists(single):
-        return read_safetensors(single)
+        return _read_safetensors(single)
     if os.path.exists(index):
         with open(index) as f:
             shards = sorted(set(json.load(f)["weight_map"].values()))
-        return {k: v for s in shards for k, v in read_safetensors(os.path.join(directory, s)).items()}
+        return {k: v for s in shards for k, v in _read_safetensors(os.path.join(directory, s)).items()}
     raise ValueError(f"directory: expected model.safetensors or model.safetensors.index.json in {directory!r}")
 
 
 def from_pretrained(directory: str, *, backend: str = "auto", dtype=None) -> KDAForCausalLM:
-    """Load a kdax or FLA ``KDAForCausalLM`` checkpoint directory into a kdax model, its
-    weights cast to ``dtype`` if given (see :meth:`KDAForCausalLM.astype`)."""
+    """Load a kdax or FLA ``KDAForCausalLM`` checkpoint directory into a kdax model.
+
+    Args:
+        directory: holds config.json and model.safetensors (or its shards and their index).
+        backend: the KDA layers' backend.
+        dtype: if given, the weights are cast to it (see :meth:`KDAForCausalLM.astype`).
+
+    Returns:
+        The model.
+
+    Raises:
+        ValueError: a file is missing, truncated or corrupt (the error names it), or a tensor
+            is missing, left over or of the wrong shape (the error names the tensor).
+    """
     path = os.path.join(directory, "config.json")
     if not os.path.exists(path):
         raise ValueError(f"directory: expected a config.json in {directory!r}")

@@ -7,10 +7,10 @@ import os
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from safetensors.numpy import load_file
 
 from kdax.bench.measure import rel_rms
 from kdax.models import from_pretrained, save_pretrained
-from kdax.models.checkpoint import read_safetensors
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "..", "fixtures", "fla_tiny")
 
@@ -24,7 +24,7 @@ def test_fla_checkpoint_logits(backend):
 
 def test_save_pretrained_writes_fla_checkpoint(tmp_path):
     save_pretrained(from_pretrained(FIXTURE, backend="xla"), str(tmp_path))
-    ours, fla = (read_safetensors(os.path.join(d, "model.safetensors")) for d in (tmp_path, FIXTURE))
+    ours, fla = (load_file(os.path.join(d, "model.safetensors")) for d in (tmp_path, FIXTURE))
     assert sorted(ours) == sorted(fla)
     for name, value in fla.items():
         assert ours[name].dtype == value.dtype and ours[name].shape == value.shape, name

@@ -1,16 +1,18 @@
 """KDAConfig, KDAForCausalLM, generate and checkpoints: shapes, jit, grads, caches, varlen, errors."""
 
 import json
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from safetensors.numpy import load_file, save_file
 
 from kdax.bench.measure import rel_rms
-from kdax.models import KDAConfig, KDAForCausalLM, generate, generation
-from kdax.models.checkpoint import from_pretrained, read_safetensors, save_pretrained, write_safetensors
+from kdax.models import PRESETS, KDAConfig, KDAForCausalLM, generate, generation, tiny_config
+from kdax.models.checkpoint import from_pretrained, save_pretrained
 from kdax.models.kda import row_segments
 
 VOCAB = 61
@@ -213,11 +215,20 @@ def test_config_round_trips_through_json():
         KDAConfig.from_dict({**d, "model_type": "llama"})
 
 
+def test_presets_build_their_configs():
+    assert set(PRESETS) == {"tiny", "24x2048"} and PRESETS["tiny"] is tiny_config
+    assert PRESETS["tiny"]().vocab_size == 256 and tiny_config(num_hidden_layers=3).num_hidden_layers == 3
+    big = PRESETS["24x2048"]()
+    assert (big.num_hidden_layers, big.hidden_size, big.attn["layers"]) == (24, 2048, [3, 7, 11, 15, 19, 23])
+    with pytest.raises(ValueError, match="hidden_size"):
+        tiny_config(hidden_size=0)
+
+
 @pytest.mark.parametrize("tie", [False, True])
 def test_checkpoint_round_trip_in_fla_layout(tmp_path, tie):
     model = KDAForCausalLM(_config(tie_word_embeddings=tie), backend="xla", rngs=nnx.Rngs(2))
     save_pretrained(model, str(tmp_path))
-    tensors = read_safetensors(str(tmp_path / "model.safetensors"))
+    tensors = load_file(str(tmp_path / "model.safetensors"))
     assert tensors["model.layers.0.attn.q_proj.weight"].shape == (16, 32)  # torch [out, in]
     assert tensors["model.layers.0.attn.q_conv1d.weight"].shape == (16, 1, 4)
     assert ("lm_head.weight" in tensors) == (not tie)
@@ -231,11 +242,11 @@ def test_checkpoint_errors_name_the_tensor(tmp_path):
     model = KDAForCausalLM(_config(), backend="xla", rngs=nnx.Rngs(2))
     save_pretrained(model, str(tmp_path))
     path = str(tmp_path / "model.safetensors")
-    tensors = read_safetensors(path)
-    write_safetensors(path, {k: v for k, v in tensors.items() if k != "model.norm.weight"})
+    tensors = load_file(path)
+    save_file({k: v for k, v in tensors.items() if k != "model.norm.weight"}, path)
     with pytest.raises(ValueError, match="model.norm.weight"):
         from_pretrained(str(tmp_path))
-    write_safetensors(path, {**tensors, "model.layers.0.attn.A_log": np.zeros(3, np.float32)})
+    save_file({**tensors, "model.layers.0.attn.A_log": np.zeros(3, np.float32)}, path)
     with pytest.raises(ValueError, match="A_log"):
         from_pretrained(str(tmp_path))
     with pytest.raises(ValueError, match="directory"):
@@ -243,9 +254,35 @@ def test_checkpoint_errors_name_the_tensor(tmp_path):
 
 
 def test_safetensors_bf16_round_trip(tmp_path):
+    """safetensors' NumPy API stores and loads bfloat16 (ml_dtypes) as it is."""
     import ml_dtypes
 
     a = {"x": np.arange(6, dtype=np.float32).reshape(2, 3).astype(ml_dtypes.bfloat16), "y": np.array([1, 2], np.int64)}
-    write_safetensors(str(tmp_path / "t.safetensors"), a)
-    b = read_safetensors(str(tmp_path / "t.safetensors"))
+    save_file(a, str(tmp_path / "t.safetensors"))
+    b = load_file(str(tmp_path / "t.safetensors"))
     assert b["x"].dtype == a["x"].dtype and np.array_equal(b["x"], a["x"]) and np.array_equal(b["y"], a["y"])
+
+
+def test_bfloat16_checkpoint_loads(tmp_path):
+    """A checkpoint stored in bfloat16 (as FLA's often are) loads, into float32 parameters."""
+    import ml_dtypes
+
+    model = KDAForCausalLM(_config(), backend="xla", rngs=nnx.Rngs(2))
+    save_pretrained(model, str(tmp_path))
+    path = str(tmp_path / "model.safetensors")
+    save_file({k: v.astype(ml_dtypes.bfloat16) for k, v in load_file(path).items()}, path)
+    loaded = from_pretrained(str(tmp_path), backend="xla")
+    kernel = model.model.layers[0].attn.q_proj.kernel[...]
+    assert loaded.model.layers[0].attn.q_proj.kernel.dtype == jnp.float32
+    np.testing.assert_array_equal(loaded.model.layers[0].attn.q_proj.kernel[...], kernel.astype(jnp.bfloat16))
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage"])
+def test_corrupt_safetensors_name_the_file(tmp_path, damage):
+    model = KDAForCausalLM(_config(), backend="xla", rngs=nnx.Rngs(2))
+    save_pretrained(model, str(tmp_path))
+    path = tmp_path / "model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) - 100] if damage == "truncated" else b"not a safetensors file" * 4)
+    with pytest.raises(ValueError, match=re.escape(f"complete safetensors file at '{path}'")):
+        from_pretrained(str(tmp_path))

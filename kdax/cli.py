@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import kdax
 from kdax import train
 from kdax.bench import kda
+from kdax.models import PRESETS
 from kdax.train import TrainConfig
 
 
@@ -125,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--tune-kernels", default="all", help="--gpu-tune: kernels whose launch to sweep (a,b,...|none)")
     b.add_argument("--tune-blocks", type=_pairs, help="--gpu-tune: block_v x block_k to keep (e.g. 32x16), not sweep")
     b.add_argument("--fla-python", default=sys.executable, help="python that runs the workers (FLA and kdax)")
-    b.add_argument("--model", choices=["tiny", "24x2048"],
+    b.add_argument("--model", choices=list(PRESETS),
                    help="prefill (--B x --T prompt) and decode (--decode-steps) tokens/s of a model, random weights")  # fmt: skip
     b.add_argument("--decode-steps", type=int, default=32, help="--model: decode steps timed after the prefill")
     b.add_argument("--eager", action="store_true", help="eager calls of the ops and the tiny model against jitted ones")
@@ -137,10 +138,13 @@ def main(argv: list[str] | None = None) -> int:
         )
     t.add_argument("--corpus", default=None, help="a text file (None: the public-domain text shipped with kdax)")
     t.add_argument("--sample-tokens", type=int, default=200, help="tokens to generate after training")
+    t.add_argument(
+        "--resume", action="store_true", help="continue from the newest checkpoint in --out-dir (same settings)"
+    )
     ns = parser.parse_args(argv)
     if ns.command == "train":
         fields = {f.name: getattr(ns, f.name) for f in dataclasses.fields(TrainConfig)}
-        train.main(TrainConfig(**fields), ns.corpus, ns.sample_tokens)
+        train.main(TrainConfig(**fields), ns.corpus, ns.sample_tokens, ns.resume)
         return 0
     return _bench(ns)
 
