@@ -45,8 +45,7 @@ def kda_gate(
         lower_bound: None, or a negative float.
 
     Returns:
-        [..., HV, K] log decay (<= 0 for a negative ``lower_bound``) in float32, or float64 if
-        an input is float64.
+        [..., HV, K] log decay (<= 0) in float32, or float64 if an input is float64.
 
     Raises:
         ValueError: ``A_log`` and ``lower_bound`` are both None.
