@@ -22,10 +22,65 @@ class KDAConfig:
     """A Kimi-Linear-style hybrid: ``num_hidden_layers`` pre-norm blocks, each a token mixer
     (KimiDeltaAttention, or softmax attention on the layers listed in ``attn``) and a GatedMLP.
 
-    ``attn``: None, or {layers, num_heads, num_kv_heads, qkv_bias, window_size, rope_theta}
-    (or a list of such dicts) placing full-attention layers. The ``fuse_*`` and ``use_l2warp``
-    fields select PyTorch kernels in FLA; they are kept for checkpoint round trips and have
-    no effect here."""
+    Fields, names and defaults are FLA's ``KDAConfig``'s, checked on construction. The
+    ``fuse_*`` and ``use_l2warp`` fields select PyTorch kernels in FLA; they are kept for
+    checkpoint round trips and have no effect here, nor have ``max_position_embeddings``,
+    ``use_cache`` and the ``*_token_id`` fields (:func:`kdax.models.generate` takes its own
+    ``eos_token_id``).
+
+    Attributes:
+        attn_mode: the KDA layers' ``mode``, "chunk" or "fused_recurrent".
+        hidden_size: the model width.
+        expand_v: the KDA value head dim over ``head_dim``.
+        use_short_conv: short convolutions on the KDA layers' q, k and v.
+        allow_neg_eigval: KDA's beta is 2 * sigmoid instead of sigmoid
+            (:func:`kdax.beta_activation`).
+        safe_gate: FLA's bounded gate (needs ``lower_bound``).
+        lower_bound: None, or the negative bound of the KDA gate.
+        conv_size: the short convolutions' kernel size.
+        head_dim: the KDA query/key head dim K, at most 256.
+        num_heads: the KDA query/key heads.
+        num_v_heads: the KDA value heads, a multiple of ``num_heads`` (None: ``num_heads``).
+        max_position_embeddings: FLA's field, passed to the attention layers, which store it.
+        hidden_ratio: the MLP's ratio when ``intermediate_size`` is None.
+        intermediate_size: the MLP's hidden size (None: derived from ``hidden_ratio``).
+        hidden_act: the MLP's activation, "swish" only.
+        num_hidden_layers: the blocks.
+        norm_eps: the RMSNorms' epsilon.
+        attn: None, or a dict {layers, num_heads, num_kv_heads, qkv_bias, window_size,
+            rope_theta} (or a list of such dicts) placing softmax-attention layers; on
+            construction the optional keys get their defaults (num_kv_heads: num_heads,
+            qkv_bias: False, window_size: None, rope_theta: 10000.0).
+        use_cache: FLA's field, unused.
+        pad_token_id: None or a token id, unused.
+        bos_token_id: a token id, unused.
+        eos_token_id: a token id, unused.
+        tie_word_embeddings: the output head reuses the embeddings.
+        initializer_range: the standard deviation of the initial linear, convolution and
+            embedding weights.
+        fuse_norm: FLA's field, no effect.
+        fuse_swiglu: FLA's field, no effect.
+        fuse_cross_entropy: FLA's field, no effect.
+        use_l2warp: FLA's field, no effect.
+        vocab_size: the tokens.
+        attnres_block_size: None only (attention residuals are not supported).
+
+    Raises:
+        ValueError: naming the field (``attn.<key>`` inside ``attn``) that is wrong:
+            ``hidden_size``, ``head_dim``, ``num_heads``, ``conv_size``, ``num_hidden_layers``,
+            ``vocab_size``, ``num_v_heads``, ``intermediate_size`` or (without it)
+            ``hidden_ratio`` not a positive int; ``head_dim`` > 256; ``attn_mode`` not in
+            ("chunk", "fused_recurrent"); ``num_v_heads`` not a multiple of ``num_heads``;
+            head_dim * ``expand_v`` not a positive int; ``lower_bound`` not None or negative,
+            or None with ``safe_gate``; ``hidden_act`` not "swish"; ``norm_eps`` not positive;
+            ``attnres_block_size`` not None; a token id outside [0, vocab_size); ``attn`` not
+            None, a dict or a list of dicts with "layers" and "num_heads", or with unknown
+            keys; ``attn.layers`` indices out of [0, num_hidden_layers) or repeated;
+            ``attn.num_heads`` not a positive int dividing hidden_size into an even head dim;
+            ``attn.num_kv_heads`` not a positive int dividing ``attn.num_heads``;
+            ``attn.window_size`` not None or a positive int; ``attn.rope_theta`` not a positive
+            finite float.
+    """
 
     attn_mode: str = "chunk"
     hidden_size: int = 2048
@@ -142,18 +197,41 @@ class KDAConfig:
         return hash(json.dumps(self.to_dict(), sort_keys=True))
 
     def attention_spec(self, layer_idx: int) -> dict | None:
-        """The softmax-attention settings of layer ``layer_idx``, or None for a KDA layer."""
+        """The softmax-attention settings of a layer.
+
+        Args:
+            layer_idx: the layer's index.
+
+        Returns:
+            The ``attn`` dict that lists ``layer_idx`` (defaults filled in), or None for a KDA
+            layer.
+        """
         specs = [] if self.attn is None else [self.attn] if isinstance(self.attn, dict) else self.attn
         return next((s for s in specs if layer_idx in s["layers"]), None)
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready fields (FLA's config.json keys, plus ``model_type``)."""
+        """The config as a JSON-ready dict.
+
+        Returns:
+            Every field under FLA's config.json key, plus ``model_type: "kda"``.
+        """
         return {"model_type": "kda", **dataclasses.asdict(self)}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> KDAConfig:
-        """Build from a dict such as an FLA/HF config.json; keys that are not fields (model_type,
-        architectures, torch_dtype, ...) are ignored."""
+        """Build a config from a dict such as an FLA/HF config.json.
+
+        Args:
+            d: field name -> value; keys that are not fields (model_type, architectures,
+                torch_dtype, ...) are ignored.
+
+        Returns:
+            The :class:`KDAConfig`.
+
+        Raises:
+            ValueError: ``model_type`` is given and is not "kda"; any error of the
+                constructor.
+        """
         if d.get("model_type", "kda") != "kda":
             raise ValueError(f"model_type: expected 'kda', got {d['model_type']!r}")
         names = {f.name for f in dataclasses.fields(cls)}

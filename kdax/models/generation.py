@@ -15,9 +15,21 @@ from kdax.ops.common import dispatch
 
 
 def sample_logits(logits, rng, temperature: float, top_k: int | None, top_p: float | None):
-    """Next tokens [B] from logits [B, vocab]: argmax when temperature == 0, else a sample
-    of softmax(logits / temperature) restricted to the top_k tokens and to the smallest
-    set whose probability reaches top_p."""
+    """Pick the next tokens: argmax when temperature == 0, else a sample of
+    softmax(logits / temperature) (in float32) restricted to the top_k tokens and to the
+    smallest set whose probability reaches top_p. The arguments are not checked
+    (:func:`generate` checks them).
+
+    Args:
+        logits: [B, vocab].
+        rng: a jax.random key (unused when temperature == 0).
+        temperature: >= 0.
+        top_k: None, or the number of highest logits to keep, in [1, vocab].
+        top_p: None, or the nucleus' probability mass, in (0, 1].
+
+    Returns:
+        [B] int32 token ids.
+    """
     if temperature == 0:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     logits = logits.astype(jnp.float32) / temperature
@@ -36,6 +48,12 @@ def sample_logits(logits, rng, temperature: float, top_k: int | None, top_p: flo
 # The two steps of generate(), compiled; ``ctx``: the dispatch context to run under (part of the cache key).
 @functools.partial(jax.jit, static_argnums=(0, 4, 5, 6, 7), static_argnames="ctx")
 def prefill_sample(graphdef, state, ids, lengths, max_length, temperature, top_k, top_p, rng, ctx=("auto", None)):
+    """:meth:`KDAForCausalLM.prefill` of ``ids`` [B, T] (row b's ``lengths[b]`` tokens first) into
+    a fresh cache of ``max_length`` tokens, then :func:`sample_logits` at each row's last token.
+
+    Returns:
+        (tokens [B] int32, the :class:`ModelCache`).
+    """
     model = nnx.merge(graphdef, state)
     with dispatch.restored(ctx):
         logits, cache = model.prefill(ids, model.init_cache(ids.shape[0], max_length), lengths)
@@ -45,6 +63,12 @@ def prefill_sample(graphdef, state, ids, lengths, max_length, temperature, top_k
 
 @functools.partial(jax.jit, static_argnums=(0, 4, 5, 6), static_argnames="ctx", donate_argnums=(3,))
 def decode_sample(graphdef, state, tokens, cache, temperature, top_k, top_p, rng, ctx=("auto", None)):
+    """:meth:`KDAForCausalLM.decode` of ``tokens`` [B], then :func:`sample_logits`; ``cache`` is
+    donated.
+
+    Returns:
+        (tokens [B] int32, the advanced :class:`ModelCache`).
+    """
     with dispatch.restored(ctx):
         logits, cache = nnx.merge(graphdef, state).decode(tokens, cache)
     return sample_logits(logits, rng, temperature, top_k, top_p), cache
@@ -71,12 +95,37 @@ def _check_args(model, max_new_tokens, temperature, top_k, top_p, eos_token_id, 
 def generate(model: KDAForCausalLM, input_ids, max_new_tokens: int, *, temperature: float = 0.0,
              top_k: int | None = None, top_p: float | None = None, eos_token_id: int | None = None,
              attention_mask=None, rng=None):  # fmt: skip
-    """Extend each prompt by up to ``max_new_tokens`` tokens.
+    """Extend each prompt by up to ``max_new_tokens`` tokens: a chunked prefill, then one
+    compiled decode step per token (compiled once per batch shape and option, none per step).
 
-    input_ids: [B, T] ints; attention_mask: [B, T], 0 on padding (left or right; each row's
-    tokens may sit anywhere); rng: a jax.random key, required when temperature > 0. Once a
-    row emits ``eos_token_id`` it emits only eos_token_id; the loop stops when every row has.
-    Returns [B, T + max_new_tokens] int32: input_ids as given, then the new tokens."""
+    Once a row emits ``eos_token_id`` it emits only eos_token_id; the loop stops when every
+    row has (the remaining columns are eos_token_id).
+
+    Args:
+        model: the :class:`KDAForCausalLM`.
+        input_ids: [B, T] ints in [0, vocab_size).
+        max_new_tokens: the tokens to add, an int >= 0.
+        temperature: a finite float >= 0: 0 for greedy decoding, else the sampling
+            temperature (see :func:`sample_logits`).
+        top_k: None, or keep the top_k most likely tokens, in [1, vocab_size].
+        top_p: None, or keep the smallest set of tokens whose probability reaches top_p, in
+            (0, 1].
+        eos_token_id: None, or the token in [0, vocab_size) that ends a row
+            (``model.config.eos_token_id`` is not used).
+        attention_mask: [B, T], 1 on tokens and 0 on padding (left or right; each row's
+            tokens may sit anywhere), or None.
+        rng: a jax.random key, required when temperature > 0.
+
+    Returns:
+        [B, T + max_new_tokens] int32: input_ids as given, then the new tokens.
+
+    Raises:
+        ValueError: ``model`` is not a KDAForCausalLM; ``max_new_tokens``, ``temperature``,
+            ``top_k``, ``top_p`` or ``eos_token_id`` is out of the range above; ``rng`` is
+            None with temperature > 0; ``input_ids`` is not a [B, T] integer array with
+            T >= 1 and ids in [0, vocab_size); ``attention_mask`` is not [B, T] or has a row
+            without a token.
+    """
     _check_args(model, max_new_tokens, temperature, top_k, top_p, eos_token_id, rng)
     B, T = _check_ids(input_ids, model.config.vocab_size)
     input_ids = jnp.asarray(input_ids, jnp.int32)

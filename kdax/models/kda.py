@@ -16,19 +16,28 @@ from kdax.ops.common import dispatch
 
 
 class ModelCache(NamedTuple):
-    """Decoding caches of a batch of B rows: per layer a :class:`KDACache` (KDA layers) or
-    the (k, v) cache [B, slots, kv_heads, head_dim] (attention layers; slots = max_length,
-    or the window of a sliding-window layer, see :meth:`Attention.init_cache`); lengths [B]
-    int32, the tokens stored so far in each row (the next token's position)."""
+    """Decoding caches of a batch of B rows (:meth:`KDAForCausalLM.init_cache`).
+
+    Attributes:
+        layers: per layer, a :class:`kdax.nn.KDACache` (KDA layers) or the (k, v) cache, each
+            [B, slots, kv_heads, head_dim] (attention layers; slots = max_length, or the
+            window of a sliding-window layer, see :meth:`kdax.nn.Attention.init_cache`).
+        lengths: [B] int32, the tokens stored so far in each row (the next token's position).
+    """
 
     layers: tuple
     lengths: jax.Array
 
 
 class Segments(NamedTuple):
-    """How the tokens of a [B, T] batch group into sequences. kda_cu: offsets [N + 1] over
-    the B * T flattened tokens (None: one sequence per row); positions: [B, T] RoPE
-    positions; segment_ids: [B, T] attention groups (None: one per row)."""
+    """How the tokens of a [B, T] batch group into sequences.
+
+    Attributes:
+        kda_cu: [N + 1] int32 offsets of the KDA sequences over the B * T flattened tokens
+            (None: one sequence per row).
+        positions: [B, T] int32 RoPE positions.
+        segment_ids: [B, T] int32 attention groups (None: one per row).
+    """
 
     kda_cu: jax.Array | None
     positions: jax.Array
@@ -40,15 +49,35 @@ def _arange(B: int, T: int) -> jax.Array:
 
 
 def row_segments(B: int, T: int, lengths: jax.Array) -> Segments:
-    """Rows holding lengths[b] tokens followed by padding. Each row's tokens and its padding
-    become two KDA sequences (2B in all; row b's tokens are sequence 2b)."""
+    """Segments of rows holding lengths[b] tokens followed by padding.
+
+    Each row's tokens and its padding become two KDA sequences (2B in all; row b's tokens are
+    sequence 2b) and two attention segments (0: the tokens, 1: the padding).
+
+    Args:
+        B: the rows.
+        T: the row length.
+        lengths: [B] int32, each in [0, T].
+
+    Returns:
+        The :class:`Segments`, positions counted from each row's start.
+    """
     starts = jnp.arange(B, dtype=jnp.int32) * T
     cu = jnp.concatenate([jnp.stack([starts, starts + lengths], 1).reshape(-1), jnp.array([B * T], jnp.int32)])
     return Segments(cu, _arange(B, T), (_arange(B, T) >= lengths[:, None]).astype(jnp.int32))
 
 
 def packed_segments(T: int, cu_seqlens: jax.Array) -> Segments:
-    """One row (B = 1) of sequences packed back to back at offsets cu_seqlens [N + 1]."""
+    """Segments of one row (B = 1) of sequences packed back to back.
+
+    Args:
+        T: the row length.
+        cu_seqlens: [N + 1] int32 offsets, 0 first and T last.
+
+    Returns:
+        The :class:`Segments`: KDA sequences at ``cu_seqlens``, positions counted from each
+        sequence's start, segment_ids the sequence index.
+    """
     t = jnp.arange(T, dtype=jnp.int32)
     seq = jnp.searchsorted(cu_seqlens[1:], t, side="right").astype(jnp.int32)
     return Segments(cu_seqlens, (t - cu_seqlens[seq])[None], seq[None])
@@ -56,7 +85,14 @@ def packed_segments(T: int, cu_seqlens: jax.Array) -> Segments:
 
 class KDABlock(nnx.Module):
     """Pre-norm block: x + mixer(norm(x)), then + GatedMLP(norm(.)). The mixer is softmax
-    Attention on the layers ``config.attn`` lists, else KimiDeltaAttention."""
+    Attention on the layers ``config.attn`` lists, else KimiDeltaAttention.
+
+    Args:
+        config: the model's :class:`KDAConfig`.
+        layer_idx: the block's index.
+        backend: the KDA layer's backend.
+        rngs: the parameters' random keys.
+    """
 
     def __init__(self, config: KDAConfig, layer_idx: int, *, backend: str = "auto", rngs: nnx.Rngs):
         c = config
@@ -75,7 +111,19 @@ class KDABlock(nnx.Module):
         self.mlp = GatedMLP(c.hidden_size, c.hidden_ratio, c.intermediate_size, c.hidden_act, rngs=rngs)
 
     def __call__(self, x, seg: Segments, cache=None, output_cache=False, mode=None):
-        """x: [B, T, hidden] -> (x, new cache or None); the KDA cache has one state per KDA sequence."""
+        """Apply the block.
+
+        Args:
+            x: [B, T, hidden_size].
+            seg: how the tokens group into sequences.
+            cache: the mixer's cache (a :class:`kdax.nn.KDACache` with one state per KDA
+                sequence, or an attention layer's (k, v)), or None.
+            output_cache: whether a KDA mixer returns its final state.
+            mode: the KDA mixer's mode (None: its own choice).
+
+        Returns:
+            (x [B, T, hidden_size], the mixer's new cache or None).
+        """
         h = self.attn_norm(x)
         if isinstance(self.attn, Attention):
             h, cache = self.attn(h, positions=seg.positions, segment_ids=seg.segment_ids, cache=cache)
@@ -89,7 +137,13 @@ class KDABlock(nnx.Module):
 
 
 class KDAModel(nnx.Module):
-    """Embeddings, ``num_hidden_layers`` :class:`KDABlock`, final RMSNorm."""
+    """Embeddings, ``num_hidden_layers`` :class:`KDABlock`, final RMSNorm.
+
+    Args:
+        config: the :class:`KDAConfig`.
+        backend: the KDA layers' backend.
+        rngs: the parameters' random keys.
+    """
 
     def __init__(self, config: KDAConfig, *, backend: str = "auto", rngs: nnx.Rngs):
         self.embeddings = nnx.Embed(config.vocab_size, config.hidden_size, rngs=rngs)
@@ -99,7 +153,19 @@ class KDAModel(nnx.Module):
         self.norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
 
     def __call__(self, input_ids, seg: Segments, caches=None, output_cache=False, mode=None):
-        """input_ids: [B, T] -> (hidden [B, T, hidden_size], per-layer caches or None)."""
+        """Embed, run the blocks, normalise.
+
+        Args:
+            input_ids: [B, T] ints.
+            seg: how the tokens group into sequences.
+            caches: per-layer caches (see :class:`ModelCache`), or None.
+            output_cache: whether the KDA layers return their final states.
+            mode: the KDA layers' mode (None: their own choice).
+
+        Returns:
+            (hidden [B, T, hidden_size], a tuple of per-layer caches, None for a layer that
+            returned none).
+        """
         x = self.embeddings(input_ids)
         caches = (None,) * len(self.layers) if caches is None else caches
         new = []
@@ -111,8 +177,18 @@ class KDAModel(nnx.Module):
 
 class KDAForCausalLM(nnx.Module):
     """``model(input_ids) -> logits [B, T, vocab_size]`` (float32), FLA's parameter layout and
-    initialisation (normal(initializer_range) linears, convolutions and embeddings).
-    ``backend`` selects the chunk_kda backend of every KDA layer."""
+    initialisation (normal(initializer_range) linears, convolutions and embeddings, zero
+    biases).
+
+    Args:
+        config: the :class:`KDAConfig`.
+        backend: the backend of every KDA layer ("auto", "xla", "naive", "pallas_tpu",
+            "pallas_gpu").
+        rngs: the parameters' random keys.
+
+    Raises:
+        ValueError: ``config`` is not a :class:`KDAConfig`.
+    """
 
     def __init__(self, config: KDAConfig, *, backend: str = "auto", rngs: nnx.Rngs):
         if not isinstance(config, KDAConfig):
@@ -124,12 +200,23 @@ class KDAForCausalLM(nnx.Module):
         _init_weights(self, config.initializer_range, rngs)
 
     def num_parameters(self) -> int:
+        """The number of parameters (elements of every ``nnx.Param``)."""
         return sum(int(np.prod(p.shape)) for _, p in nnx.to_flat_state(nnx.state(self, nnx.Param)))
 
     def astype(self, dtype) -> KDAForCausalLM:
         """Cast the weights of every linear and convolution and the embeddings to ``dtype``, in
         place (``jnp.bfloat16`` to serve in bf16); A_log, dt_bias and norm weights stay float32.
-        Activations then flow in ``dtype``; KDA states and logits stay float32. Returns self."""
+        Activations then flow in ``dtype``; KDA states and logits stay float32.
+
+        Args:
+            dtype: a floating dtype.
+
+        Returns:
+            self.
+
+        Raises:
+            ValueError: ``dtype`` is not a floating dtype.
+        """
         if not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
             raise ValueError(f"dtype: expected a floating dtype, got {jnp.dtype(dtype)}")
         for _, p in _weights(self):
@@ -148,13 +235,30 @@ class KDAForCausalLM(nnx.Module):
         return self.lm_head(h).astype(jnp.float32)
 
     def __call__(self, input_ids, *, attention_mask=None, cu_seqlens=None):
-        """input_ids: [B, T] ints. attention_mask: [B, T], 1 on tokens and 0 on padding (each
-        row's tokens form one sequence, positions counted from its first token; padded
-        positions' logits are 0). cu_seqlens: [N + 1] offsets of sequences packed in one
-        row (B = 1). Returns logits [B, T, vocab_size] float32.
+        """Logits of every position.
 
         Compiled once per model structure and input shapes: an eager call costs about what
-        one under ``nnx.jit`` does."""
+        one under ``nnx.jit`` does.
+
+        Args:
+            input_ids: [B, T] ints in [0, vocab_size).
+            attention_mask: [B, T], 1 on tokens and 0 on padding (each row's tokens form one
+                sequence, positions counted from its first token; padded positions' logits
+                are 0), or None.
+            cu_seqlens: [N + 1] int offsets of sequences packed in one row (B = 1),
+                non-decreasing from 0 to T, or None. Trusted: the compiled forward sees them
+                traced, so malformed offsets give meaningless logits rather than an error.
+
+        Returns:
+            logits [B, T, vocab_size] float32.
+
+        Raises:
+            ValueError: ``input_ids`` is not a [B, T] integer array with T >= 1, or (when
+                concrete) holds ids outside [0, vocab_size); both ``attention_mask`` and
+                ``cu_seqlens`` are given; ``input_ids``' batch size is not 1 with
+                ``cu_seqlens``; ``attention_mask`` is not [B, T] or (when concrete) has a row
+                without a token.
+        """
         B, T = _check_ids(input_ids, self.config.vocab_size)
         if attention_mask is not None and cu_seqlens is not None:
             raise ValueError("attention_mask: expected None when cu_seqlens is given (pass one of them)")
@@ -180,8 +284,16 @@ class KDAForCausalLM(nnx.Module):
         return jnp.where(mask[..., None], out, 0.0)
 
     def init_cache(self, batch_size: int, max_length: int) -> ModelCache:
-        """Empty caches for ``batch_size`` rows of up to ``max_length`` tokens: KV and
-        convolution caches in :attr:`dtype`, KDA states in float32."""
+        """Empty caches for decoding.
+
+        Args:
+            batch_size: the rows B.
+            max_length: the most tokens (prompt and generated) a row will hold.
+
+        Returns:
+            A :class:`ModelCache` of zeros: KV and convolution caches in :attr:`dtype`, KDA
+            states in float32, lengths 0.
+        """
         layers = tuple(
             b.attn.init_cache(batch_size, max_length, self.dtype)
             if isinstance(b.attn, Attention)
@@ -191,9 +303,18 @@ class KDAForCausalLM(nnx.Module):
         return ModelCache(layers, jnp.zeros((batch_size,), jnp.int32))
 
     def prefill(self, input_ids, cache: ModelCache, lengths=None):
-        """Run a prompt through the chunk path into an empty cache. input_ids: [B, T], row b's
-        tokens first and padding after (lengths [B], default T). Returns (logits [B, T, vocab],
-        cache with lengths set)."""
+        """Run a prompt through the chunk path into an empty cache.
+
+        Args:
+            input_ids: [B, T] ints, row b's lengths[b] tokens first and padding after.
+            cache: an empty :class:`ModelCache` from :meth:`init_cache` (batch_size B,
+                max_length >= T).
+            lengths: [B] ints in [1, T], the tokens of each row (default T).
+
+        Returns:
+            (logits [B, T, vocab_size] float32, meaningless on padding; the cache holding
+            each row's tokens, lengths set).
+        """
         B, T = input_ids.shape
         lengths = jnp.full((B,), T, jnp.int32) if lengths is None else jnp.asarray(lengths, jnp.int32)
         fresh = tuple(c if isinstance(b.attn, Attention) else None for b, c in zip(self.model.layers, cache.layers))
@@ -203,8 +324,15 @@ class KDAForCausalLM(nnx.Module):
         return self._logits(h), ModelCache(layers, lengths)
 
     def decode(self, tokens, cache: ModelCache):
-        """One token per row through the recurrent path. tokens: [B] ints.
-        Returns (logits [B, vocab_size], cache advanced by one token)."""
+        """One token per row through the recurrent path.
+
+        Args:
+            tokens: [B] ints, each row's next token.
+            cache: the :class:`ModelCache` of :meth:`prefill` or of an earlier decode.
+
+        Returns:
+            (logits [B, vocab_size] float32, the cache advanced by one token).
+        """
         seg = Segments(None, cache.lengths[:, None], None)
         h, layers = self.model(tokens[:, None], seg, cache.layers, True, "fused_recurrent")
         return self._logits(h)[:, 0], ModelCache(layers, cache.lengths + 1)
@@ -229,8 +357,20 @@ def _check_mask(attention_mask, shape) -> jax.Array:
 
 
 def align_rows(attention_mask, shape):
-    """Validate a [B, T] 0/1 mask; return (mask bool, order [B, T] putting each row's tokens
-    first in their original order, lengths [B] int32)."""
+    """Validate a 0/1 attention mask and order each row's tokens first.
+
+    Args:
+        attention_mask: [B, T], 1 on tokens and 0 on padding.
+        shape: (B, T), the shape it must have.
+
+    Returns:
+        (mask [B, T] bool, order [B, T] int32 indices putting each row's tokens first in their
+        original order, lengths [B] int32).
+
+    Raises:
+        ValueError: ``attention_mask`` is not of ``shape``, or (when concrete) has a row
+            without a token.
+    """
     mask = _check_mask(attention_mask, shape)
     order = jnp.argsort(~mask, axis=1, stable=True).astype(jnp.int32)
     return mask, order, mask.sum(axis=1).astype(jnp.int32)

@@ -10,8 +10,16 @@ from flax import nnx
 
 
 def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-    """Rotary embedding, halves layout (FLA's non-interleaved default).
-    x: [B, T, H, D] (D even); positions: [B, T] ints -> [B, T, H, D] in x's dtype."""
+    """Rotary embedding, halves layout (FLA's non-interleaved default), computed in float32.
+
+    Args:
+        x: [B, T, H, D], D even.
+        positions: [B, T] ints, each token's position.
+        theta: the base of the frequencies ``theta ** (-2i / D)``.
+
+    Returns:
+        [B, T, H, D] in x's dtype.
+    """
     D = x.shape[-1]
     inv_freq = 1.0 / theta ** (jnp.arange(0, D, 2, dtype=jnp.float32) / D)
     angle = positions.astype(jnp.float32)[..., None, None] * inv_freq  # [B, T, 1, D/2]
@@ -23,7 +31,24 @@ def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
 class Attention(nnx.Module):
     """Causal softmax attention with ``num_kv_heads`` shared key/value heads (GQA),
     head_dim = hidden_size // num_heads, RoPE on q and k, keys within ``window_size``
-    tokens (i - j < window_size) when set."""
+    tokens (i - j < window_size) when set; scores and softmax in float32.
+
+    Args:
+        hidden_size: the input and output size.
+        num_heads: the query heads.
+        num_kv_heads: the key/value heads, a divisor of ``num_heads`` (default ``num_heads``).
+        qkv_bias: whether the q, k and v projections have a bias.
+        window_size: None (full causal attention) or the sliding window's size in tokens.
+        rope_theta: RoPE's base.
+        max_position_embeddings: stored (FLA's argument); no limit is applied.
+        layer_idx: stored, the layer's index in a model.
+        rngs: the parameters' random keys.
+
+    Raises:
+        ValueError: ``num_heads`` does not divide ``hidden_size`` into an even head dim;
+            ``num_kv_heads`` does not divide ``num_heads``; ``window_size`` is not None or
+            positive; ``rope_theta`` is not positive.
+    """
 
     def __init__(self, hidden_size: int = 2048, num_heads: int = 32, num_kv_heads: int | None = None,
                  qkv_bias: bool = False, window_size: int | None = None, rope_theta: float = 10000.0,
@@ -49,21 +74,41 @@ class Attention(nnx.Module):
         self.o_proj = nnx.Linear(hidden_size, hidden_size, use_bias=False, rngs=rngs)
 
     def init_cache(self, batch_size: int, max_length: int, dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
-        """Zeroed (k, v) cache for rows of up to max_length tokens, each [batch_size, slots,
-        num_kv_heads, head_dim]: slots = max_length, or min(window_size, max_length) with a
-        window (a ring buffer: position p lives in slot p % slots)."""
+        """Zeroed (k, v) cache for rows of up to ``max_length`` tokens.
+
+        Args:
+            batch_size: the rows B.
+            max_length: the most tokens a row will hold.
+            dtype: the cache's dtype.
+
+        Returns:
+            (k, v), each [batch_size, slots, num_kv_heads, head_dim] zeros in ``dtype``: slots =
+            max_length, or min(window_size, max_length) with a window (a ring buffer: position
+            p lives in slot p % slots).
+        """
         slots = max_length if self.window_size is None else min(self.window_size, max_length)
         shape = (batch_size, slots, self.num_kv_heads, self.head_dim)
         return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
 
     def __call__(self, x, *, positions=None, segment_ids=None, cache=None):
-        """x: [B, T, hidden]; positions: [B, T] RoPE positions (default 0..T-1); segment_ids:
-        [B, T], tokens attend only within their segment (packed sequences, padding).
-        With ``cache`` (k, v from :meth:`init_cache`) each row holds one sequence whose tokens
-        before positions[b, 0] are cached: row b's tokens are at positions[b, 0] + t, attend to
-        the cached ones and to each other, and are stored; tokens outside the row's first
-        segment (padding after it, when segment_ids is given) are not stored.
-        Returns (y [B, T, hidden] in x's dtype, the updated cache or None)."""
+        """Attend causally within each row (or segment), optionally continuing from a cache.
+
+        With ``cache`` each row holds one sequence whose tokens before positions[b, 0] are
+        cached: row b's tokens are at positions[b, 0] + t, attend to the cached ones and to
+        each other, and are stored; tokens outside the row's first segment (padding after it,
+        when segment_ids is given) are not stored.
+
+        Args:
+            x: [B, T, hidden_size].
+            positions: [B, T] int RoPE positions (default 0..T-1).
+            segment_ids: [B, T] ints, or None; tokens attend only within their segment
+                (packed sequences, padding).
+            cache: None, or the (k, v) of :meth:`init_cache` (or of an earlier call).
+
+        Returns:
+            (y [B, T, hidden_size] in the dtype x and the weights promote to (x's dtype when
+            they match), the updated (k, v) cache or None without ``cache``).
+        """
         B, T, _ = x.shape
         H, G, Dh = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
         if positions is None:

@@ -9,10 +9,25 @@ from flax import nnx
 
 
 class ShortConvolution(nnx.Module):
-    """weight [D, 1, W] (torch ``Conv1d`` depthwise layout, as in FLA checkpoints), bias [D].
+    """Depthwise causal convolution over time:
+    ``y_t = act(sum_j weight[:, 0, W - 1 - j] x_{t - j} + bias)``, the inputs before a
+    sequence's start taken from ``cache`` (or zero), computed in float32.
 
-    y_t = act(sum_j weight[:, 0, W - 1 - j] x_{t - j} + bias), the inputs before a
-    sequence's start taken from ``cache`` (or zero)."""
+    Args:
+        hidden_size: D, the channels.
+        kernel_size: W, the taps.
+        bias: whether to add a bias.
+        activation: act: None, or "silu" / "swish" (the same function).
+        rngs: the parameters' random keys (torch ``Conv1d``'s uniform initialisation).
+
+    Attributes:
+        weight: [D, 1, W] float32 (torch ``Conv1d`` depthwise layout, as in FLA checkpoints).
+        bias: [D] float32, or None.
+
+    Raises:
+        ValueError: ``activation`` is not one of the above, or ``kernel_size`` or
+            ``hidden_size`` is not positive.
+    """
 
     def __init__(self, hidden_size: int, kernel_size: int, bias: bool = False, activation: str | None = "silu", *,
                  rngs: nnx.Rngs):  # fmt: skip
@@ -27,9 +42,24 @@ class ShortConvolution(nnx.Module):
         self.bias = nnx.Param(uniform((hidden_size,))) if bias else None
 
     def __call__(self, x, cache=None, output_final_state=False, cu_seqlens=None):
-        """x: [B, T, D]; cache: [N, D, W], each sequence's last W inputs (newest last);
-        cu_seqlens: [N + 1] offsets of packed sequences (B = 1).
-        Returns (y [B, T, D] in x's dtype, the updated cache [N, D, W] or None)."""
+        """Convolve each sequence, continuing from ``cache``.
+
+        Args:
+            x: [B, T, D].
+            cache: [N, D, W], each sequence's last W inputs before x (newest last), or None
+                (zeros).
+            output_final_state: whether to return the updated cache.
+            cu_seqlens: [N + 1] int offsets of sequences packed in one row (B = 1), or None
+                (N = B, one sequence per row).
+
+        Returns:
+            (y [B, T, D] in x's dtype, the updated cache [N, D, W] in the dtype of ``cache``
+            (of x without one), or None unless ``output_final_state``).
+
+        Raises:
+            ValueError: ``x``'s last dim is not D, or its batch size is not 1 with
+                ``cu_seqlens``; ``cache`` is not [N, D, W].
+        """
         B, T, D = x.shape
         W = self.kernel_size
         if D != self.hidden_size:

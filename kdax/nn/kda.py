@@ -19,24 +19,59 @@ RECURRENT_MAX_TOKENS = 64  # FLA's rule: inference on <= 64 new tokens uses the 
 
 
 class KDACache(NamedTuple):
-    """Per-sequence decoding state. recurrent: [N, HV, K, V] float32; conv: the q, k and v
-    convolution caches [N, D, conv_size] (None without short convolutions)."""
+    """Per-sequence decoding state of a :class:`KimiDeltaAttention` layer.
+
+    Attributes:
+        recurrent: [N, HV, K, V] float32 (float64 with float64 inputs), the delta-rule state.
+        conv: the q, k and v convolution caches, each [N, D, conv_size] (D: H * K for q and
+            k, HV * V for v), or None without short convolutions.
+    """
 
     recurrent: jax.Array
     conv: tuple[jax.Array, jax.Array, jax.Array] | None
 
 
 class KimiDeltaAttention(nnx.Module):
-    """Kimi Delta Attention: x [B, T, hidden_size] -> [B, T, hidden_size].
+    """Kimi Delta Attention (FLA's layer, same parameters and initialisation): x [B, T,
+    hidden_size] -> [B, T, hidden_size].
 
     Heads: num_heads query/key heads of dim head_dim (K), num_v_heads value heads (HV,
     default num_heads) of dim head_dim * expand_v (V). ``deterministic`` (set by
-    ``model.eval()`` / ``model.train()``) selects FLA's rule: in inference, inputs of
-    <= 64 tokens run the recurrent kernel, longer ones ``mode``; training always chunks.
-    ``backend`` and ``chunk_size`` are passed to :func:`kdax.chunk_kda`, ``backend`` to
-    :func:`kdax.fused_recurrent_kda` too; the recurrent op has no Pallas kernels, so on a Pallas
-    backend (the layer's own or :func:`kdax.use_backend`'s) decoding runs that backend's chunked
-    kernels over the new tokens."""
+    ``model.eval()`` / ``model.train()``) selects FLA's rule (:meth:`pick_mode`): in
+    inference, inputs of <= 64 tokens run the recurrent kernel, longer ones the chunked one;
+    training always chunks. ``backend`` and ``chunk_size`` are passed to
+    :func:`kdax.chunk_kda`, ``backend`` to :func:`kdax.fused_recurrent_kda` too; the recurrent
+    op has no Pallas kernels, so on a Pallas backend (the layer's own or
+    :func:`kdax.use_backend`'s) decoding runs that backend's chunked kernels over the new
+    tokens.
+
+    Args:
+        hidden_size: the input and output size.
+        expand_v: V / K; head_dim * expand_v must be an int.
+        head_dim: K, the query/key head dim.
+        num_heads: H, the query/key heads.
+        num_v_heads: HV, the value heads, a multiple of ``num_heads`` (default ``num_heads``).
+        mode: "chunk" or "fused_recurrent": validated and stored (FLA's kernel for inference
+            inputs of more than 64 tokens); here those always run "chunk".
+        use_short_conv: a :class:`ShortConvolution` (SiLU) on q, k and v, else SiLU alone.
+        allow_neg_eigval: beta = 2 * sigmoid (in [0, 2)) instead of sigmoid.
+        safe_gate: FLA's bounded gate: A_log starts at 0 and ``lower_bound`` is required.
+        lower_bound: None, or a negative float: the gate becomes
+            ``lower_bound * sigmoid(exp(A_log) * (g + dt_bias))`` (see :func:`kdax.kda_gate`).
+        conv_size: the short convolutions' kernel size.
+        conv_bias: whether the short convolutions have a bias.
+        layer_idx: stored, the layer's index in a model.
+        norm_eps: the output norm's epsilon.
+        backend: the ops' backend ("auto", "xla", "naive", "pallas_tpu", "pallas_gpu").
+        chunk_size: :func:`kdax.chunk_kda`'s chunk size.
+        rngs: the parameters' random keys.
+
+    Raises:
+        ValueError: ``mode`` is not "chunk" or "fused_recurrent"; ``num_heads`` or ``head_dim`` is not
+            positive; ``num_v_heads`` is not a multiple of ``num_heads``; ``expand_v`` does not
+            make head_dim * expand_v a positive int; ``lower_bound`` is not None or negative,
+            or is None with ``safe_gate``.
+    """
 
     def __init__(self, hidden_size: int = 2048, expand_v: float = 1.0, head_dim: int = 128, num_heads: int = 16,
                  num_v_heads: int | None = None, mode: str = "chunk", use_short_conv: bool = True,
@@ -82,7 +117,16 @@ class KimiDeltaAttention(nnx.Module):
         self.o_proj = linear(value_dim, hidden_size)
 
     def init_cache(self, num_seqs: int, dtype=jnp.float32) -> KDACache:
-        """Zero state for ``num_seqs`` sequences (conv caches in ``dtype``)."""
+        """Zero state for ``num_seqs`` sequences.
+
+        Args:
+            num_seqs: N, the sequences.
+            dtype: the convolution caches' dtype.
+
+        Returns:
+            A :class:`KDACache`: recurrent [N, HV, K, V] float32 zeros, conv caches
+            [N, D, conv_size] zeros in ``dtype`` (None without short convolutions).
+        """
         K, V, HV = self.head_k_dim, self.head_v_dim, self.num_v_heads
         conv = None
         if self.use_short_conv:
@@ -91,14 +135,37 @@ class KimiDeltaAttention(nnx.Module):
         return KDACache(jnp.zeros((num_seqs, HV, K, V), jnp.float32), conv)
 
     def pick_mode(self, num_tokens: int) -> str:
-        """FLA's kernel choice for an input of ``num_tokens`` tokens."""
+        """FLA's kernel choice for an input of ``num_tokens`` tokens.
+
+        Args:
+            num_tokens: T.
+
+        Returns:
+            "fused_recurrent" in inference (``deterministic``) for T <= 64, else "chunk".
+        """
         return "fused_recurrent" if self.deterministic and num_tokens <= RECURRENT_MAX_TOKENS else "chunk"
 
     def __call__(self, x, *, cu_seqlens=None, cache: KDACache | None = None, output_cache: bool = False,
                  mode: str | None = None):  # fmt: skip
-        """x: [B, T, hidden_size]; cu_seqlens: [N + 1] offsets of packed sequences (B = 1);
-        cache: the state each sequence starts from (N = B, or len(cu_seqlens) - 1).
-        Returns (y [B, T, hidden_size], the final :class:`KDACache` if output_cache else None)."""
+        """Run the layer over each sequence, continuing from ``cache``.
+
+        Args:
+            x: [B, T, hidden_size].
+            cu_seqlens: [N + 1] int offsets of sequences packed in one row (B = 1), or None
+                (N = B, one sequence per row).
+            cache: the :class:`KDACache` each sequence starts from, or None (zeros).
+            output_cache: whether to return the final state.
+            mode: "chunk" or "fused_recurrent"; None: :meth:`pick_mode`'s choice.
+
+        Returns:
+            (y [B, T, hidden_size] in the dtype x and the weights promote to, the final
+            :class:`KDACache` if ``output_cache`` else None).
+
+        Raises:
+            ValueError: ``x``'s last dim is not hidden_size; ``mode`` is not None, "chunk" or
+                "fused_recurrent"; a ``cu_seqlens`` or ``cache`` that does not fit (raised by
+                the short convolutions or the KDA ops).
+        """
         B, T, D = x.shape
         if D != self.hidden_size:
             raise ValueError(f"x: expected last dim {self.hidden_size}, got shape {tuple(x.shape)}")

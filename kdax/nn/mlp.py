@@ -7,8 +7,19 @@ from flax import nnx
 
 
 class GatedMLP(nnx.Module):
-    """x: [..., hidden_size] -> [..., hidden_size]. ``intermediate_size`` defaults as in FLA:
-    2/3 * hidden_size * hidden_ratio rounded up to a multiple of 256."""
+    """SwiGLU MLP: ``down_proj(silu(gate_proj(x)) * up_proj(x))``, linears without bias.
+
+    Args:
+        hidden_size: the input and output size.
+        hidden_ratio: used when ``intermediate_size`` is None (default 4).
+        intermediate_size: the hidden size; defaults as in FLA to
+            ``2/3 * hidden_size * hidden_ratio`` rounded up to a multiple of 256.
+        hidden_act: "swish", the only activation.
+        rngs: the parameters' random keys.
+
+    Raises:
+        ValueError: ``hidden_act`` is not "swish".
+    """
 
     def __init__(self, hidden_size: int, hidden_ratio: int | None = None, intermediate_size: int | None = None,
                  hidden_act: str = "swish", *, rngs: nnx.Rngs):  # fmt: skip
@@ -24,4 +35,12 @@ class GatedMLP(nnx.Module):
         self.down_proj = linear(intermediate_size, hidden_size)
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        """Apply the MLP.
+
+        Args:
+            x: [..., hidden_size].
+
+        Returns:
+            [..., hidden_size], in the dtype x and the weights promote to.
+        """
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -9,10 +9,27 @@ LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x * LOG2E); the kernels wor
 
 
 def pad_last(x: jax.Array, n: int, fill: float = 0.0) -> jax.Array:
-    """x [..., d] -> [..., n], padded with ``fill`` (n >= d)."""
+    """Pad the last axis at its end.
+
+    Args:
+        x: [..., d].
+        n: the new size, >= d.
+        fill: the padding value.
+
+    Returns:
+        [..., n] in x's dtype.
+    """
     return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, n - x.shape[-1])], constant_values=fill)
 
 
 def round_up(n: int, m: int) -> int:
-    """The least multiple of m that is >= n."""
+    """The least multiple of ``m`` that is >= ``n``.
+
+    Args:
+        n: an int.
+        m: a positive int.
+
+    Returns:
+        ``ceil(n / m) * m``.
+    """
     return -(-n // m) * m

@@ -26,8 +26,12 @@ _TARGET = contextvars.ContextVar("kdax_target_platform", default=None)  # set by
 
 
 def platform() -> str:
-    """The platform the ops build for: that of :func:`kdax.lower` while it lowers, else
-    ``jax.default_backend()`` ("cpu", "gpu" or "tpu")."""
+    """The platform the ops build for.
+
+    Returns:
+        That of :func:`kdax.lower` while it lowers, else ``jax.default_backend()`` ("cpu",
+        "gpu" or "tpu").
+    """
     return _TARGET.get() or jax.default_backend()
 
 
@@ -43,7 +47,7 @@ def use_backend(backend: str) -> Iterator[None]:
         backend: one of "auto", "xla", "naive", "pallas_tpu", "pallas_gpu".
 
     Raises:
-        ValueError: for any other name.
+        ValueError: ``backend`` is any other name.
     """
     if backend not in BACKENDS:
         fail("backend", f"one of {BACKENDS}", repr(backend))
@@ -55,13 +59,21 @@ def use_backend(backend: str) -> Iterator[None]:
 
 
 def scoped_backend() -> str:
-    """The backend :func:`use_backend` set for this context ("auto" outside it)."""
+    """The scoped default backend.
+
+    Returns:
+        The backend :func:`use_backend` set for this context ("auto" outside it).
+    """
     return _SCOPED.get()
 
 
 @contextlib.contextmanager
 def building_for(target: str | None) -> Iterator[None]:
-    """Within it, :func:`platform` is ``target`` ("gpu", "tpu"; None: the default device)."""
+    """Within the ``with`` block, :func:`platform` is ``target``.
+
+    Args:
+        target: "gpu" or "tpu"; None: the default device.
+    """
     token = _TARGET.set(target)
     try:
         yield
@@ -70,16 +82,28 @@ def building_for(target: str | None) -> Iterator[None]:
 
 
 def context() -> tuple[str, str | None]:
-    """What the ops' choices depend on besides their arguments: (the :func:`use_backend`
-    scope, the platform being built for). A function compiled with ``jax.jit`` that calls kdax
-    ops takes it as a static argument and runs under :func:`restored`, so that it compiles
-    once per context instead of keeping the choices of its first trace."""
+    """What the ops' choices depend on besides their arguments.
+
+    A function compiled with ``jax.jit`` that calls kdax ops takes it as a static argument and
+    runs under :func:`restored`, so that it compiles once per context instead of keeping the
+    choices of its first trace.
+
+    Returns:
+        (the :func:`use_backend` scope, the platform being built for or None).
+    """
     return _SCOPED.get(), _TARGET.get()
 
 
 @contextlib.contextmanager
 def restored(ctx: tuple[str, str | None]) -> Iterator[None]:
-    """Run under the :func:`context` ``ctx``."""
+    """Within the ``with`` block, run under a saved context.
+
+    Args:
+        ctx: a value of :func:`context`.
+
+    Raises:
+        ValueError: ``ctx[0]`` is not a backend name (see :func:`use_backend`).
+    """
     with use_backend(ctx[0]), building_for(ctx[1]):
         yield
 
@@ -104,7 +128,19 @@ class OpBackends:
     refuse: Callable[..., str | None] = lambda kernels, dtype, config, asked, **options: None
 
     def explain(self, dtype, config=None, **options) -> tuple[str, str]:
-        """(backend, reason): what "auto" runs for inputs of ``dtype`` here, and why."""
+        """What "auto" runs for inputs of ``dtype`` here, and why.
+
+        Args:
+            dtype: the inputs' dtype.
+            config: a backend's kernel config, which asks for that backend's kernels, or None.
+            **options: passed to ``refuse``.
+
+        Returns:
+            (backend, reason), e.g. ("xla", "no kernels for this device (cpu)").
+
+        Raises:
+            ValueError: ``config`` is not a config of one of ``configs``.
+        """
         if config is not None:
             kernels = next((n for n, cls in self.configs.items() if isinstance(config, cls)), None)
             if kernels is None:
@@ -127,8 +163,23 @@ class OpBackends:
         return kernels, where
 
     def resolve(self, backend: str, dtype, config=None, **options):
-        """(the backend to run, its checked config): ``backend`` itself, or for "auto" what
-        :meth:`explain` says (logged at debug level by the ``kdax`` logger)."""
+        """The backend to run and its config.
+
+        Args:
+            backend: a backend name; "auto" runs what :meth:`explain` says (logged at debug
+                level by the ``kdax`` logger).
+            dtype: the inputs' dtype.
+            config: the backend's kernel config, or None for its default.
+            **options: passed to ``refuse``.
+
+        Returns:
+            (backend, config): ``backend`` itself or "auto"'s choice, and its config checked
+            and resolved for this device (None for a backend without one).
+
+        Raises:
+            NotImplementedError: ``backend`` is neither portable nor among ``cores``.
+            ValueError: ``config`` is not a config of ``backend`` (of no backend, with "auto").
+        """
         if backend == "auto":
             backend, why = self.explain(dtype, config, **options)
             log.debug("%s: backend='auto' -> %r: %s", self.op, backend, why)

@@ -33,7 +33,7 @@ def lower(fn: Callable, *args, platform: str, device_kind: str = "NVIDIA H100", 
         The ``jax.stages.Lowered``: ``.as_text()`` holds ``tpu_custom_call`` or Triton calls.
 
     Raises:
-        ValueError: for another platform.
+        ValueError: ``platform`` is not "cuda" or "tpu".
     """
     if platform not in PLATFORMS:
         fail("platform", f"one of {tuple(PLATFORMS)}", repr(platform))

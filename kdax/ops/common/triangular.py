@@ -8,7 +8,14 @@ from jax import lax
 
 
 def dyadic_levels(C: int) -> list[int]:
-    """Block sizes of the dyadic levels of a [C, C] triangle: C, C/2, ..., 2 (C a power of two)."""
+    """Block sizes of the dyadic levels of a [C, C] triangle.
+
+    Args:
+        C: a power of two.
+
+    Returns:
+        [C, C/2, ..., 2] (empty for C = 1).
+    """
     return [C >> i for i in range(C.bit_length() - 1)]
 
 
@@ -19,6 +26,15 @@ def unit_lower_inverse(A: jax.Array) -> jax.Array:
     of size 2h the inverse is [[T11, 0], [-T22 A21 T11, T22]]. Exact (the arithmetic
     of blocked forward substitution), only matmuls, log2(C) steps; the entries of A on
     and above the diagonal are ignored.
+
+    Args:
+        A: [..., C, C] float, C a power of two.
+
+    Returns:
+        [..., C, C] in A's dtype, unit lower triangular.
+
+    Raises:
+        ValueError: C is not a power of two.
     """
     C = A.shape[-1]
     if C & (C - 1):

@@ -9,13 +9,29 @@ import jax.numpy as jnp
 
 
 def fail(name: str, expected: str, got) -> NoReturn:
-    """Raise ``ValueError("{name}: expected {expected}, got {got}")``."""
+    """Raise the library's argument error.
+
+    Args:
+        name: the argument.
+        expected: what it should be.
+        got: what it is.
+
+    Raises:
+        ValueError: always, ``"{name}: expected {expected}, got {got}"``.
+    """
     raise ValueError(f"{name}: expected {expected}, got {got}")
 
 
 def check_array(name: str, x, ndim: int, shape=None, integer: bool = False) -> None:
     """Check that ``x`` is an array of ``ndim`` dimensions (of ``shape`` if given) with a floating
     (or, with ``integer``, an integer) dtype.
+
+    Args:
+        name: the argument's name, for the message.
+        x: the value.
+        ndim: the dimensions it must have.
+        shape: the shape it must have, or None.
+        integer: whether its dtype must be an integer (else floating) dtype.
 
     Raises:
         ValueError: naming ``name``, for anything else.

@@ -17,7 +17,20 @@ import jax.numpy as jnp
 
 
 class ChunkLayout(NamedTuple):
-    """Where tokens sit in the padded chunk axis. ``N`` sequences, ``NC`` chunks."""
+    """Where tokens sit in the padded chunk axis: ``N`` sequences, ``NC`` chunks of size C.
+
+    Attributes:
+        slot_token: [NC * C] int32, the packed token index of each slot, or None (plain padding).
+        slot_valid: [NC * C] bool, the slot holds a real token (None with plain padding).
+        token_slot: [T] int32, the slot of each token (None with plain padding).
+        chunk_seq: [NC] int32, the sequence of each chunk.
+        chunk_first: [NC] bool, the chunk starts its sequence (the state resets to h0).
+        chunk_last: [NC] bool, the chunk ends its sequence (its end state is final).
+        seq_chunk_start: [N] int32, the first chunk of each sequence.
+        seq_chunk_end: [N] int32, one past its last chunk (= start for a sequence with no tokens).
+        chunk_size: C.
+        num_tokens: T.
+    """
 
     slot_token: jax.Array | None  # [NC * C] int32 packed token index of each slot, or None (plain padding)
     slot_valid: jax.Array | None  # [NC * C] bool, slot holds a real token
@@ -32,6 +45,7 @@ class ChunkLayout(NamedTuple):
 
     @property
     def n_chunks(self) -> int:
+        """NC, the chunks."""
         return self.chunk_seq.shape[0]
 
     @property
@@ -40,7 +54,15 @@ class ChunkLayout(NamedTuple):
         return self.seq_chunk_start == self.seq_chunk_end
 
     def pack(self, x: jax.Array, fill: float = 0.0) -> jax.Array:
-        """[B, T, ...] -> [B, NC * C, ...], ``fill`` in padding slots."""
+        """Scatter tokens into the chunk axis.
+
+        Args:
+            x: [B, T, ...].
+            fill: the value of padding slots.
+
+        Returns:
+            [B, NC * C, ...] in x's dtype.
+        """
         if self.slot_token is None:
             pad = self.n_chunks * self.chunk_size - self.num_tokens
             return jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
@@ -48,7 +70,14 @@ class ChunkLayout(NamedTuple):
         return jnp.where(mask, jnp.take(x, self.slot_token, axis=1), jnp.full((), fill, x.dtype))
 
     def unpack(self, x: jax.Array) -> jax.Array:
-        """[B, NC * C, ...] -> [B, T, ...]."""
+        """Gather tokens back from the chunk axis (the inverse of :meth:`pack`).
+
+        Args:
+            x: [B, NC * C, ...].
+
+        Returns:
+            [B, T, ...] in x's dtype.
+        """
         if self.token_slot is None:
             return x[:, : self.num_tokens]
         return jnp.take(x, self.token_slot, axis=1)
@@ -59,6 +88,14 @@ def chunk_layout(num_tokens: int, chunk_size: int, cu_seqlens: jax.Array | None 
 
     Without ``cu_seqlens``: one sequence per batch row, padded at the end.
     With ``cu_seqlens`` [N + 1] (B must be 1): N packed sequences, each padded to chunks.
+
+    Args:
+        num_tokens: T.
+        chunk_size: C.
+        cu_seqlens: [N + 1] int offsets (may be traced; not checked), or None.
+
+    Returns:
+        The :class:`ChunkLayout`.
     """
     T, C = num_tokens, chunk_size
     i32 = jnp.int32

@@ -32,13 +32,23 @@ def kda_gate(
     dt_bias: jax.Array | None = None,
     lower_bound: float | None = None,
 ) -> jax.Array:
-    """Log-space KDA decay from raw gate logits, in float32 (or float64).
-
-    g: [..., HV, K] raw logits; A_log: [HV]; dt_bias: [HV * K].
+    """Log-space KDA decay from raw gate logits.
 
     Without ``lower_bound``: ``-exp(A_log)[h] * softplus(g + dt_bias)`` (needs A_log).
     With ``lower_bound`` (< 0): ``lower_bound * sigmoid(exp(A_log)[h] * (g + dt_bias))``,
     or ``lower_bound * sigmoid(g + dt_bias)`` when ``A_log`` is None.
+
+    Args:
+        g: [..., HV, K] raw logits.
+        A_log: [HV], or None (then ``lower_bound`` is required).
+        dt_bias: [HV * K], or None (no bias).
+        lower_bound: None, or a negative float.
+
+    Returns:
+        [..., HV, K] log decay (<= 0) in float32, or float64 if an input is float64.
+
+    Raises:
+        ValueError: ``A_log`` and ``lower_bound`` are both None.
     """
     if lower_bound is None and A_log is None:
         raise ValueError("kda_gate: A_log is required unless lower_bound is given")
@@ -54,7 +64,14 @@ def softplus_exp2(x: jax.Array) -> jax.Array:
     polynomial for ``log1p(t) / t``: within 3e-7 relative of the exact value for x >= -20 (a
     float32 ``jax.nn.softplus`` is within 2.3e-7), and in a Pallas-Triton kernel about 14
     instructions an element, where ``jax.nn.softplus`` lowers to libdevice's ``expf`` and
-    ``log1pf``, about 44 (docs/kda_gpu.md, "The gate's softplus")."""
+    ``log1pf``, about 44 (docs/kda_gpu.md, "The gate's softplus").
+
+    Args:
+        x: a float array (float32 for the accuracy above).
+
+    Returns:
+        softplus(x), x's shape and dtype.
+    """
     t = jnp.exp2(jnp.abs(x) * -LOG2E)
     p = _LOG1P_OVER_T[-1]
     for c in _LOG1P_OVER_T[-2::-1]:
@@ -66,7 +83,18 @@ def log_decay(x: jax.Array, a: jax.Array | None, b: jax.Array | None, lower_boun
               softplus=jax.nn.softplus) -> jax.Array:  # fmt: skip
     """:func:`kda_gate` on logits x with ``a = exp(A_log)`` and ``b = dt_bias`` broadcast to x
     (None: 1 and 0). Plain jnp, so the GPU kernels apply it to their tiles as XLA does (they pass
-    ``softplus=softplus_exp2``)."""
+    ``softplus=softplus_exp2``).
+
+    Args:
+        x: raw logits, any shape.
+        a: ``exp(A_log)`` broadcastable to x, or None (required without ``lower_bound``).
+        b: ``dt_bias`` broadcastable to x, or None.
+        lower_bound: None, or a negative float.
+        softplus: the softplus to use.
+
+    Returns:
+        The log decay, x's shape, in the dtype x, a and b promote to.
+    """
     if b is not None:
         x = x + b
     if lower_bound is None:
@@ -75,12 +103,29 @@ def log_decay(x: jax.Array, a: jax.Array | None, b: jax.Array | None, lower_boun
 
 
 def l2norm(x: jax.Array, axis: int = -1) -> jax.Array:
-    """``x / sqrt(sum(x**2) + 1e-6)`` along ``axis``, computed in float32, returned in x's dtype."""
+    """``x / sqrt(sum(x**2) + 1e-6)`` along ``axis``.
+
+    Args:
+        x: a float array, e.g. q or k [B, T, H, K].
+        axis: the axis to normalise.
+
+    Returns:
+        x's shape and dtype, computed in float32 (float64 for float64 x).
+    """
     xf = _f32(x)
     return (xf * jax.lax.rsqrt(jnp.sum(xf * xf, axis=axis, keepdims=True) + L2NORM_EPS)).astype(x.dtype)
 
 
 def beta_activation(beta: jax.Array, allow_neg_eigval: bool = False) -> jax.Array:
-    """``sigmoid(beta)``, or ``2 * sigmoid(beta)`` in [0, 2) when ``allow_neg_eigval``."""
+    """``sigmoid(beta)``, or ``2 * sigmoid(beta)`` in [0, 2) when ``allow_neg_eigval``.
+
+    Args:
+        beta: raw logits, e.g. [B, T, HV].
+        allow_neg_eigval: whether to double the sigmoid (eigenvalues of the transition down
+            to -1).
+
+    Returns:
+        beta's shape, in float32 (float64 for float64 beta).
+    """
     b = jax.nn.sigmoid(_f32(beta))
     return 2.0 * b if allow_neg_eigval else b
