@@ -38,8 +38,8 @@ class KimiDeltaAttention(nnx.Module):
     Heads: num_heads query/key heads of dim head_dim (K), num_v_heads value heads (HV,
     default num_heads) of dim head_dim * expand_v (V). ``deterministic`` (set by
     ``model.eval()`` / ``model.train()``) selects FLA's rule (:meth:`pick_mode`): in
-    inference, inputs of <= 64 tokens run the recurrent kernel, longer ones the chunked one;
-    training always chunks. ``backend`` and ``chunk_size`` are passed to
+    inference, inputs of <= 64 tokens run the recurrent kernel; everything else runs ``mode``
+    (the chunked form by default). ``backend`` and ``chunk_size`` are passed to
     :func:`kdax.chunk_kda`, ``backend`` to :func:`kdax.fused_recurrent_kda` too; the recurrent
     op has no Pallas kernels, so on a Pallas backend (the layer's own or
     :func:`kdax.use_backend`'s) decoding runs that backend's chunked kernels over the new
@@ -51,8 +51,8 @@ class KimiDeltaAttention(nnx.Module):
         head_dim: K, the query/key head dim.
         num_heads: H, the query/key heads.
         num_v_heads: HV, the value heads, a multiple of ``num_heads`` (default ``num_heads``).
-        mode: "chunk" or "fused_recurrent": validated and stored (FLA's kernel for inference
-            inputs of more than 64 tokens); here those always run "chunk".
+        mode: "chunk" or "fused_recurrent": the form for training and for inference inputs of
+            more than 64 tokens (FLA's rule).
         use_short_conv: a :class:`ShortConvolution` (SiLU) on q, k and v, else SiLU alone.
         allow_neg_eigval: beta = 2 * sigmoid (in [0, 2)) instead of sigmoid.
         safe_gate: FLA's bounded gate: A_log starts at 0 and ``lower_bound`` is required.
@@ -141,9 +141,9 @@ class KimiDeltaAttention(nnx.Module):
             num_tokens: T.
 
         Returns:
-            "fused_recurrent" in inference (``deterministic``) for T <= 64, else "chunk".
+            "fused_recurrent" in inference (``deterministic``) for T <= 64, else the layer's ``mode``.
         """
-        return "fused_recurrent" if self.deterministic and num_tokens <= RECURRENT_MAX_TOKENS else "chunk"
+        return "fused_recurrent" if self.deterministic and num_tokens <= RECURRENT_MAX_TOKENS else self.mode
 
     def __call__(self, x, *, cu_seqlens=None, cache: KDACache | None = None, output_cache: bool = False,
                  mode: str | None = None):  # fmt: skip

@@ -55,6 +55,8 @@ def test_kda_mode_rule_follows_fla():
     assert (layer.pick_mode(64), layer.pick_mode(65)) == ("fused_recurrent", "chunk")
     layer.train()
     assert layer.pick_mode(8) == "chunk"
+    recurrent = _kda(mode="fused_recurrent")  # the layer's mode wherever the rule does not pick recurrent
+    assert recurrent.pick_mode(8) == recurrent.pick_mode(1000) == "fused_recurrent"
 
 
 def test_kda_cache_prefill_then_decode_equals_full_run():

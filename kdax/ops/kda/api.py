@@ -107,12 +107,13 @@ def _preprocess(q, k, g, beta, use_qk_l2norm_in_kernel, use_gate_in_kernel, A_lo
     return q, k, g, beta
 
 
-def _refuse(kernels, dtype, config, asked, chunk_size=None) -> str | None:
+def _refuse(kernels, dtype, config, asked, chunk_size=None, head_dims=(128, 128)) -> str | None:
     """Why these kernels do not take the inputs (None: they do); see OpBackends.refuse."""
     if kernels == "pallas_gpu" and not asked and not pallas_gpu.VERIFIED_ON_GPU:
         return "the GPU kernels are not yet verified on a GPU (pallas_gpu.VERIFIED_ON_GPU)"
-    if kernels == "pallas_gpu" and not pallas_gpu.chunk_fits(dtype, chunk_size, config or pallas_gpu.Config()):
-        return f"chunk_size={chunk_size} with {jnp.dtype(dtype)} inputs does not fit the GPU kernels"
+    if kernels == "pallas_gpu" and (why := pallas_gpu.chunk_fits(dtype, chunk_size, config or pallas_gpu.Config(),
+                                                                 *head_dims)):  # fmt: skip
+        return f"chunk_size={chunk_size} with {jnp.dtype(dtype)} inputs does not fit the GPU kernels: {why}"
     return None
 
 
@@ -122,7 +123,8 @@ _OPS = {
 }
 
 
-def explain_backend(dtype=jnp.float32, chunk_size: int | None = 64, config=None, op: str = "chunk_kda"):
+def explain_backend(dtype=jnp.float32, chunk_size: int | None = 64, config=None, op: str = "chunk_kda",
+                    head_dims: tuple[int, int] = (128, 128)):  # fmt: skip
     """Which backend ``backend="auto"`` runs for inputs of ``dtype`` here, and why.
 
     "auto" takes the kernels a config names, else those :func:`kdax.use_backend` names,
@@ -133,6 +135,7 @@ def explain_backend(dtype=jnp.float32, chunk_size: int | None = 64, config=None,
         chunk_size: chunk_kda's chunk size (None for fused_recurrent_kda).
         config: a backend's kernel config, which asks for that backend's kernels.
         op: "chunk_kda" or "fused_recurrent_kda".
+        head_dims: (K, V), the key and value head dims.
 
     Returns:
         (backend, reason): e.g. ("xla", "no kernels for this device (cpu)").
@@ -142,7 +145,7 @@ def explain_backend(dtype=jnp.float32, chunk_size: int | None = 64, config=None,
     """
     if op not in _OPS:
         fail("op", "'chunk_kda' or 'fused_recurrent_kda'", repr(op))
-    return _OPS[op].explain(dtype, config, chunk_size=chunk_size)
+    return _OPS[op].explain(dtype, config, chunk_size=chunk_size, head_dims=head_dims)
 
 
 def _repeated_qk(core):
@@ -194,7 +197,8 @@ def chunk_kda(
     N = _validate(q, k, v, g, beta, scale, initial_state, use_gate_in_kernel, A_log, dt_bias, lower_bound,
                   use_beta_sigmoid_in_kernel, allow_neg_eigval, cu_seqlens, chunk_size, backend, safe_gate,
                   state_v_first)  # fmt: skip
-    backend, config = _OPS["chunk_kda"].resolve(backend, q.dtype, config, chunk_size=chunk_size)
+    head_dims = (q.shape[-1], v.shape[-1])
+    backend, config = _OPS["chunk_kda"].resolve(backend, q.dtype, config, chunk_size=chunk_size, head_dims=head_dims)
     return _call("chunk", backend, config, N, q, k, v, g, beta, initial_state, A_log,
                  dt_bias, cu_seqlens, scale, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
                  lower_bound, use_beta_sigmoid_in_kernel, allow_neg_eigval, chunk_size, state_v_first)  # fmt: skip

@@ -96,16 +96,67 @@ LAUNCH = {
 }
 
 
+# Shared memory one block may use (CUDA's opt-in maximum), KiB, by compute capability.
+SHARED_MEMORY_KIB = {"8.0": 163, "8.6": 99, "8.7": 163, "8.9": 99, "9.0": 227, "10.0": 227, "12.0": 99}
+
+
+def shared_memory_limit() -> tuple[int, str]:
+    """(bytes of shared memory a block may use, the GPU): the default GPU's, or an H100's where
+    none is present (the interpreter, :func:`kdax.lower`)."""
+    device = jax.devices()[0]
+    if device.platform != "gpu":
+        return 227 * 1024, "an H100 (no GPU here)"
+    cc = str(getattr(device, "compute_capability", ""))
+    kib = SHARED_MEMORY_KIB.get(cc)
+    if kib is None:  # a GPU not in the table: Hopper's from sm_90 up, else the least of the table
+        kib = 227 if cc and float(cc) >= 9 else 99
+    return kib * 1024, f"{device.device_kind} (compute capability {cc or 'unknown'})"
+
+
+def shared_memory(kernel: str, C: int, Kp: int, BV: int, itemsize: int, stages: int = 1) -> int:
+    """An upper bound on the shared memory (bytes) of one block of ``kernel`` at chunk size C,
+    padded key dim Kp, V block BV, intermediates of ``itemsize`` bytes and ``stages`` pipeline
+    stages, from its [C, Kp] and [C, C] tiles: fitted over what the CUDA compiler gave at C = 64
+    and 128, K = 64 to 256, bfloat16 and float32 (``scripts/gpu_compile_report.py``; the
+    measurements are in tests/ops/kda/test_pallas_gpu.py, which checks the bound against them)."""
+    t, c = C * Kp * itemsize, C * C
+    f32 = itemsize == 4
+    return {
+        "intra": c * 7 if f32 else c * 5 // 4 + t // 8,
+        "state": 4 * t if stages > 1 else t + c * itemsize // 2,
+        "output": max(t, c * itemsize) + BV * max(Kp, C) * itemsize,
+        "dstate": 5 * t + 2 * c * itemsize if stages > 1 else t + c * itemsize // 2,
+        "values": c * (20 if f32 else 7),
+        "keys": c * (10 if f32 else 6),
+        "levels": c if f32 else c // 2,
+    }[kernel]
+
+
 def _fit_launch(cfg: Config, C: int, Kp: int, itemsize: int) -> Config:
-    """The state loops' software pipeline keeps each stage's [C, Kp] and [C, C] tiles in shared
-    memory: past 32 KiB a tile (float32 at K = 256, bf16 at C = 128 and K = 256) two stages overflow
-    an H100's 227 KiB (compile report in docs/kda_gpu.md), so those loops get one stage unless
-    cfg.launch names them."""
-    launch = dict(cfg.launch)
-    if C * Kp * itemsize > 32 * 1024:
-        for name in ("state", "dstate"):
+    """The state loops' software pipeline keeps each stage's tiles in shared memory: where two
+    stages would overflow this GPU's shared memory (:func:`shared_memory`; on an H100 past 32 KiB
+    a [C, Kp] tile: float32 at K = 256, bf16 at C = 128 and K = 256), those loops get one stage
+    unless cfg.launch names them."""
+    launch, (limit, _) = dict(cfg.launch), shared_memory_limit()
+    for name in ("state", "dstate"):
+        if shared_memory(name, C, Kp, cfg.block_v, itemsize, stages=2) > limit:
             launch.setdefault(name, (LAUNCH[name][0], 1))
     return dataclasses.replace(cfg, launch=tuple(launch.items()))
+
+
+def _too_large(cfg: Config, tiles: Tiles, C: int, K: int, V: int) -> str | None:
+    """Why the kernels do not fit this GPU's shared memory at these sizes (None: they do). A
+    launch the config names is taken as it is (the compiler says if it does not fit)."""
+    Kp, itemsize = _pow2(K), jnp.dtype(_stored(tiles)).itemsize
+    BV = min(cfg.block_v, _pow2(V))
+    launch = dict(_fit_launch(dataclasses.replace(cfg, block_v=BV), C, Kp, itemsize).launch)
+    limit, gpu = shared_memory_limit()
+    named = dict(cfg.launch)
+    for name in (n for n in LAUNCH if n not in named):
+        need = shared_memory(name, C, Kp, BV, itemsize, launch.get(name, LAUNCH[name])[1])
+        if need > limit:
+            return f"its {name} kernel needs about {-(-need // 1024)} KiB of shared memory a block, {gpu} allows {limit // 1024}"
+    return None
 
 
 def _params(cfg: Config, kernel: str) -> pltriton.CompilerParams:
@@ -680,15 +731,13 @@ def _gate_params(gate, HV: int, K: int, Kp: int):  # [HV, 2, Kp]: exp(A_log), dt
     return jnp.stack([jnp.broadcast_to(a[:, None], (HV, Kp)), pad_last(b, Kp)], axis=1)
 
 
-def chunk_fits(input_dtype, chunk_size: int, cfg: Config = Config()) -> bool:
-    """Whether the kernels take this chunk size for inputs of ``input_dtype``: any with bfloat16
-    intermediates, up to 64 with float32 ones (at 128 the values kernel needs more shared memory
-    than an H100 block may use)."""
-    return _fits(_tiles(cfg.resolved(), input_dtype), chunk_size)
-
-
-def _fits(tiles: Tiles, chunk_size: int) -> bool:  # chunk_fits, for the tiles of a checked config
-    return chunk_size <= 64 or _stored(tiles) != jnp.float32
+def chunk_fits(input_dtype, chunk_size: int, cfg: Config = Config(), K: int = 128, V: int = 128) -> str | None:
+    """Why the kernels do not take inputs of ``input_dtype`` at this chunk size and head dims
+    on this GPU (None: they do): the shared memory a block needs (:func:`shared_memory`) against
+    what the GPU allows (:func:`shared_memory_limit`). On an H100 every size fits with bfloat16
+    intermediates, and chunk sizes up to 64 with float32 ones (the values kernel's [C, C] tiles)."""
+    cfg = cfg.resolved()
+    return _too_large(cfg, _tiles(cfg, input_dtype), chunk_size, K, V)
 
 
 def chunk_kda_pallas_gpu(q, k, v, g, beta, h0, layout: ChunkLayout, input_dtype=jnp.float32, cfg: Config = Config(),
@@ -709,12 +758,12 @@ def chunk_kda_pallas_gpu(q, k, v, g, beta, h0, layout: ChunkLayout, input_dtype=
     makes no copy of them (under "bf16", the float32 the caller upcast to folds back)."""
     cfg = cfg.resolved()
     tiles = _tiles(cfg, input_dtype)
-    if not _fits(tiles, layout.chunk_size):  # compile report in docs/kda_gpu.md
-        raise ValueError(f"chunk_size: pallas_gpu with float32 intermediates supports chunk sizes up to 64 (at "
-                         f"{layout.chunk_size} the values kernel needs 288 KiB of shared memory, over an H100's 227), "
-                         f"got {layout.chunk_size}; use 64 or bfloat16 inputs")  # fmt: skip
     H, K = q.shape[2:]
     HV, V = v.shape[2:]
+    if why := _too_large(cfg, tiles, layout.chunk_size, K, V):
+        raise ValueError(f"chunk_size: pallas_gpu with {jnp.dtype(_stored(tiles))} intermediates at chunk_size="
+                         f"{layout.chunk_size}, K={K}, V={V} does not fit: {why}; use a smaller chunk_size, bfloat16 "
+                         f"inputs or backend='xla'")  # fmt: skip
     Kp, Vp = _pow2(K), _pow2(V)
     cfg = dataclasses.replace(cfg, block_v=min(cfg.block_v, Vp), block_k=min(cfg.block_k, Kp))
     sd = _stored(tiles)

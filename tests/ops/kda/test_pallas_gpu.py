@@ -334,3 +334,52 @@ def test_auto_on_gpu_runs_xla_where_the_kernels_do_not_fit(monkeypatch):
         o, _ = kdax.chunk_kda(*args64, **dict(kwargs, chunk_size=64))
         o_ref, _ = kdax.chunk_kda(*args64, **dict(kwargs, chunk_size=64), backend="naive")
         assert o.dtype == jnp.float64 and float(jnp.max(jnp.abs(o - o_ref))) < 1e-10
+
+
+# Shared memory (KiB) of one block of each kernel as the CUDA compiler built it for an H100
+# (scripts/gpu_compile_report.py, triton 3.9, block_v 32): (dtype, C, K) -> {kernel: (stages, KiB)}.
+_SMEM = {
+    ("bf16", 64, 64): {"intra": (1, 6), "state": (2, 32), "output": (2, 12), "dstate": (2, 56), "values": (1, 28),
+                       "keys": (1, 24), "levels": (1, 2)},
+    ("bf16", 64, 128): {"intra": (1, 7), "state": (2, 60), "output": (2, 24), "dstate": (2, 92), "values": (1, 28),
+                        "keys": (1, 24), "levels": (1, 2)},
+    ("bf16", 64, 256): {"intra": (1, 9), "state": (2, 116), "output": (2, 48), "dstate": (2, 164), "values": (1, 28),
+                        "keys": (1, 24), "levels": (1, 2)},
+    ("bf16", 128, 128): {"intra": (1, 20), "state": (2, 112), "output": (2, 40), "dstate": (2, 208), "values": (1, 88),
+                         "keys": (1, 96), "levels": (1, 2)},
+    ("bf16", 128, 64): {"intra": (1, 19), "state": (2, 64), "output": (2, 40), "dstate": (2, 144), "values": (1, 88),
+                        "keys": (1, 96)},
+    ("bf16", 128, 256): {"dstate": (1, 80)},
+    ("f32", 64, 128): {"intra": (1, 28), "state": (2, 104), "output": (2, 32), "dstate": (2, 152), "values": (1, 80),
+                       "keys": (1, 40), "levels": (1, 4)},
+    ("f32", 64, 256): {"dstate": (1, 64)},
+    ("f32", 128, 128): {"dstate": (1, 64), "values": (1, 288)},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("key", list(_SMEM), ids=str)
+def test_shared_memory_bounds_what_the_compiler_gave(key):
+    dtype, C, K = key
+    for kernel, (stages, kib) in _SMEM[key].items():
+        bound = pallas_gpu.shared_memory(kernel, C, K, 32, 4 if dtype == "f32" else 2, stages) / 1024
+        assert kib <= bound <= 1.6 * kib + 8, (kernel, kib, bound)  # an upper bound, not far above
+
+
+def test_smaller_gpus_get_one_stage_or_xla(monkeypatch):
+    """An sm_86 or sm_89 block may use 99 KiB of shared memory, an H100's 227: the state loops
+    drop to one stage sooner, and what does not fit goes to xla ("auto") or raises."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(pallas_gpu, "VERIFIED_ON_GPU", True)
+    assert pallas_gpu.chunk_fits(jnp.bfloat16, 128) is None  # here: an H100's limit
+    monkeypatch.setattr(pallas_gpu, "shared_memory_limit", lambda: (99 * 1024, "an RTX 4090"))
+    why = pallas_gpu.chunk_fits(jnp.bfloat16, 128)
+    assert why == "its values kernel needs about 112 KiB of shared memory a block, an RTX 4090 allows 99"
+    assert pallas_gpu.chunk_fits(jnp.bfloat16, 64) is None and pallas_gpu.chunk_fits(jnp.float32, 64) is None
+    backend, reason = kdax.explain_backend(jnp.bfloat16, 128)
+    assert backend == "xla" and reason.endswith(why)
+    cfg = pallas_gpu._fit_launch(pallas_gpu.Config(), 64, 128, 4)  # float32 tiles: 2 stages need 104 and 152 KiB
+    assert dict(cfg.launch) == {"state": (4, 1), "dstate": (4, 1)}
+    case = next(c for c in CASES if c.name == "chunk128")
+    args, kwargs = make_inputs(case, jnp.bfloat16)
+    with pytest.raises(ValueError, match="chunk_size: pallas_gpu with bfloat16 intermediates at chunk_size=128"):
+        kdax.chunk_kda(*args, **kwargs, backend="pallas_gpu", config=pallas_gpu.Config(interpret=True))
