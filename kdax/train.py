@@ -26,7 +26,14 @@ from kdax.models import KDAForCausalLM, generate, save_pretrained, tiny_config
 
 
 def load_corpus(path: str | None = None) -> np.ndarray:
-    """Bytes of ``path`` (default: the public-domain text shipped with kdax) as uint8 tokens."""
+    """The bytes of a text file as tokens.
+
+    Args:
+        path: the file (None: the public-domain text shipped with kdax).
+
+    Returns:
+        [n] uint8, one token per byte.
+    """
     if path is None:
         data = resources.files("kdax").joinpath("data/corpus.txt").read_bytes()
     else:
@@ -37,7 +44,14 @@ def load_corpus(path: str | None = None) -> np.ndarray:
 
 def unigram_entropy(tokens: np.ndarray) -> float:
     """Entropy in nats of the tokens' empirical distribution: the loss of the best model
-    that ignores context."""
+    that ignores context.
+
+    Args:
+        tokens: [n] byte tokens (values below 256).
+
+    Returns:
+        The entropy in nats.
+    """
     p = np.bincount(tokens, minlength=256) / tokens.size
     p = p[p > 0]
     return float(-(p * np.log(p)).sum())
@@ -45,6 +59,14 @@ def unigram_entropy(tokens: np.ndarray) -> float:
 
 @dataclasses.dataclass
 class TrainConfig:
+    """The settings of a training run; each field's ``help`` metadata (``kdax train --help``)
+    says what it is.
+
+    Raises:
+        ValueError: naming the field, for steps, batch_size, seq_len or keep below 1, lr not
+            positive or checkpoint_every negative.
+    """
+
     steps: int = dataclasses.field(default=300, metadata={"help": "optimizer steps"})
     batch_size: int = dataclasses.field(default=16, metadata={"help": "sequences per step"})
     seq_len: int = dataclasses.field(default=128, metadata={"help": "tokens per sequence"})
@@ -79,13 +101,23 @@ _RUN_FIELDS = ("steps", "batch_size", "seq_len", "lr", "warmup", "weight_decay",
 
 
 def loss_fn(model: KDAForCausalLM, batch: jax.Array) -> jax.Array:
-    """Mean next-token cross-entropy (nats) of batch [B, T + 1]."""
+    """Mean next-token cross-entropy.
+
+    Args:
+        model: the model.
+        batch: [B, T + 1] token ids: inputs [:, :-1], targets [:, 1:].
+
+    Returns:
+        The loss in nats, a float32 scalar.
+    """
     logits = model(batch[:, :-1])
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
 
 
 @nnx.jit
 def train_step(model: KDAForCausalLM, optimizer: nnx.Optimizer, batch: jax.Array) -> jax.Array:
+    """One optimizer step on ``batch`` [B, T + 1] (model and optimizer updated in place), compiled
+    once per model structure and batch shape. Returns the loss before the step."""
     loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
     optimizer.update(model, grads)
     return loss

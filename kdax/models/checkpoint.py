@@ -44,7 +44,14 @@ def _fla_name(path: tuple) -> tuple[str, bool]:
 
 
 def fla_state_dict(model: KDAForCausalLM) -> dict[str, np.ndarray]:
-    """The model's parameters under FLA's state-dict names and layouts (float32 NumPy)."""
+    """The model's parameters under FLA's state-dict names and layouts.
+
+    Args:
+        model: the model.
+
+    Returns:
+        {FLA name: float32 NumPy array}, Linear kernels transposed to torch's [out, in].
+    """
     out = {}
     for path, value in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         name, transpose = _fla_name(path)
@@ -54,9 +61,19 @@ def fla_state_dict(model: KDAForCausalLM) -> dict[str, np.ndarray]:
 
 
 def load_fla_state_dict(model: KDAForCausalLM, tensors: dict[str, np.ndarray]) -> KDAForCausalLM:
-    """Set the model's parameters from an FLA state dict (in place; returns the model).
-    Every parameter must be present with its shape, and no tensor may be left over
-    (``lm_head.weight`` is ignored when embeddings are tied)."""
+    """Set the model's parameters from an FLA state dict, in place.
+
+    Args:
+        model: the model whose parameters to set.
+        tensors: {FLA name: array}; every parameter must be present with its shape, and no
+            tensor may be left over (``lm_head.weight`` is ignored when embeddings are tied).
+
+    Returns:
+        The model.
+
+    Raises:
+        ValueError: naming the tensor that is missing, of the wrong shape, or left over.
+    """
     state = nnx.state(model, nnx.Param)
     left = dict(tensors)
     if model.config.tie_word_embeddings:
