@@ -10,16 +10,14 @@ import pytest
 from flax import nnx
 
 import kdax
+from kdax.bench.kda import make_inputs
 from kdax.bench.measure import rel_rms
 from kdax.models import KDAConfig, KDAForCausalLM, generate
 from kdax.ops.common import dispatch
 
 
-def _inputs(T=8, H=1, K=16, V=16):  # float32 (the tests run with float64 enabled)
-    x = jax.random.normal(jax.random.key(0), (1, T, H, K), jnp.float32)
-    k = x / jnp.linalg.norm(x, axis=-1, keepdims=True)
-    g = -jax.random.uniform(jax.random.key(1), (1, T, H, K), jnp.float32)
-    return x, k, jnp.ones((1, T, H, V), jnp.float32), g, jnp.full((1, T, H), 0.5, jnp.float32)
+def _inputs():
+    return make_inputs(1, 8, 1, 16, 16, jnp.float32)  # float32 (the tests run with float64 enabled)
 
 
 def _runs_pallas(fn, *args) -> bool:
