@@ -13,6 +13,7 @@ import argparse
 import importlib.util
 import inspect
 import subprocess
+import sys
 import tempfile
 import time
 
@@ -31,6 +32,7 @@ def _module_at(rev: str):
         f.write(src.stdout)
     spec = importlib.util.spec_from_file_location("xla_at_rev", f.name)
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up there
     spec.loader.exec_module(mod)
     return mod
 
