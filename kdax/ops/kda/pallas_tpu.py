@@ -129,8 +129,9 @@ def _bwd_kernel(first, last, seq, q_ref, k_ref, v_ref, g_ref, b_ref, s_ref, do_r
     def _():
         dSt[...] = df_ref[0, 0, 0]
 
-    r = _TILES.grads(q_ref[0, 0], k_ref[0, 0], v_ref[0, 0], g_ref[0, 0] * LOG2E, b_ref[0, 0], s_ref[0, 0, 0], do_ref[0, 0],
-                    dSt[...])  # fmt: skip
+    q, k, v, beta, S = q_ref[0, 0], k_ref[0, 0], v_ref[0, 0], b_ref[0, 0], s_ref[0, 0, 0]
+    I = _TILES.intra(q, k, v, g_ref[0, 0] * LOG2E, beta)
+    r = _TILES.grads(q, k, v, beta, I, _TILES.v_new(I, S), S, do_ref[0, 0], dSt[...])
     dq_ref[0, 0], dk_ref[0, 0], dv_ref[0, 0], dg_ref[0, 0], db_ref[0, 0] = r.dq, r.dk, r.dv, r.dg, r.dbeta
     dSt[...] = r.dS_in
 
