@@ -350,5 +350,11 @@ def head_major(layout: ChunkLayout, x: jax.Array, width: int | None) -> jax.Arra
     return x if width is None else pad_last(x, width)
 
 
+def chunk_states(layout: ChunkLayout, S_in: jax.Array, K: int, V: int) -> jax.Array:
+    """The kernels' states entering each chunk, transposed and padded [B, HV, NC, Vp, Kp], as
+    [B, NC, HV, K, V], the chunks no sequence uses set to 0."""
+    return layout.zero_unused(jnp.swapaxes(jnp.moveaxis(S_in, 1, 2), -1, -2)[..., :K, :V])
+
+
 def round_up(n: int, m: int) -> int:
     return -(-n // m) * m
