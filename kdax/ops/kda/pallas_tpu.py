@@ -29,7 +29,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from kdax.ops.common.varlen import ChunkLayout
-from kdax.ops.kda.tiles import Intra, Tiles, chunk_states, head_major, pad_last, round_up
+from kdax.ops.kda.tiles import Intra, Tiles, chunk_states, gated, head_major, last_row, pad_last, round_up
 from kdax.ops.kda.xla import LOG2E
 
 LANE = 128
@@ -82,10 +82,12 @@ def _state_step(first, last, h0_ref, fin_ref, St, w, u, k_d, decay):
     return S, v_new
 
 
-# With disable_recompute the forward also writes what the backward would otherwise recompute: the
-# intra-chunk stage (tiles.Intra less the gate, an input) and v_new. The staged forward's intra
-# kernel writes the _STAGED ones in any case.
-_KEPT = ("G", "R", "Aqk", "Kkk", "T", "w", "u", "q_g", "k_d", "decay", "v_new")
+# With disable_recompute the forward also writes the matmul products that the backward would
+# otherwise recompute: of the intra-chunk stage (tiles.Intra) the gate's prefix and suffix sums
+# (0/1 matmuls here), Aqk, Kkk, T, w and u, and v_new; the element-wise gated q and k and the
+# chunk's decay it still recomputes from them. The staged forward's intra kernel writes the
+# _STAGED ones in any case.
+_KEPT = ("G", "R", "Aqk", "Kkk", "T", "w", "u", "v_new")
 _STAGED = ("Aqk", "w", "u", "q_g", "k_d", "decay")
 
 
@@ -151,8 +153,9 @@ def _bwd_kernel(has_dh, first, last, seq, q_ref, k_ref, v_ref, g_ref, b_ref, s_r
     q, k, v, g, beta, S = q_ref[0, 0], k_ref[0, 0], v_ref[0, 0], g_ref[0, 0] * LOG2E, b_ref[0, 0], s_ref[0, 0, 0]
     if kept:
         f = {name: ref[0, 0] for name, ref in zip(_KEPT, kept)}
-        v_new, f["decay"] = f.pop("v_new"), f["decay"][:1]
-        I = Intra(g, **f)
+        v_new = f.pop("v_new")
+        q_g, _, k_d, decay = gated(q, k, f["G"], f["R"], last_row(f["G"]))
+        I = Intra(g, **f, q_g=q_g, k_d=k_d, decay=decay)
     else:
         I = _TILES.intra(q, k, v, g, beta)
         v_new = _TILES.v_new(I, S)
@@ -174,7 +177,8 @@ def _interpret(cfg: Config):
 
 
 def _field(name: str, C: int, Kp: int, Vp: int) -> tuple[int, int]:
-    """(rows per chunk, width) of a _KEPT field's head-major array [B, HV, NC * rows, width]."""
+    """(rows per chunk, width) of the head-major array [B, HV, NC * rows, width] of a field of the
+    intra stage, or of v_new."""
     rows = 8 if name == "decay" else C
     return rows, C if name in ("Aqk", "Kkk", "T") else Vp if name in ("u", "v_new") else Kp
 
@@ -343,8 +347,8 @@ def chunk_kda_pallas_tpu(q, k, v, g, beta, h0, layout: ChunkLayout, cfg: Config 
 
     q, k: [B, T, H, K] (q scaled, not repeated over value heads); v: [B, T, HV, V];
     g: [B, T, HV, K] natural-log decay; beta: [B, T, HV]; h0: [B, N, HV, K, V].
-    disable_recompute: the forward writes the intra-chunk stage and v_new for the backward,
-    which then reads them instead of recomputing them.
+    disable_recompute: the forward writes the intra-chunk stage's matmul products and v_new
+    (_KEPT) for the backward, which then reads them instead of recomputing them.
     Returns (o [B, T, HV, V], final [B, N, HV, K, V]) and with ``intermediate_states`` the
     state entering each chunk [B, NC, HV, K, V] (differentiable; chunks no sequence uses are 0)."""
     cfg = cfg.resolved()

@@ -186,19 +186,23 @@ class _Intra(NamedTuple):
     decay: jax.Array  # [..., K] 2^G_C
 
 
-def _intra(q, k, v, g, beta) -> _Intra:
-    """q, k, g: [..., C, K]; v: [..., C, V]; beta: [..., C]."""
+def _intra(q, k, v, g, beta, products=None) -> _Intra:
+    """q, k, g: [..., C, K]; v: [..., C, V]; beta: [..., C]. products: the stage's matmul
+    products (Aqk, Kkk, T, w, u) as a forward computed them (``disable_recompute``), or None to
+    compute them; the decay factors, element-wise in g, are computed either way."""
     K = k.shape[-1]
     G, R, P = _decay_exponents(g * LOG2E)
-    Aqk = _pairs(q, k, P, inclusive=True)
-    Kkk = _pairs(k, k, P, inclusive=False)
     eG = jnp.exp2(G)
     k_g = k * eG
-    rhs = jnp.concatenate([beta[..., None] * k_g, beta[..., None] * v], axis=-1)
-    T = unit_lower_inverse(beta[..., :, None] * Kkk)
-    wu = _mm("...ij,...je->...ie", T, rhs)
+    if products is None:
+        Aqk = _pairs(q, k, P, inclusive=True)
+        Kkk = _pairs(k, k, P, inclusive=False)
+        rhs = jnp.concatenate([beta[..., None] * k_g, beta[..., None] * v], axis=-1)
+        T = unit_lower_inverse(beta[..., :, None] * Kkk)
+        wu = _mm("...ij,...je->...ie", T, rhs)
+        products = (Aqk, Kkk, T, wu[..., :K], wu[..., K:])
     e_rest = jnp.exp2(R)
-    return _Intra(P, eG, e_rest, Aqk, Kkk, T, wu[..., :K], wu[..., K:], q * eG, k_g, k * e_rest, eG[..., -1, :])
+    return _Intra(P, eG, e_rest, *products, q * eG, k_g, k * e_rest, eG[..., -1, :])
 
 
 def _to_chunks(x: jax.Array, C: int) -> jax.Array:
@@ -254,8 +258,8 @@ def _forward(q, k, v, g, beta, lay, gs: int, save_states: bool, keep_intra: bool
     """Chunked inputs [NC, B, HV, C, *]; lay = (chunk_seq, chunk_first, chunk_last, h0 [B, N, HV, K, V]).
 
     Returns o [NC, B, HV, C, V], the final states [B, N, HV, K, V], if save_states the state
-    entering every chunk [NC, B, HV, K, V] (else None), and if keep_intra every chunk's
-    (_Intra, v_new), grouped [NC / gs, gs, B, HV, ...] (else None)."""
+    entering every chunk [NC, B, HV, K, V] (else None), and if keep_intra every chunk's matmul
+    products ((Aqk, Kkk, T, w, u), v_new), grouped [NC / gs, gs, B, HV, ...] (else None)."""
     chunk_seq, chunk_first, chunk_last, h0 = lay
 
     def chunk_step(carry, xs):
@@ -271,7 +275,8 @@ def _forward(q, k, v, g, beta, lay, gs: int, save_states: bool, keep_intra: bool
         I = _intra(q, k, v, g, beta)
         carry, (S_in, v_new) = lax.scan(chunk_step, carry, (I.w, I.u, I.k_d, I.decay, first, last, seq), unroll=gs == 1)
         o = _mm("...ck,...kv->...cv", I.q_g, S_in) + _mm("...ij,...jv->...iv", I.Aqk, v_new)
-        return carry, (o, S_in if save_states else None, (I, v_new) if keep_intra else None)
+        kept = ((I.Aqk, I.Kkk, I.T, I.w, I.u), v_new) if keep_intra else None
+        return carry, (o, S_in if save_states else None, kept)
 
     xs = _grouped((q, k, v, g, beta, chunk_first, chunk_last, chunk_seq), gs)
     (_, final), (o, S_in, kept) = lax.scan(group_step, (jnp.zeros_like(h0[:, 0]), h0), xs)
@@ -280,9 +285,9 @@ def _forward(q, k, v, g, beta, lay, gs: int, save_states: bool, keep_intra: bool
 
 
 def _backward(q, k, v, g, beta, lay, S_in, kept, do, dfinal, dS_in, gs: int):
-    """Reverse scan over chunk groups: each group's intra stage and v_new (recomputed, or the
-    forward's ``kept``), then the state cotangent pass over its chunks, carrying dS back.
-    dS_in: cotangent of the states entering the chunks [NC, B, HV, K, V], or None."""
+    """Reverse scan over chunk groups: each group's intra stage and v_new (recomputed, or with the
+    forward's ``kept`` matmul products), then the state cotangent pass over its chunks, carrying
+    dS back. dS_in: cotangent of the states entering the chunks [NC, B, HV, K, V], or None."""
     chunk_seq, chunk_first, chunk_last, _ = lay
 
     def chunk_step(carry, xs):
@@ -295,11 +300,8 @@ def _backward(q, k, v, g, beta, lay, S_in, kept, do, dfinal, dS_in, gs: int):
 
     def group_step(carry, xs):
         q, k, v, g, beta, S_in, do, dS_h, kept, first, last, seq = xs
-        if kept is None:
-            I = _intra(q, k, v, g, beta)
-            v_new = I.u - _mm("...ck,...kv->...cv", I.w, S_in)
-        else:
-            I, v_new = kept
+        I = _intra(q, k, v, g, beta, None if kept is None else kept[0])
+        v_new = I.u - _mm("...ck,...kv->...cv", I.w, S_in) if kept is None else kept[1]
         dv_new_o = _mm("...ij,...iv->...jv", I.Aqk, do)
         dS_o = _mm("...ck,...cv->...kv", I.q_g, do)
         if dS_h is not None:
@@ -354,8 +356,7 @@ def _chunk_core(q, k, v, g, beta, lay, gs, keep_intra, states):
 
 def _chunk_core_fwd(q, k, v, g, beta, lay, gs, keep_intra, states):
     o, final, S_in, kept = _forward(q, k, v, g, beta, lay, gs, save_states=True, keep_intra=keep_intra)
-    g_res = None if keep_intra else g  # the kept intra stage is all the backward needs of g
-    return (o, final, S_in if states else None), (q, k, v, g_res, beta, lay, S_in, kept)
+    return (o, final, S_in if states else None), (q, k, v, g, beta, lay, S_in, kept)
 
 
 def _chunk_core_bwd(gs, keep_intra, states, res, cts):
@@ -375,7 +376,8 @@ def chunk_kda_xla(q, k, v, g, beta, h0, layout: ChunkLayout, cfg: Config = Confi
     q, k: [B, T, HV, K] (q already scaled, both repeated to HV heads); v: [B, T, HV, V];
     g: [B, T, HV, K] log-space decay; beta: [B, T, HV]; h0: [B, N, HV, K, V].
     All in one float dtype (float32 or float64). disable_recompute: the backward reads the
-    forward's intra-chunk stage and v_new instead of recomputing them (more residual memory).
+    forward's matmul products of the intra-chunk stage (Aqk, Kkk, the inverse, w, u) and v_new
+    instead of recomputing them (more residual memory; docs/kda_xla.md).
     Returns (o [B, T, HV, V], final [B, N, HV, K, V]) and with ``intermediate_states`` the
     state entering each chunk [B, NC, HV, K, V] (differentiable; chunks no sequence uses are 0).
     """
