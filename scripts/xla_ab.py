@@ -13,6 +13,7 @@ import argparse
 import importlib.util
 import inspect
 import subprocess
+import sys
 import tempfile
 import time
 
@@ -31,6 +32,7 @@ def _module_at(rev: str):
         f.write(src.stdout)
     spec = importlib.util.spec_from_file_location("xla_at_rev", f.name)
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up there
     spec.loader.exec_module(mod)
     return mod
 
@@ -45,9 +47,9 @@ def main() -> None:
     fns = {}
     ours = xla.chunk_kda_xla
     for name, mod in ((ns.against, _module_at(ns.against)), ("working tree", xla)):
-        core = mod.chunk_kda_xla  # read when chunk_kda is traced, just below; older ones take no cfg
-        takes_cfg = "cfg" in inspect.signature(core).parameters
-        xla.chunk_kda_xla = lambda *a, cfg, core=core, takes_cfg=takes_cfg: core(*a, cfg=cfg) if takes_cfg else core(*a)
+        core = mod.chunk_kda_xla  # read when chunk_kda is traced, just below; older ones take fewer keywords
+        params = inspect.signature(core).parameters  # (cfg, disable_recompute, ...: all at their defaults here)
+        xla.chunk_kda_xla = lambda *a, core=core, params=params, **kw: core(*a, **{n: kw[n] for n in kw if n in params})
         api._compiled.clear_cache()  # so it is traced again
         op = lambda *a: kdax.chunk_kda(*a, backend="xla")[0]
         loss = lambda *a, op=op: 0.5 * jnp.sum(jnp.square(op(*a)))

@@ -69,6 +69,14 @@ class ChunkLayout(NamedTuple):
         mask = self.slot_valid.reshape((1, -1) + (1,) * (x.ndim - 2))
         return jnp.where(mask, jnp.take(x, self.slot_token, axis=1), jnp.full((), fill, x.dtype))
 
+    def zero_unused(self, x: jax.Array) -> jax.Array:
+        """[B, NC, ...] per-chunk values with the chunks no sequence uses (those past the last
+        sequence's under ``cu_seqlens``: the static bound exceeds their number) set to 0."""
+        if self.slot_token is None:
+            return x
+        used = jnp.arange(self.n_chunks) < self.seq_chunk_end[-1]
+        return jnp.where(used.reshape((1, -1) + (1,) * (x.ndim - 2)), x, jnp.zeros((), x.dtype))
+
     def unpack(self, x: jax.Array) -> jax.Array:
         """Gather tokens back from the chunk axis (the inverse of :meth:`pack`).
 

@@ -28,10 +28,16 @@ MAX_HEAD_DIM = 256
 def _validate(
     q, k, v, g, beta, scale, initial_state, use_gate_in_kernel, A_log, dt_bias, lower_bound,
     use_beta_sigmoid_in_kernel, allow_neg_eigval, cu_seqlens, chunk_size, backend, safe_gate, state_v_first,
+    disable_recompute, return_intermediate_states,
 ):  # fmt: skip
     """Raise ValueError naming the first bad argument; return the number of sequences N."""
     if backend not in BACKENDS:
         fail("backend", f"one of {BACKENDS}", repr(backend))
+    flags = {"safe_gate": safe_gate, "disable_recompute": disable_recompute,
+             "return_intermediate_states": return_intermediate_states, "state_v_first": state_v_first}  # fmt: skip
+    for name, val in flags.items():
+        if not isinstance(val, (bool, np.bool_)):
+            fail(name, "a bool", f"{type(val).__name__} {val!r}")
     check_array("q", q, 4)
     B, T, H, K = q.shape
     check_array("k", k, 4, q.shape)
@@ -167,62 +173,126 @@ def _run(core, q, k, v, g, beta, scale, initial_state, N, cu_seqlens, output_fin
     kc, vc, gc, bc = (jnp.asarray(x, dt) for x in (k, v, g, beta))
     n_per_row = N // B  # 1 without cu_seqlens, N with it (B = 1)
     h0 = jnp.zeros((N, HV, K, V), dt) if initial_state is None else jnp.asarray(initial_state, dt)
-    o, final = core(qc, kc, vc, gc, bc, h0.reshape(B, n_per_row, HV, K, V), cu_seqlens)
+    o, final, *states = core(qc, kc, vc, gc, bc, h0.reshape(B, n_per_row, HV, K, V), cu_seqlens)
     final = final.reshape(N, HV, K, V).astype(jnp.promote_types(dt, jnp.float32))
-    return o.astype(q.dtype), (final if output_final_state else None)
+    return o.astype(q.dtype), (final if output_final_state else None), *(h.astype(q.dtype) for h in states)
 
 
 def chunk_kda(
     q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
     use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None,
     lower_bound=None, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
-    safe_gate=False, state_v_first=False, cu_seqlens=None, chunk_size=64, backend="auto", config=None,
+    safe_gate=False, disable_recompute=False, return_intermediate_states=False, state_v_first=False,
+    cu_seqlens=None, chunk_size=64, backend="auto", config=None,
 ):  # fmt: skip
-    """Chunked Kimi Delta Attention (training and prefill).
+    """Chunked Kimi Delta Attention (training and prefill), with FLA's ``chunk_kda`` keywords.
 
-    q, k: [B, T, H, K]; v: [B, T, HV, V] (HV a multiple of H); g: [B, T, HV, K] log-space
-    decay (raw logits when ``use_gate_in_kernel``); beta: [B, T, HV]; initial_state:
-    [N, HV, K, V]; cu_seqlens: [N + 1] int offsets of packed sequences (B must be 1; checked
-    when concrete, trusted when traced: malformed traced offsets give meaningless values).
-    config: the backend's kernel config (``kdax.ops.kda.<backend>.Config``), None for its
-    default; with backend "auto" a config picks its own backend. safe_gate: FLA's promise that
-    the gates are bounded (with ``use_gate_in_kernel`` it requires ``lower_bound`` in [-5, 0));
-    it changes no result. state_v_first: initial and final states as [N, HV, V, K].
+    Compiled once per shape, dtype and static option (``jax.jit``), so an eager call costs what a
+    jitted one does. Differentiable in every float array argument.
 
-    Compiled once per shape, dtype and static option (``jax.jit``), so an eager call costs
-    what a jitted one does. Returns ``(o [B, T, HV, V] in q's dtype, final_state
-    [N, HV, K, V] float32 or None)``.
+    Args:
+        q, k: [B, T, H, K] queries and keys.
+        v: [B, T, HV, V] values, HV a multiple of H (value head h reads q/k head h // (HV // H)).
+        g: [B, T, HV, K] log-space decay; raw gate logits with ``use_gate_in_kernel``.
+        beta: [B, T, HV]; raw logits with ``use_beta_sigmoid_in_kernel``.
+        scale: the scale of q; K ** -0.5 when None.
+        initial_state: [N, HV, K, V], N = B, or the number of sequences with ``cu_seqlens``.
+        output_final_state: return the final states.
+        use_qk_l2norm_in_kernel: L2-normalise q and k.
+        use_gate_in_kernel: g = -exp(A_log) softplus(g + dt_bias), or with ``lower_bound``
+            lower_bound sigmoid(exp(A_log) (g + dt_bias)).
+        A_log: [HV], for ``use_gate_in_kernel``.
+        dt_bias: [HV * K], for ``use_gate_in_kernel``.
+        lower_bound: a negative float, for ``use_gate_in_kernel``.
+        use_beta_sigmoid_in_kernel: beta = sigmoid(beta).
+        allow_neg_eigval: beta = 2 sigmoid(beta) (requires ``use_beta_sigmoid_in_kernel``).
+        safe_gate: FLA's promise that the gates are bounded (with ``use_gate_in_kernel`` it
+            requires ``lower_bound`` in [-5, 0)); changes no result.
+        disable_recompute: the backward reads the forward's intermediates instead of recomputing
+            them: more memory, for speed where recomputing costs more than reading (what each
+            backend keeps, and the xla backend's measured trade: docs/kda_xla.md). Changes no
+            result (xla: bit for bit; the Pallas kernels: to float32 rounding).
+        return_intermediate_states: return a third output, FLA's ``h``: the state entering each
+            chunk. Differentiable (gradients flow through it), unlike FLA's inference-only ``h``.
+        state_v_first: initial, final and intermediate states as [.., V, K] instead of [.., K, V].
+        cu_seqlens: [N + 1] int offsets of N packed sequences (B must be 1), an array or a list;
+            checked when concrete, trusted when traced (malformed traced offsets give
+            meaningless values).
+        chunk_size: 16, 32, 64 or 128.
+        backend: "auto", "xla", "pallas_tpu", "pallas_gpu" or "naive" (``explain_backend`` says
+            what "auto" picks).
+        config: the backend's kernel config (``kdax.ops.kda.<backend>.Config``), None for its
+            default; with backend "auto" a config picks its own backend.
+
+    Returns:
+        ``(o, final_state)``, and with ``return_intermediate_states`` ``(o, final_state, h)``:
+        o [B, T, HV, V] in q's dtype; final_state [N, HV, K, V] in float32 (float64 for float64
+        inputs), or None without ``output_final_state``; h in q's dtype (as FLA's, in k's),
+        [B, NT, HV, K, V] with NT = ceil(T / chunk_size), or with ``cu_seqlens`` [1, NT, HV, K, V]
+        with NT the sum of ceil(L_n / chunk_size) over the sequences, each sequence's chunks in
+        turn (FLA's layout). With traced ``cu_seqlens`` NT is the static bound
+        (T + N (chunk_size - 1)) // chunk_size and the chunks past the sequences' are 0.
+
+    Raises:
+        ValueError: a bad argument, named, with what was expected and what came.
+        NotImplementedError: a backend this op lacks.
     """
     cu_seqlens = _offsets(cu_seqlens)
     N = _validate(q, k, v, g, beta, scale, initial_state, use_gate_in_kernel, A_log, dt_bias, lower_bound,
                   use_beta_sigmoid_in_kernel, allow_neg_eigval, cu_seqlens, chunk_size, backend, safe_gate,
-                  state_v_first)  # fmt: skip
+                  state_v_first, disable_recompute, return_intermediate_states)  # fmt: skip
     head_dims = (q.shape[-1], v.shape[-1])
     backend, config = _OPS["chunk_kda"].resolve(backend, q.dtype, config, chunk_size=chunk_size, head_dims=head_dims)
-    return _call("chunk", backend, config, N, q, k, v, g, beta, initial_state, A_log,
-                 dt_bias, cu_seqlens, scale, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
-                 lower_bound, use_beta_sigmoid_in_kernel, allow_neg_eigval, chunk_size, state_v_first)  # fmt: skip
+    out = _call("chunk", backend, config, N, q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, scale,
+                output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound,
+                use_beta_sigmoid_in_kernel, allow_neg_eigval, chunk_size, state_v_first, disable_recompute,
+                return_intermediate_states)  # fmt: skip
+    if return_intermediate_states and cu_seqlens is not None and not isinstance(cu_seqlens, jax.core.Tracer):
+        n_chunks = int(np.sum(-(-np.diff(np.asarray(cu_seqlens)) // chunk_size)))  # FLA's NT: sum of ceil(L_n / C)
+        out = (*out[:2], out[2][:, :n_chunks])
+    return out
 
 
 def fused_recurrent_kda(
     q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
     use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None,
     lower_bound=None, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
-    safe_gate=False, state_v_first=False, cu_seqlens=None, backend="auto",
+    safe_gate=False, disable_recompute=False, return_intermediate_states=False, state_v_first=False,
+    cu_seqlens=None, backend="auto",
 ):  # fmt: skip
-    """Token-by-token Kimi Delta Attention (decoding, short T). Same contract as :func:`chunk_kda`."""
+    """Token-by-token Kimi Delta Attention (decoding, short T), with FLA's ``fused_recurrent_kda`` keywords.
+
+    Differentiable by autodiff through the scan over tokens, which stores one state per token.
+
+    Args:
+        q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+            use_gate_in_kernel, A_log, dt_bias, lower_bound, use_beta_sigmoid_in_kernel,
+            allow_neg_eigval, safe_gate, state_v_first, cu_seqlens: as :func:`chunk_kda`.
+        disable_recompute, return_intermediate_states: accepted (validated) and ignored, as
+            FLA's ``fused_recurrent_kda`` takes and ignores them: nothing is recomputed, and
+            there are no chunks (two outputs whatever ``return_intermediate_states`` says).
+        backend: "auto", "xla" or "naive".
+
+    Returns:
+        ``(o [B, T, HV, V] in q's dtype, final_state [N, HV, K, V] float32 or None)``.
+
+    Raises:
+        ValueError: a bad argument, named, with what was expected and what came.
+        NotImplementedError: a backend this op lacks.
+    """
     cu_seqlens = _offsets(cu_seqlens)
     N = _validate(q, k, v, g, beta, scale, initial_state, use_gate_in_kernel, A_log, dt_bias, lower_bound,
                   use_beta_sigmoid_in_kernel, allow_neg_eigval, cu_seqlens, None, backend, safe_gate,
-                  state_v_first)  # fmt: skip
+                  state_v_first, disable_recompute, return_intermediate_states)  # fmt: skip
     backend, _ = _OPS["fused_recurrent_kda"].resolve(backend, q.dtype)
     return _call("recurrent", backend, None, N, q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, scale,
                  output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound,
-                 use_beta_sigmoid_in_kernel, allow_neg_eigval, None, state_v_first)  # fmt: skip
+                 use_beta_sigmoid_in_kernel, allow_neg_eigval, None, state_v_first, False, False)  # fmt: skip
 
 
 _STATIC = ("op", "backend", "config", "N", "scale", "output_final_state", "use_qk_l2norm_in_kernel", "use_gate_in_kernel",
-           "lower_bound", "use_beta_sigmoid_in_kernel", "allow_neg_eigval", "chunk_size", "state_v_first")  # fmt: skip
+           "lower_bound", "use_beta_sigmoid_in_kernel", "allow_neg_eigval", "chunk_size", "state_v_first",
+           "disable_recompute", "return_intermediate_states")  # fmt: skip
 
 
 def _call(op, backend, config, N, q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, scale, *flags):
@@ -236,8 +306,9 @@ def _call(op, backend, config, N, q, k, v, g, beta, initial_state, A_log, dt_bia
     return _compiled(op, backend, config, N, q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, scale, *flags)
 
 
-def _core(op: str, backend: str, config, chunk_size):
-    """(q, k, v, g, beta, h0, cu_seqlens, **in-core options) -> (o, final) of a backend."""
+def _core(op: str, backend: str, config, chunk_size, disable_recompute, intermediate_states):
+    """(q, k, v, g, beta, h0, cu_seqlens, **in-core options) -> (o, final[, states entering each chunk]) of a
+    backend."""
     if op == "recurrent":
         return _repeated_qk(fused_recurrent_kda_xla)
     kernels = {"xla": xla.chunk_kda_xla, "pallas_tpu": pallas_tpu.chunk_kda_pallas_tpu,
@@ -245,7 +316,8 @@ def _core(op: str, backend: str, config, chunk_size):
 
     def run(q, k, v, g, beta, h0, cu, **options):
         layout = chunk_layout(q.shape[1], chunk_size, cu)
-        return kernels[backend](q, k, v, g, beta, h0, layout, cfg=config, **options)
+        return kernels[backend](q, k, v, g, beta, h0, layout, cfg=config, disable_recompute=disable_recompute,
+                                intermediate_states=intermediate_states, **options)  # fmt: skip
 
     return _repeated_qk(run) if backend == "xla" else run
 
@@ -253,15 +325,16 @@ def _core(op: str, backend: str, config, chunk_size):
 def _apply(
     op, backend, config, N, q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, scale, output_final_state,
     use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound, use_beta_sigmoid_in_kernel, allow_neg_eigval, chunk_size,
-    state_v_first,
+    state_v_first, disable_recompute, return_intermediate_states,
 ):  # fmt: skip
     """Apply the in-op options and run the backend's core (or the naive reference). pallas_gpu
     gets the raw gate logits and unnormalised, unscaled q and k, with keyword arguments saying
     how to apply the gate, the L2 norm and the scale itself. States in and out are [N, HV, V, K]
-    with ``state_v_first``."""
+    with ``state_v_first``; so are the states entering each chunk (``return_intermediate_states``)."""
     if state_v_first and initial_state is not None:
         initial_state = jnp.swapaxes(initial_state, -1, -2)
-    core = None if backend == "naive" else _core(op, backend, config, chunk_size)
+    flags = (disable_recompute, return_intermediate_states)
+    core = None if backend == "naive" else _core(op, backend, config, chunk_size, *flags)
     if backend == "pallas_gpu":
         gate = (A_log, dt_bias, lower_bound) if use_gate_in_kernel else None
         core = functools.partial(core, input_dtype=q.dtype, g_dtype=g.dtype, gate=gate,
@@ -270,19 +343,21 @@ def _apply(
     q, k, g, beta = _preprocess(q, k, g, beta, use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias,
                                 lower_bound, use_beta_sigmoid_in_kernel, allow_neg_eigval)  # fmt: skip
     if backend == "naive":
-        o, final = _naive(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
+        out = _naive(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                     return_intermediate_states, chunk_size)  # fmt: skip
     else:
-        o, final = _run(core, q, k, v, g, beta, scale, initial_state, N, cu_seqlens, output_final_state)
-    return o, (jnp.swapaxes(final, -1, -2) if state_v_first and final is not None else final)
+        out = _run(core, q, k, v, g, beta, scale, initial_state, N, cu_seqlens, output_final_state)
+    return out[0], *(jnp.swapaxes(x, -1, -2) if state_v_first and x is not None else x for x in out[1:])
 
 
 _compiled = jax.jit(_apply, static_argnames=_STATIC)
 
 
-def _naive(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
+def _naive(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, return_intermediate_states,
+           chunk_size):  # fmt: skip
     if isinstance(cu_seqlens, jax.core.Tracer):
         fail("cu_seqlens", "a concrete array with backend='naive' (the reference loops over sequences)", "a tracer")
     return naive_recurrent_kda(
-        q, k, v, g, beta, scale=scale, initial_state=initial_state,
-        output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+        q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+        cu_seqlens=cu_seqlens, return_intermediate_states=return_intermediate_states, chunk_size=chunk_size,
     )  # fmt: skip

@@ -34,7 +34,7 @@ from kdax.ops.common import dispatch
 from kdax.ops.common.arrays import LOG2E, pad_last
 from kdax.ops.common.varlen import ChunkLayout
 from kdax.ops.kda.gate import L2NORM_EPS, l2norm, log_decay, softplus_exp2
-from kdax.ops.kda.tiles import StateProducts, Tiles, gated, last_row
+from kdax.ops.kda.tiles import StateProducts, Tiles, chunk_states, gated, last_row
 
 # Whether the compiled kernels have passed the shared cases' error bars on a GPU
 # (`scripts/gpu_session.sh tests`, recorded in BENCHMARKS.md). Until then backend="auto" runs
@@ -376,10 +376,11 @@ def _output_kernel(tiles, aqk_ref, qg_ref, vn_ref, sin_ref, o_ref):
     _put(o_ref, ..., tiles.dot_t(qg_ref[...], sin_ref[...]) + tiles.dot(aqk_ref[...], vn_ref[...]))
 
 
-def _dstate_kernel(tiles, C, start_ref, end_ref, aqk_ref, qg_ref, kd_ref, w_ref, dec_ref, do_ref, df_ref, dso_ref,
-                   dh0_ref):  # fmt: skip
+def _dstate_kernel(tiles, C, start_ref, end_ref, aqk_ref, qg_ref, kd_ref, w_ref, dec_ref, do_ref, df_ref, *refs):
     """Grid (B, N, HV, V-blocks): walk sequence n's chunks last to first with the state
-    cotangent dSt [BV, K]; store, per chunk, the cotangent of the state leaving it."""
+    cotangent dSt [BV, K]; store, per chunk, the cotangent of the state leaving it. With three
+    refs left, the first is the cotangent of the states entering the chunks [NC, BV, K]."""
+    *dh_ref, dso_ref, dh0_ref = refs
     n = pl.program_id(1)
     start, end = start_ref[n], end_ref[n]
 
@@ -388,20 +389,22 @@ def _dstate_kernel(tiles, C, start_ref, end_ref, aqk_ref, qg_ref, kd_ref, w_ref,
         _put(dso_ref, c, dSt)
         do = _chunk(do_ref, c, C)
         dv_new = tiles.t_dot(_chunk(aqk_ref, c, C), do) + tiles.dot_t(_chunk(kd_ref, c, C), dSt)
-        return (
+        dS_in = (
             tiles.t_dot(do, _chunk(qg_ref, c, C))
             + dSt * dec_ref[pl.ds(c, 1), :]
             - tiles.t_dot(dv_new, _chunk(w_ref, c, C))
         )
+        return dS_in + dh_ref[0][c].astype(jnp.float32) if dh_ref else dS_in
 
     dh0_ref[...] = lax.fori_loop(0, end - start, step, df_ref[...])
 
 
-def _values_kernel(tiles, BK, BV, aqk_ref, t_ref, w_ref, kd_ref, u_ref, v_ref, b_ref, sin_ref, do_ref, dso_ref, vn_ref,
-                   dvn_ref, dv_ref, daqk_ref, dakku_ref, dbeta_v_ref, d_ref):  # fmt: skip
-    """Grid (B, HV, chunks): walks the value columns in blocks of BV: v_new = u - w S and its
-    cotangent dv_new (each summed over blocks of BK key columns), then the block's terms
-    (``Tiles.grads_values``), summing the [C, C] and [C, 1] ones."""
+def _values_kernel(tiles, BK, BV, kept, aqk_ref, t_ref, w_ref, kd_ref, u_ref, v_ref, b_ref, sin_ref, do_ref, dso_ref,
+                   vn_ref, dvn_ref, dv_ref, daqk_ref, dakku_ref, dbeta_v_ref, d_ref):  # fmt: skip
+    """Grid (B, HV, chunks): walks the value columns in blocks of BV: v_new = u - w S (an input,
+    the forward's, if ``kept``; else computed and written) and its cotangent dv_new (each
+    summed over blocks of BK key columns), then the block's terms (``Tiles.grads_values``),
+    summing the [C, C] and [C, 1] ones."""
     aqk, T, beta, f32 = aqk_ref[...], t_ref[...], b_ref[...], jnp.float32
 
     def values(vb, acc):
@@ -410,13 +413,15 @@ def _values_kernel(tiles, BK, BV, aqk_ref, t_ref, w_ref, kd_ref, u_ref, v_ref, b
 
         def keys(kb, vd):
             kc = pl.ds(kb * BK, BK)
-            return (vd[0] - tiles.dot_t(_cols(w_ref, kb, BK), sin_ref[vc, kc]),
-                    vd[1] + tiles.dot_t(_cols(kd_ref, kb, BK), dso_ref[vc, kc]))  # fmt: skip
+            dv_new = vd[-1] + tiles.dot_t(_cols(kd_ref, kb, BK), dso_ref[vc, kc])
+            return (dv_new,) if kept else (vd[0] - tiles.dot_t(_cols(w_ref, kb, BK), sin_ref[vc, kc]), dv_new)
 
         u = u_ref[:, vc].astype(f32)
-        v_new, dv_new = lax.fori_loop(0, w_ref.shape[1] // BK, keys, (u, tiles.t_dot(aqk, do)))
+        dv_new_o = tiles.t_dot(aqk, do)
+        *new, dv_new = lax.fori_loop(0, w_ref.shape[1] // BK, keys, (dv_new_o,) if kept else (u, dv_new_o))
+        v_new = vn_ref[:, vc].astype(f32) if kept else new[0]
         Vg = tiles.grads_values(T, u, v_ref[:, vc], do, v_new, dv_new)
-        for ref, x in zip((vn_ref, dvn_ref, dv_ref), (v_new, dv_new, beta * Vg.dbv)):
+        for ref, x in [(dvn_ref, dv_new), (dv_ref, beta * Vg.dbv)] + ([] if kept else [(vn_ref, v_new)]):
             _put(ref, (slice(None), vc), x)
         return tuple(a + x for a, x in zip(acc, (Vg.dAqk, Vg.dAkk_u, Vg.dbeta, Vg.d)))
 
@@ -602,16 +607,19 @@ def _run_intra(q, k, v, g, gp, beta, C, groups, tiles, cfg, gate, qk, backward=F
     )(q, k, v, g, gp, beta)  # fmt: skip
 
 
-def _forward(q, k, v, g, gp, beta, h0t, ranges, C, groups, tiles, cfg, gate, qk):
+def _forward(q, k, v, g, gp, beta, h0t, ranges, C, groups, tiles, cfg, gate, qk, keep):
     """Token-major inputs on the padded slot axis: q, k [B, L, H, Kp] (as :class:`_QK` ``qk`` takes
     them), v [B, L, HV, Vp] (in :func:`_stored` dtype); g [B, L, HV, Kp] (natural-log decay or
     logits, :class:`_Gate`) and its parameters gp [HV, 2, Kp]; beta [B, L, HV, 1] (float32);
     h0t [B, N, HV, Vp, Kp];
     ranges (start, end) int32 [N] chunk range of each sequence. Returns o [B, L, HV, Vp] (v's dtype),
-    final [B, N, HV, Vp, Kp], S_in [B, HV, NC, Vp, Kp] (stored dtype)."""
+    final [B, N, HV, Vp, Kp], S_in [B, HV, NC, Vp, Kp] (stored dtype), and with ``keep`` what the
+    backward would recompute: the intra kernel's outputs (:func:`_run_intra` with ``backward``) and
+    v_new, else None."""
     B, L, HV, Vp = v.shape
     Kp, NC, N, BV, f32, sd = k.shape[-1], L // C, h0t.shape[1], cfg.block_v, jnp.float32, _stored(tiles)
-    aqk, w, u, q_g, k_d, dec = _run_intra(q, k, v, g, gp, beta, C, groups, tiles, cfg, gate, qk)
+    intra = _run_intra(q, k, v, g, gp, beta, C, groups, tiles, cfg, gate, qk, backward=keep)
+    aqk, w, u, q_g, k_d, dec = intra[:6]
     seq, state = _seq_range(N), _seq_state(BV, Kp)
     v_new, s_in, final = pl.pallas_call(
         functools.partial(_state_kernel, tiles, C),
@@ -635,39 +643,50 @@ def _forward(q, k, v, g, gp, beta, h0t, ranges, C, groups, tiles, cfg, gate, qk)
         out_shape=jax.ShapeDtypeStruct((B, L, HV, Vp), v.dtype),
         compiler_params=_params(cfg, "output"), interpret=_interpret(cfg),
     )(aqk, q_g, v_new, s_in)  # fmt: skip
-    return o, final, s_in
+    return o, final, s_in, ((*intra, v_new) if keep else None)
 
 
-def _backward(q, k, v, g, gp, beta, ranges, S_in, do, dfinal_t, C, groups, tiles, cfg, gate):
+def _backward(q, k, v, g, gp, beta, ranges, S_in, kept, do, dfinal_t, dS_in, C, groups, tiles, cfg, gate):
     """Cotangents of q, k (prepared: :meth:`_QK.prepare`), v, the decay (float32), beta and h0t
-    (dq, dk summed over each group's value heads)."""
+    (dq, dk summed over each group's value heads). kept: what :func:`_forward` kept, or None
+    (recomputed then); dS_in: cotangent of S_in, or None."""
     B, L, HV, Vp = v.shape
     H, Kp, NC, N, BV = k.shape[2], k.shape[-1], L // C, dfinal_t.shape[1], cfg.block_v
     f32, sd = jnp.float32, _stored(tiles)
-    aqk, w, u, q_g, k_d, dec, kkk, T = _run_intra(q, k, v, g, gp, beta, C, groups, tiles, cfg, gate, _QK(), True)
+    if kept is None:
+        aqk, w, u, q_g, k_d, dec, kkk, T = _run_intra(q, k, v, g, gp, beta, C, groups, tiles, cfg, gate, _QK(), True)
+        v_new_in = []  # the values kernel computes v_new
+    else:
+        *intra, v_new = kept
+        aqk, w, u, q_g, k_d, dec, kkk, T = intra
+        v_new_in = [v_new]
     seq, state = _seq_range(N), _seq_state(BV, Kp)
+    dh = [] if dS_in is None else [dS_in]
     dS_out, dh0t = pl.pallas_call(
         functools.partial(_dstate_kernel, tiles, C),
         grid=(B, N, HV, Vp // BV),
         in_specs=[seq, seq, _whole(L, C), _whole(L, Kp), _whole(L, Kp), _whole(L, Kp), _whole(NC, Kp),
-                  _whole_tokens(L, BV), state],
+                  _whole_tokens(L, BV), state] + [_chunk_states(NC, BV, Kp)] * len(dh),
         out_specs=[_chunk_states(NC, BV, Kp), state],
         out_shape=[jax.ShapeDtypeStruct((B, HV, NC, Vp, Kp), sd), jax.ShapeDtypeStruct(dfinal_t.shape, f32)],
         compiler_params=_params(cfg, "dstate"), interpret=_interpret(cfg),
-    )(*ranges, aqk, q_g, k_d, w, dec, do, dfinal_t)  # fmt: skip
+    )(*ranges, aqk, q_g, k_d, w, dec, do, dfinal_t, *dh)  # fmt: skip
     spec, tok = functools.partial(_per_chunk, C), functools.partial(_tokens, C)
     qk = tok(Kp, groups)
     st = pl.BlockSpec((None, None, None, Vp, Kp), lambda b, h, c: (b, h, c, 0, 0))
     BK = cfg.block_k
-    v_new, dv_new, dv, daqk, dakk_u, dbeta_v, d = pl.pallas_call(
-        functools.partial(_values_kernel, tiles, BK, BV),
+    n_out = 2 - len(v_new_in)  # v_new (unless kept) and dv_new
+    *v_new_out, dv_new, dv, daqk, dakk_u, dbeta_v, d = pl.pallas_call(
+        functools.partial(_values_kernel, tiles, BK, BV, kept is not None),
         grid=(B, HV, NC),
-        in_specs=[spec(C), spec(C), spec(Kp), spec(Kp), spec(Vp), tok(Vp), tok(1), st, tok(Vp), st],
-        out_specs=[spec(Vp), spec(Vp), tok(Vp)] + [spec(C)] * 2 + [spec(1)] * 2,
-        out_shape=[jax.ShapeDtypeStruct((B, HV, L, Vp), sd)] * 2 + [jax.ShapeDtypeStruct(v.shape, v.dtype)]
+        in_specs=[spec(C), spec(C), spec(Kp), spec(Kp), spec(Vp), tok(Vp), tok(1), st, tok(Vp), st]
+        + [spec(Vp)] * len(v_new_in),
+        out_specs=[spec(Vp)] * n_out + [tok(Vp)] + [spec(C)] * 2 + [spec(1)] * 2,
+        out_shape=[jax.ShapeDtypeStruct((B, HV, L, Vp), sd)] * n_out + [jax.ShapeDtypeStruct(v.shape, v.dtype)]
         + [jax.ShapeDtypeStruct((B, HV, L, d), f32) for d in (C, C, 1, 1)],
         compiler_params=_params(cfg, "values"), interpret=_interpret(cfg),
-    )(aqk, T, w, k_d, u, v, beta, S_in, do, dS_out)  # fmt: skip
+    )(aqk, T, w, k_d, u, v, beta, S_in, do, dS_out, *v_new_in)  # fmt: skip
+    v_new = (*v_new_in, *v_new_out)[0]
     dkkk, dbeta, dq, dk, dG = pl.pallas_call(
         functools.partial(_keys_kernel, tiles, gate, BK, BV),
         grid=(B, HV, NC),
@@ -694,23 +713,23 @@ def _backward(q, k, v, g, gp, beta, ranges, S_in, do, dfinal_t, C, groups, tiles
     return dq, dk, dv, dg, dbeta, dh0t
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11, 12, 13))
-def _core(q, k, v, g, gp, beta, h0t, ranges, C, groups, tiles, cfg, gate, qk):
-    o, final, _ = _forward(q, k, v, g, gp, beta, h0t, ranges, C, groups, tiles, cfg, gate, qk)
-    return o, final
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11, 12, 13, 14, 15))
+def _core(q, k, v, g, gp, beta, h0t, ranges, C, groups, tiles, cfg, gate, qk, keep, states):
+    o, final, S_in, _ = _forward(q, k, v, g, gp, beta, h0t, ranges, C, groups, tiles, cfg, gate, qk, keep=False)
+    return o, final, (S_in if states else None)
 
 
-def _core_fwd(q, k, v, g, gp, beta, h0t, ranges, C, groups, tiles, cfg, gate, qk):
-    o, final, S_in = _forward(q, k, v, g, gp, beta, h0t, ranges, C, groups, tiles, cfg, gate, qk)
-    return (o, final), (q, k, v, g, gp, beta, ranges, S_in)
+def _core_fwd(q, k, v, g, gp, beta, h0t, ranges, C, groups, tiles, cfg, gate, qk, keep, states):
+    o, final, S_in, kept = _forward(q, k, v, g, gp, beta, h0t, ranges, C, groups, tiles, cfg, gate, qk, keep)
+    return (o, final, (S_in if states else None)), (q, k, v, g, gp, beta, ranges, S_in, kept)
 
 
-def _core_bwd(C, groups, tiles, cfg, gate, qk, res, cts):
-    q, k, v, g, gp, beta, ranges, S_in = res
-    do, dfinal_t = cts
+def _core_bwd(C, groups, tiles, cfg, gate, qk, keep, states, res, cts):
+    q, k, v, g, gp, beta, ranges, S_in, kept = res
+    do, dfinal_t, dS_in = cts
     (qp, kp), pull = jax.vjp(qk.prepare, q, k)
-    dq, dk, dv, dG, dbeta, dh0t = _backward(qp, kp, v, g, gp, beta, ranges, S_in, do, dfinal_t, C, groups, tiles, cfg,
-                                            gate)  # fmt: skip
+    dq, dk, dv, dG, dbeta, dh0t = _backward(qp, kp, v, g, gp, beta, ranges, S_in, kept, do, dfinal_t, dS_in, C, groups,
+                                            tiles, cfg, gate)  # fmt: skip
     return (*pull((dq, dk)), dv, *gate.vjp(g, gp, dG), dbeta, dh0t, (None, None))
 
 
@@ -741,7 +760,8 @@ def chunk_fits(input_dtype, chunk_size: int, cfg: Config = Config(), K: int = 12
 
 
 def chunk_kda_pallas_gpu(q, k, v, g, beta, h0, layout: ChunkLayout, input_dtype=jnp.float32, cfg: Config = Config(),
-                         gate=None, g_dtype=None, l2norm_qk: bool = False, scale: float = 1.0):  # fmt: skip
+                         gate=None, g_dtype=None, l2norm_qk: bool = False, scale: float = 1.0,
+                         disable_recompute: bool = False, intermediate_states: bool = False):  # fmt: skip
     """Core chunked KDA with the GPU kernels, on prepared float32 inputs.
 
     q, k: [B, T, H, K] (not repeated over value heads; the kernels take the L2 norm of both
@@ -750,8 +770,12 @@ def chunk_kda_pallas_gpu(q, k, v, g, beta, h0, layout: ChunkLayout, input_dtype=
     lower_bound | None)`` the raw logits that the kernels turn into the decay as
     :func:`~kdax.ops.kda.gate.kda_gate` does; beta: [B, T, HV]; h0: [B, N, HV, K, V];
     input_dtype: the caller's dtype (chooses the matmul precision under "auto");
-    g_dtype: the caller's dtype of g (bfloat16 or float16 g is read as such).
-    Returns (o [B, T, HV, V], final [B, N, HV, K, V]); o in bfloat16 under precision "bf16".
+    g_dtype: the caller's dtype of g (bfloat16 or float16 g is read as such);
+    disable_recompute: the forward keeps the intra kernel's outputs and v_new for the backward,
+    which then runs neither again.
+    Returns (o [B, T, HV, V], final [B, N, HV, K, V]) and with ``intermediate_states`` the state
+    entering each chunk [B, NC, HV, K, V] (differentiable; chunks no sequence uses are 0); o and
+    those states in bfloat16 under precision "bf16".
 
     The kernels read q, k, v (rounded to :func:`_stored` dtype), g and beta token-major as they
     come: with no cu_seqlens, T a multiple of the chunk and K, V powers of two >= 16, XLA
@@ -778,5 +802,9 @@ def chunk_kda_pallas_gpu(q, k, v, g, beta, h0, layout: ChunkLayout, input_dtype=
     ranges = (layout.seq_chunk_start, layout.seq_chunk_end)
     gp = _gate_params(gate, HV, K, Kp)
     qk = _QK(l2norm_qk, float(scale))
-    o, final = _core(qt, kt, vt, gt, gp, bt, h0t, ranges, layout.chunk_size, HV // H, tiles, cfg, kgate, qk)
-    return layout.unpack(o[..., :V]), jnp.swapaxes(final, -1, -2)[..., :K, :V]
+    o, final, S_in = _core(qt, kt, vt, gt, gp, bt, h0t, ranges, layout.chunk_size, HV // H, tiles, cfg, kgate, qk,
+                           disable_recompute, intermediate_states)  # fmt: skip
+    o, final = layout.unpack(o[..., :V]), jnp.swapaxes(final, -1, -2)[..., :K, :V]
+    if not intermediate_states:
+        return o, final
+    return o, final, chunk_states(layout, S_in, K, V)

@@ -31,7 +31,7 @@ from jax.experimental.pallas import tpu as pltpu
 from kdax.ops.common import dispatch
 from kdax.ops.common.arrays import LOG2E, pad_last, round_up
 from kdax.ops.common.varlen import ChunkLayout
-from kdax.ops.kda.tiles import Tiles, head_major
+from kdax.ops.kda.tiles import Intra, Tiles, chunk_states, gated, head_major, last_row
 
 LANE = 128
 _TILES = Tiles(precision=lax.Precision.HIGHEST, matmul_reductions=True)  # see Precision in docs/kda_tpu.md
@@ -83,23 +83,41 @@ def _state_step(first, last, h0_ref, fin_ref, St, w, u, k_d, decay):
     return S, v_new
 
 
-def _fused_kernel(first, last, seq, q_ref, k_ref, v_ref, g_ref, b_ref, h0_ref, o_ref, fin_ref, *rest):
+# With disable_recompute the forward also writes the matmul products that the backward would
+# otherwise recompute: of the intra-chunk stage (tiles.Intra) the gate's prefix and suffix sums
+# (0/1 matmuls here), Aqk, Kkk, T, w and u, and v_new; the element-wise gated q and k and the
+# chunk's decay it still recomputes from them. The staged forward's intra kernel writes the
+# _STAGED ones in any case.
+_KEPT = ("G", "R", "Aqk", "Kkk", "T", "w", "u", "v_new")
+_STAGED = ("Aqk", "w", "u", "q_g", "k_d", "decay")
+
+
+def _put_fields(refs, names, I: Intra, v_new=None):
+    """Write the named fields of I (and v_new) into the [1, 1, rows, D] blocks refs; decay
+    [1, K] is broadcast over its block's 8 rows."""
+    for ref, name in zip(refs, names):
+        x = v_new if name == "v_new" else getattr(I, name)
+        ref[0, 0] = jnp.broadcast_to(x, ref.shape[2:])
+
+
+def _fused_kernel(save_states, first, last, seq, q_ref, k_ref, v_ref, g_ref, b_ref, h0_ref, o_ref, fin_ref, *rest):
     """Grid (B, HV, V-blocks, chunks). Blocks: q, k, g [C, K]; v, o [C, BV]; beta [C, 1];
-    h0, final (and S_in if stored) [BV, K]; scratch St [BV, K] carried across chunks."""
-    *s_in_ref, St = rest
+    h0, final (and S_in if save_states) [BV, K]; then the _KEPT fields' outputs, if any;
+    scratch St [BV, K] carried across chunks."""
+    *outs, St = rest
     I = _TILES.intra(q_ref[0, 0], k_ref[0, 0], v_ref[0, 0], g_ref[0, 0] * LOG2E, b_ref[0, 0])
     S, v_new = _state_step(first, last, h0_ref, fin_ref, St, I.w, I.u, I.k_d, I.decay)
-    if s_in_ref:
-        s_in_ref[0][0, 0, 0] = S
+    if save_states:
+        outs[0][0, 0, 0] = S
+    _put_fields(outs[save_states:], _KEPT, I, v_new)
     o_ref[0, 0] = (_TILES.dot_t(I.q_g, S) + _TILES.dot(I.Aqk, v_new)).astype(o_ref.dtype)
 
 
-def _intra_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, aqk_ref, w_ref, u_ref, qg_ref, kd_ref, dec_ref):
-    """Grid (B, HV, chunks), all parallel. Writes the chunk's Aqk [C, C], w, q_g, k_d [C, K],
-    u [C, V] and its decay [8, K] (row 0, broadcast)."""
+def _intra_kernel(names, q_ref, k_ref, v_ref, g_ref, b_ref, *out_refs):
+    """Grid (B, HV, chunks), all parallel. Writes the chunk's named Intra fields: Aqk, Kkk, T
+    [C, C], u [C, V], decay [8, K] (row 0, broadcast), the others [C, K]."""
     I = _TILES.intra(q_ref[0, 0], k_ref[0, 0], v_ref[0, 0], g_ref[0, 0] * LOG2E, b_ref[0, 0])
-    aqk_ref[0, 0], w_ref[0, 0], u_ref[0, 0], qg_ref[0, 0], kd_ref[0, 0] = I.Aqk, I.w, I.u, I.q_g, I.k_d
-    dec_ref[0, 0] = jnp.broadcast_to(I.decay, dec_ref.shape[2:])
+    _put_fields(out_refs, names, I)
 
 
 def _state_kernel(first, last, seq, w_ref, u_ref, kd_ref, dec_ref, h0_ref, vn_ref, sin_ref, fin_ref, St):
@@ -115,10 +133,13 @@ def _output_kernel(aqk_ref, qg_ref, vn_ref, sin_ref, o_ref):
     o_ref[0, 0] = o.astype(o_ref.dtype)
 
 
-def _bwd_kernel(first, last, seq, q_ref, k_ref, v_ref, g_ref, b_ref, s_ref, do_ref, df_ref,
-                dq_ref, dk_ref, dv_ref, dg_ref, db_ref, dh0_ref, dSt):  # fmt: skip
+def _bwd_kernel(has_dh, first, last, seq, q_ref, k_ref, v_ref, g_ref, b_ref, s_ref, do_ref, df_ref, *rest):
     """Grid (B, HV, chunks), chunks walked last to first; the cotangent of the state
-    (transposed, [V, K]) carried in scratch. dq, dk come out per value head."""
+    (transposed, [V, K]) carried in scratch. dq, dk come out per value head. Inputs after
+    df: the cotangent of S_in [V, K] if has_dh, then the _KEPT fields' blocks, if any (the
+    intra stage and v_new are recomputed without them)."""
+    dh_ref, kept = (rest[0] if has_dh else None), rest[has_dh:-7]
+    dq_ref, dk_ref, dv_ref, dg_ref, db_ref, dh0_ref, dSt = rest[-7:]
     n = pl.num_programs(2)
     c = n - 1 - pl.program_id(2)
 
@@ -130,14 +151,23 @@ def _bwd_kernel(first, last, seq, q_ref, k_ref, v_ref, g_ref, b_ref, s_ref, do_r
     def _():
         dSt[...] = df_ref[0, 0, 0]
 
-    r = _TILES.grads(q_ref[0, 0], k_ref[0, 0], v_ref[0, 0], g_ref[0, 0] * LOG2E, b_ref[0, 0], s_ref[0, 0, 0], do_ref[0, 0],
-                    dSt[...])  # fmt: skip
+    q, k, v, g, beta, S = q_ref[0, 0], k_ref[0, 0], v_ref[0, 0], g_ref[0, 0] * LOG2E, b_ref[0, 0], s_ref[0, 0, 0]
+    if kept:
+        f = {name: ref[0, 0] for name, ref in zip(_KEPT, kept)}
+        v_new = f.pop("v_new")
+        q_g, _, k_d, decay = gated(q, k, f["G"], f["R"], last_row(f["G"]))
+        I = Intra(g, **f, q_g=q_g, k_d=k_d, decay=decay)
+    else:
+        I = _TILES.intra(q, k, v, g, beta)
+        v_new = _TILES.v_new(I, S)
+    r = _TILES.grads(q, k, v, beta, I, v_new, S, do_ref[0, 0], dSt[...])
     dq_ref[0, 0], dk_ref[0, 0], dv_ref[0, 0], dg_ref[0, 0], db_ref[0, 0] = r.dq, r.dk, r.dv, r.dg, r.dbeta
-    dSt[...] = r.dS_in
+    dS_in = r.dS_in if dh_ref is None else r.dS_in + dh_ref[0, 0, 0]
+    dSt[...] = dS_in
 
     @pl.when(first[c] == 1)
     def _():
-        dh0_ref[0, 0, 0] = r.dS_in
+        dh0_ref[0, 0, 0] = dS_in
 
 
 # ----------------------------------------------------------------------------- wrapper
@@ -147,10 +177,18 @@ def _interpret(cfg: Config):
     return pltpu.InterpretParams(detect_races=cfg.detect_races) if cfg.interpret else False
 
 
-def _forward(q, k, v, g, beta, h0t, sched, groups: int, cfg: Config, save_states: bool):
+def _field(name: str, C: int, Kp: int, Vp: int) -> tuple[int, int]:
+    """(rows per chunk, width) of the head-major array [B, HV, NC * rows, width] of a field of the
+    intra stage, or of v_new."""
+    rows = 8 if name == "decay" else C
+    return rows, C if name in ("Aqk", "Kkk", "T") else Vp if name in ("u", "v_new") else Kp
+
+
+def _forward(q, k, v, g, beta, h0t, sched, groups: int, cfg: Config, save_states: bool, keep: bool):
     """Head-major padded inputs: q, k [B, H, L, Kp]; v [B, HV, L, Vp]; g [B, HV, L, Kp] (natural log);
     beta [B, HV, L, 1]; h0t [B, N, HV, Vp, Kp]; sched (first, last, seq) int32 [NC].
-    Returns o [B, HV, L, Vp], final [B, N, HV, Vp, Kp], S_in [B, HV, NC, Vp, Kp] or None."""
+    Returns o [B, HV, L, Vp], final [B, N, HV, Vp, Kp], S_in [B, HV, NC, Vp, Kp] or None, and
+    with ``keep`` the _KEPT fields (:func:`_field`), else None."""
     B, HV, L, Vp = v.shape
     Kp = k.shape[-1]
     NC = sched[0].shape[0]
@@ -170,32 +208,50 @@ def _forward(q, k, v, g, beta, h0t, sched, groups: int, cfg: Config, save_states
     sin_shape = jax.ShapeDtypeStruct((B, HV, NC, Vp, Kp), f32)
     sequential = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"))
 
+    def field_shape(name):
+        rows, width = _field(name, C, Kp, Vp)
+        return jax.ShapeDtypeStruct((B, HV, NC * rows, width), f32)
+
     if cfg.pipeline == "fused":
-        out_specs = [v_spec, st_spec] + ([sin_spec] if save_states else [])
-        out_shape = [o_shape, fin_shape] + ([sin_shape] if save_states else [])
+        kept = _KEPT if keep else ()
+
+        def kept_spec(name):  # the fields of value columns by V-block
+            rows, width = _field(name, C, Kp, Vp)
+            if name in ("u", "v_new"):
+                return pl.BlockSpec((1, 1, rows, BV), lambda b, h, vb, c, *_: (b, h, c, vb))
+            return pl.BlockSpec((1, 1, rows, width), lambda b, h, vb, c, *_: (b, h, c, 0))
+
         outs = pl.pallas_call(
-            _fused_kernel,
+            functools.partial(_fused_kernel, save_states),
             grid_spec=pltpu.PrefetchScalarGridSpec(
                 num_scalar_prefetch=3, grid=(B, HV, NV, NC),
                 in_specs=[qk_spec, qk_spec, v_spec, k_spec, b_spec, st_spec],
-                out_specs=out_specs, scratch_shapes=[pltpu.VMEM((BV, Kp), f32)],
+                out_specs=[v_spec, st_spec] + [sin_spec] * save_states + [kept_spec(n) for n in kept],
+                scratch_shapes=[pltpu.VMEM((BV, Kp), f32)],
             ),
-            out_shape=out_shape, compiler_params=sequential, interpret=interpret,
+            out_shape=[o_shape, fin_shape] + [sin_shape] * save_states + [field_shape(n) for n in kept],
+            compiler_params=sequential, interpret=interpret,
         )(*sched, q, k, v, g, beta, h0t)  # fmt: skip
-        return outs[0], outs[1], (outs[2] if save_states else None)
+        return outs[0], outs[1], (outs[2] if save_states else None), (tuple(outs[2 + save_states :]) if keep else None)
 
     # staged: intra (parallel) -> state (sequential over chunks) -> output (parallel)
     par3 = pltpu.CompilerParams(dimension_semantics=("parallel",) * 3)
     spec3 = lambda d, f=lambda b, h, c: (b, h, c, 0): pl.BlockSpec((1, 1, C, d), f)
-    aqk, w, u, q_g, k_d, dec = pl.pallas_call(
-        _intra_kernel,
+
+    def chunk_spec(name):  # a field's block of one chunk on grid (b, h, c)
+        rows, width = _field(name, C, Kp, Vp)
+        return pl.BlockSpec((1, 1, rows, width), lambda b, h, c: (b, h, c, 0))
+
+    names = _STAGED + (tuple(n for n in _KEPT if n not in _STAGED and n != "v_new") if keep else ())
+    staged = pl.pallas_call(
+        functools.partial(_intra_kernel, names),
         grid=(B, HV, NC),
         in_specs=[spec3(Kp, lambda b, h, c: (b, lax.div(h, jnp.int32(groups)), c, 0))] * 2 + [spec3(Vp), spec3(Kp), spec3(1)],
-        out_specs=[spec3(C), spec3(Kp), spec3(Vp), spec3(Kp), spec3(Kp), pl.BlockSpec((1, 1, 8, Kp), lambda b, h, c: (b, h, c, 0))],
-        out_shape=[jax.ShapeDtypeStruct((B, HV, L, d), f32) for d in (C, Kp, Vp, Kp, Kp)]
-        + [jax.ShapeDtypeStruct((B, HV, NC * 8, Kp), f32)],
+        out_specs=[chunk_spec(n) for n in names],
+        out_shape=[field_shape(n) for n in names],
         compiler_params=par3, interpret=interpret,
     )(q, k, v, g, beta)  # fmt: skip
+    f = dict(zip(names, staged))
     dec_spec = pl.BlockSpec((1, 1, 8, Kp), lambda b, h, vb, c, *_: (b, h, c, 0))
     v_new, s_in, final = pl.pallas_call(
         _state_kernel,
@@ -206,7 +262,7 @@ def _forward(q, k, v, g, beta, h0t, sched, groups: int, cfg: Config, save_states
         ),
         out_shape=[jax.ShapeDtypeStruct((B, HV, L, Vp), f32), sin_shape, fin_shape],
         compiler_params=sequential, interpret=interpret,
-    )(*sched, w, u, k_d, dec, h0t)  # fmt: skip
+    )(*sched, f["w"], f["u"], f["k_d"], f["decay"], h0t)  # fmt: skip
     o = pl.pallas_call(
         _output_kernel,
         grid=(B, HV, NC, NV),
@@ -219,30 +275,34 @@ def _forward(q, k, v, g, beta, h0t, sched, groups: int, cfg: Config, save_states
         out_specs=pl.BlockSpec((1, 1, C, BV), lambda b, h, c, vb: (b, h, c, vb)),
         out_shape=o_shape,
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",) * 4), interpret=interpret,
-    )(aqk, q_g, v_new, s_in)  # fmt: skip
-    return o, final, (s_in if save_states else None)
+    )(f["Aqk"], f["q_g"], v_new, s_in)  # fmt: skip
+    kept = tuple({**f, "v_new": v_new}[n] for n in _KEPT) if keep else None
+    return o, final, (s_in if save_states else None), kept
 
 
-def _backward(q, k, v, g, beta, sched, S_in, do, dfinal_t, groups: int, cfg: Config):
+def _backward(q, k, v, g, beta, sched, S_in, kept, do, dfinal_t, dS_in, groups: int, cfg: Config):
     """Cotangents of the head-major padded inputs of :func:`_forward` (dq, dk summed over
-    each group's value heads). do: [B, HV, L, Vp]; dfinal_t: [B, N, HV, Vp, Kp]."""
+    each group's value heads). kept: the forward's _KEPT fields or None (recomputed then);
+    do: [B, HV, L, Vp]; dfinal_t: [B, N, HV, Vp, Kp]; dS_in: cotangent of S_in or None."""
     B, HV, L, Vp = v.shape
     H, Kp = k.shape[1], k.shape[-1]
     NC = sched[0].shape[0]
     C = L // NC
     f32 = jnp.float32
 
-    def spec(d, head=lambda h: h):
-        return pl.BlockSpec((1, 1, C, d), lambda b, h, c, *_: (b, head(h), NC - 1 - c, 0))
+    def spec(d, head=lambda h: h, rows=C):
+        return pl.BlockSpec((1, 1, rows, d), lambda b, h, c, *_: (b, head(h), NC - 1 - c, 0))
 
     qk = spec(Kp, lambda h: lax.div(h, jnp.int32(groups)))
     st = pl.BlockSpec((1, 1, 1, Vp, Kp), lambda b, h, c, first, last, seq: (b, seq[NC - 1 - c], h, 0, 0))
     sin = pl.BlockSpec((1, 1, 1, Vp, Kp), lambda b, h, c, *_: (b, h, NC - 1 - c, 0, 0))
+    fields = [spec(w, rows=r) for r, w in (_field(n, C, Kp, Vp) for n in _KEPT)] if kept else []
+    dh = [] if dS_in is None else [dS_in]
     dq, dk, dv, dg, dbeta, dh0t = pl.pallas_call(
-        _bwd_kernel,
+        functools.partial(_bwd_kernel, dS_in is not None),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=3, grid=(B, HV, NC),
-            in_specs=[qk, qk, spec(Vp), spec(Kp), spec(1), sin, spec(Vp), st],
+            in_specs=[qk, qk, spec(Vp), spec(Kp), spec(1), sin, spec(Vp), st] + [sin] * len(dh) + fields,
             out_specs=[spec(Kp), spec(Kp), spec(Vp), spec(Kp), spec(1), st],
             scratch_shapes=[pltpu.VMEM((Vp, Kp), f32)],
         ),
@@ -250,7 +310,7 @@ def _backward(q, k, v, g, beta, sched, S_in, do, dfinal_t, groups: int, cfg: Con
         + [jax.ShapeDtypeStruct(dfinal_t.shape, f32)],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
         interpret=_interpret(cfg),
-    )(*sched, q, k, v, g, beta, S_in, do, dfinal_t)  # fmt: skip
+    )(*sched, q, k, v, g, beta, S_in, do, dfinal_t, *dh, *(kept or ()))  # fmt: skip
     dq, dk = (x.reshape(B, H, groups, L, Kp).sum(2) for x in (dq, dk))
     return dq, dk, dv, dg, dbeta, dh0t
 
@@ -261,33 +321,37 @@ def _if_empty(empty, x, y):
     return jnp.where(empty.reshape((1, -1) + (1,) * (x.ndim - 2)), x, y)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9))
-def _core(q, k, v, g, beta, h0t, sched, empty, groups, cfg):
-    o, final, _ = _forward(q, k, v, g, beta, h0t, sched, groups, cfg, save_states=False)
-    return o, _if_empty(empty, h0t, final)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11))
+def _core(q, k, v, g, beta, h0t, sched, empty, groups, cfg, keep, states):
+    o, final, S_in, _ = _forward(q, k, v, g, beta, h0t, sched, groups, cfg, save_states=states, keep=False)
+    return o, _if_empty(empty, h0t, final), S_in
 
 
-def _core_fwd(q, k, v, g, beta, h0t, sched, empty, groups, cfg):
-    o, final, S_in = _forward(q, k, v, g, beta, h0t, sched, groups, cfg, save_states=True)
-    return (o, _if_empty(empty, h0t, final)), (q, k, v, g, beta, sched, empty, S_in)
+def _core_fwd(q, k, v, g, beta, h0t, sched, empty, groups, cfg, keep, states):
+    o, final, S_in, kept = _forward(q, k, v, g, beta, h0t, sched, groups, cfg, save_states=True, keep=keep)
+    return (o, _if_empty(empty, h0t, final), S_in if states else None), (q, k, v, g, beta, sched, empty, S_in, kept)
 
 
-def _core_bwd(groups, cfg, res, cts):
-    q, k, v, g, beta, sched, empty, S_in = res
-    do, dfinal_t = cts
-    dq, dk, dv, dg, dbeta, dh0t = _backward(q, k, v, g, beta, sched, S_in, do, dfinal_t, groups, cfg)
+def _core_bwd(groups, cfg, keep, states, res, cts):
+    q, k, v, g, beta, sched, empty, S_in, kept = res
+    do, dfinal_t, dS_in = cts
+    dq, dk, dv, dg, dbeta, dh0t = _backward(q, k, v, g, beta, sched, S_in, kept, do, dfinal_t, dS_in, groups, cfg)
     return dq, dk, dv, dg, dbeta, _if_empty(empty, dfinal_t, dh0t), (None, None, None), None
 
 
 _core.defvjp(_core_fwd, _core_bwd)
 
 
-def chunk_kda_pallas_tpu(q, k, v, g, beta, h0, layout: ChunkLayout, cfg: Config = Config()):
+def chunk_kda_pallas_tpu(q, k, v, g, beta, h0, layout: ChunkLayout, cfg: Config = Config(),
+                         disable_recompute: bool = False, intermediate_states: bool = False):  # fmt: skip
     """Core chunked KDA with the TPU kernels, on prepared float32 inputs.
 
     q, k: [B, T, H, K] (q scaled, not repeated over value heads); v: [B, T, HV, V];
     g: [B, T, HV, K] natural-log decay; beta: [B, T, HV]; h0: [B, N, HV, K, V].
-    Returns (o [B, T, HV, V], final [B, N, HV, K, V])."""
+    disable_recompute: the forward writes the intra-chunk stage's matmul products and v_new
+    (_KEPT) for the backward, which then reads them instead of recomputing them.
+    Returns (o [B, T, HV, V], final [B, N, HV, K, V]) and with ``intermediate_states`` the
+    state entering each chunk [B, NC, HV, K, V] (differentiable; chunks no sequence uses are 0)."""
     cfg = cfg.resolved()
     H, K = q.shape[2:]
     HV, V = v.shape[2:]
@@ -300,6 +364,10 @@ def chunk_kda_pallas_tpu(q, k, v, g, beta, h0, layout: ChunkLayout, cfg: Config 
     h0t = pad_last(jnp.swapaxes(pad_last(h0, Vp), -1, -2), Kp)  # [B, N, HV, Vp, Kp]
     i32 = jnp.int32
     sched = (layout.chunk_first.astype(i32), layout.chunk_last.astype(i32), layout.chunk_seq)
-    o, final = _core(qh, kh, vh, gh, bh, h0t, sched, layout.seq_empty, HV // H, cfg)
+    o, final, S_in = _core(qh, kh, vh, gh, bh, h0t, sched, layout.seq_empty, HV // H, cfg, disable_recompute,
+                           intermediate_states)  # fmt: skip
     o = layout.unpack(jnp.moveaxis(o[..., :V], 1, 2))
-    return o, jnp.swapaxes(final, -1, -2)[..., :K, :V]
+    final = jnp.swapaxes(final, -1, -2)[..., :K, :V]
+    if not intermediate_states:
+        return o, final
+    return o, final, chunk_states(layout, S_in, K, V)

@@ -11,6 +11,7 @@ beta [B, T, HV]; initial_state [N, HV, K, V]; o [B, T, HV, V]; state [N, HV, K, 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
@@ -32,8 +33,11 @@ def _prepare(q, k, v, g, beta, scale):
     return q, k, v, g, beta
 
 
-def _recurrent_one(q, k, v, g, beta, S):
-    """One batch of equal-length sequences. q, k, g: [B, T, HV, K]; S: [B, HV, K, V]."""
+def _recurrent_one(q, k, v, g, beta, S, chunk_size=None):
+    """One batch of equal-length sequences. q, k, g: [B, T, HV, K]; S: [B, HV, K, V].
+
+    Returns (o, the final S, and with ``chunk_size`` the state entering each chunk of that many
+    tokens [B, NT, HV, K, V], else None)."""
 
     def step(S, xs):
         q_t, k_t, v_t, g_t, b_t = xs  # [B, HV, K], [B, HV, K], [B, HV, V], [B, HV, K], [B, HV]
@@ -44,8 +48,20 @@ def _recurrent_one(q, k, v, g, beta, S):
         return S, o_t
 
     xs = tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, beta))
-    S, o = lax.scan(step, S, xs)
-    return jnp.moveaxis(o, 0, 1), S
+    if chunk_size is None:
+        S, o = lax.scan(step, S, xs)
+        return jnp.moveaxis(o, 0, 1), S, None
+    T, C = q.shape[1], chunk_size
+    NT = -(-T // C)
+    # padding tokens (k = beta = g = 0) leave the state as it is: the last chunk's end state is final
+    xs = tuple(jnp.pad(x, [(0, NT * C - T)] + [(0, 0)] * (x.ndim - 1)).reshape((NT, C) + x.shape[1:]) for x in xs)
+
+    def chunk(S, xs):
+        S_end, o = lax.scan(step, S, xs)
+        return S_end, (o, S)
+
+    S, (o, h) = lax.scan(chunk, S, xs)
+    return jnp.moveaxis(o.reshape((NT * C,) + o.shape[2:])[:T], 0, 1), S, jnp.moveaxis(h, 0, 1)
 
 
 def _chunk_one(q, k, v, g, beta, S, chunk_size):
@@ -85,40 +101,49 @@ def _chunk_one(q, k, v, g, beta, S, chunk_size):
 
     S, o = lax.scan(step, S, (q, k, G, w, u, Aqk))
     o = o.transpose(1, 0, 3, 2, 4).reshape(B, n * C, HV, -1)[:, :T]
-    return o, S
+    return o, S, None
 
 
 def _run(one: Callable, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
+    """(o, final state or None, per-chunk states or None as ``one`` gives them, for every sequence)."""
     out_dtype = q.dtype
     q, k, v, g, beta = _prepare(q, k, v, g, beta, scale)
     B, _, HV, K = k.shape
     V = v.shape[-1]
     if cu_seqlens is None:
         S0 = jnp.zeros((B, HV, K, V), q.dtype) if initial_state is None else initial_state.astype(q.dtype)
-        o, S = one(q, k, v, g, beta, S0)
+        o, S, h = one(q, k, v, g, beta, S0)
     else:
         bounds = np.asarray(cu_seqlens)  # the reference needs concrete sequence boundaries
-        outs, states = [], []
+        outs, states, hs = [], [], []
         for n in range(len(bounds) - 1):
             a, b = int(bounds[n]), int(bounds[n + 1])
             S0 = (
                 jnp.zeros((1, HV, K, V), q.dtype) if initial_state is None else initial_state[n : n + 1].astype(q.dtype)
             )
-            if b > a:
-                o_n, S0 = one(*(x[:, a:b] for x in (q, k, v, g, beta)), S0)
+            if b > a:  # a sequence without tokens has no chunk
+                o_n, S0, h_n = one(*(x[:, a:b] for x in (q, k, v, g, beta)), S0)
                 outs.append(o_n)
+                hs.append(h_n)
             states.append(S0)
         o = jnp.concatenate(outs, axis=1) if outs else jnp.zeros((1, 0, HV, V), q.dtype)
         S = jnp.concatenate(states, axis=0)
-    return o.astype(out_dtype), (S if output_final_state else None)
+        h = jnp.concatenate(hs, axis=1) if hs and hs[0] is not None else None
+    return o.astype(out_dtype), (S if output_final_state else None), (None if h is None else h.astype(out_dtype))
 
 
-def naive_recurrent_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None):
+def naive_recurrent_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
+                        return_intermediate_states=False, chunk_size=64):  # fmt: skip
     """KDA by the token-by-token recurrence of SPEC.md (``lax.scan`` over time).
 
-    Returns ``(o [B, T, HV, V] in q's dtype, final_state [N, HV, K, V] or None)``.
+    Returns ``(o [B, T, HV, V] in q's dtype, final_state [N, HV, K, V] or None)``, and with
+    ``return_intermediate_states`` a third output: the state entering each chunk of
+    ``chunk_size`` tokens in q's dtype (FLA's ``h``), [B, NT, HV, K, V] with NT = ceil(T / chunk_size),
+    or with ``cu_seqlens`` [1, total chunks, HV, K, V], each sequence's chunks in turn.
     """
-    return _run(_recurrent_one, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
+    one = functools.partial(_recurrent_one, chunk_size=chunk_size if return_intermediate_states else None)
+    o, S, h = _run(one, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
+    return (o, S, h) if return_intermediate_states else (o, S)
 
 
 def naive_chunk_kda(
@@ -136,10 +161,11 @@ def naive_chunk_kda(
 ):
     """KDA by the plain chunked algorithm: pairwise ``exp(G_i - G_j)``, exact triangular solve.
 
-    Same contract as :func:`naive_recurrent_kda`; memory grows as ``C * C * K`` per chunk.
+    Same contract as :func:`naive_recurrent_kda` without intermediate states; memory grows as
+    ``C * C * K`` per chunk.
     """
 
     def one(q, k, v, g, beta, S):
         return _chunk_one(q, k, v, g, beta, S, chunk_size)
 
-    return _run(one, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
+    return _run(one, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)[:2]

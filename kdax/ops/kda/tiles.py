@@ -63,7 +63,7 @@ def gated(q, k, G, R, G_end):
 
 
 class Intra(NamedTuple):
-    """One chunk's state-free quantities."""
+    """One chunk's state-free quantities: what the backward needs of the forward's intra-chunk stage."""
 
     g: jax.Array  # [C, K] per-step log2 gate
     G: jax.Array  # [C, K] cumulative log2 gate (prefix sums of g)
@@ -74,7 +74,6 @@ class Intra(NamedTuple):
     w: jax.Array  # [C, K]
     u: jax.Array  # [C, V]
     q_g: jax.Array  # [C, K] q 2^G
-    k_g: jax.Array  # [C, K] k 2^G
     k_d: jax.Array  # [C, K] k 2^(G_C - G)
     decay: jax.Array  # [1, K] 2^G_C
 
@@ -243,7 +242,7 @@ class Tiles:
         q_g, k_g, k_d, decay = gated(q, k, G, R, last_row(G))
         w = self.dot(T, beta * k_g)
         u = self.dot(T, beta * v)
-        return Intra(g, G, R, Aqk, Kkk, T, w, u, q_g, k_g, k_d, decay)
+        return Intra(g, G, R, Aqk, Kkk, T, w, u, q_g, k_d, decay)
 
     def pairs(self, q, k, g):
         """(Aqk, Kkk) [C, C]: Aqk[i, j] = sum_d q_id k_jd 2^(G_id - G_jd) (j <= i) and Kkk likewise
@@ -260,12 +259,14 @@ class Tiles:
             Kkk = Kkk + jnp.where(block, self.dot_t(k_e, k_e), 0.0)
         return Aqk, Kkk
 
-    def grads(self, q, k, v, g, beta, St, do, dSt) -> Grads:
-        """Backward of one chunk. St, dSt: [V, K] the entering state and the cotangent of the
-        leaving one (both transposed); do: [C, V]; the rest as :meth:`intra`.
+    def v_new(self, I: Intra, St):  # [C, V] u - w S, St [V, K] the entering state (transposed)
+        return I.u - self.dot_t(I.w, St)
+
+    def grads(self, q, k, v, beta, I: Intra, v_new, St, do, dSt) -> Grads:
+        """Backward of one chunk from its intra-chunk stage I (:meth:`intra`) and v_new
+        (:meth:`v_new`). St, dSt: [V, K] the entering state and the cotangent of the leaving one
+        (both transposed); do: [C, V]; the rest as :meth:`intra`.
         The formulas are those of docs/kda_xla.md (Backward)."""
-        I = self.intra(q, k, v, g, beta)
-        v_new = I.u - self.dot_t(I.w, St)  # [C, V]
         dv_new = self.t_dot(I.Aqk, do) + self.dot_t(I.k_d, dSt)
         dS_in = self.t_dot(do, I.q_g) + dSt * I.decay - self.t_dot(dv_new, I.w)  # [V, K]
         Vg = self.grads_values(I.T, I.u, v, do, v_new, dv_new)
@@ -344,3 +345,9 @@ def head_major(layout: ChunkLayout, x: jax.Array, width: int | None) -> jax.Arra
     """[B, T, heads, D] -> [B, heads, NC * C, width] (packed, D zero-padded to width)."""
     x = jnp.moveaxis(layout.pack(x), 2, 1)
     return x if width is None else pad_last(x, width)
+
+
+def chunk_states(layout: ChunkLayout, S_in: jax.Array, K: int, V: int) -> jax.Array:
+    """The kernels' states entering each chunk, transposed and padded [B, HV, NC, Vp, Kp], as
+    [B, NC, HV, K, V], the chunks no sequence uses set to 0."""
+    return layout.zero_unused(jnp.swapaxes(jnp.moveaxis(S_in, 1, 2), -1, -2)[..., :K, :V])

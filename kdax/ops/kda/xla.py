@@ -182,19 +182,23 @@ class _Intra(NamedTuple):
     decay: jax.Array  # [..., K] 2^G_C
 
 
-def _intra(q, k, v, g, beta) -> _Intra:
-    """q, k, g: [..., C, K]; v: [..., C, V]; beta: [..., C]."""
+def _intra(q, k, v, g, beta, products=None) -> _Intra:
+    """q, k, g: [..., C, K]; v: [..., C, V]; beta: [..., C]. products: the stage's matmul
+    products (Aqk, Kkk, T, w, u) as a forward computed them (``disable_recompute``), or None to
+    compute them; the decay factors, element-wise in g, are computed either way."""
     K = k.shape[-1]
     G, R, P = _decay_exponents(g * LOG2E)
-    Aqk = _pairs(q, k, P, inclusive=True)
-    Kkk = _pairs(k, k, P, inclusive=False)
     eG = jnp.exp2(G)
     k_g = k * eG
-    rhs = jnp.concatenate([beta[..., None] * k_g, beta[..., None] * v], axis=-1)
-    T = unit_lower_inverse(beta[..., :, None] * Kkk)
-    wu = _mm("...ij,...je->...ie", T, rhs)
+    if products is None:
+        Aqk = _pairs(q, k, P, inclusive=True)
+        Kkk = _pairs(k, k, P, inclusive=False)
+        rhs = jnp.concatenate([beta[..., None] * k_g, beta[..., None] * v], axis=-1)
+        T = unit_lower_inverse(beta[..., :, None] * Kkk)
+        wu = _mm("...ij,...je->...ie", T, rhs)
+        products = (Aqk, Kkk, T, wu[..., :K], wu[..., K:])
     e_rest = jnp.exp2(R)
-    return _Intra(P, eG, e_rest, Aqk, Kkk, T, wu[..., :K], wu[..., K:], q * eG, k_g, k * e_rest, eG[..., -1, :])
+    return _Intra(P, eG, e_rest, *products, q * eG, k_g, k * e_rest, eG[..., -1, :])
 
 
 def _to_chunks(x: jax.Array, C: int) -> jax.Array:
@@ -229,12 +233,12 @@ class Config:
 
 
 def _grouped(xs, gs: int):
-    """[NC, ...] -> [NC / gs, gs, ...] for every array of a tuple."""
-    return tuple(x.reshape((x.shape[0] // gs, gs) + x.shape[1:]) for x in xs)
+    """[NC, ...] -> [NC / gs, gs, ...] for every array of a tuple (None stays None)."""
+    return tuple(None if x is None else x.reshape((x.shape[0] // gs, gs) + x.shape[1:]) for x in xs)
 
 
 def _ungrouped(xs):
-    return tuple(x.reshape((-1,) + x.shape[2:]) for x in xs)
+    return tuple(None if x is None else x.reshape((-1,) + x.shape[2:]) for x in xs)
 
 
 def _seq_get(buf: jax.Array, seq: jax.Array) -> jax.Array:
@@ -246,11 +250,12 @@ def _seq_set_if(buf: jax.Array, seq: jax.Array, cond: jax.Array, x: jax.Array) -
     return lax.dynamic_update_index_in_dim(buf, jnp.where(cond, x, _seq_get(buf, seq)), seq, axis=1)
 
 
-def _forward(q, k, v, g, beta, lay, gs: int, save_states: bool):
+def _forward(q, k, v, g, beta, lay, gs: int, save_states: bool, keep_intra: bool):
     """Chunked inputs [NC, B, HV, C, *]; lay = (chunk_seq, chunk_first, chunk_last, h0 [B, N, HV, K, V]).
 
-    Returns o [NC, B, HV, C, V], the final states [B, N, HV, K, V] and, if save_states,
-    the state entering every chunk [NC, B, HV, K, V] (else None)."""
+    Returns o [NC, B, HV, C, V], the final states [B, N, HV, K, V], if save_states the state
+    entering every chunk [NC, B, HV, K, V] (else None), and if keep_intra every chunk's matmul
+    products ((Aqk, Kkk, T, w, u), v_new), grouped [NC / gs, gs, B, HV, ...] (else None)."""
     chunk_seq, chunk_first, chunk_last, h0 = lay
 
     def chunk_step(carry, xs):
@@ -266,16 +271,19 @@ def _forward(q, k, v, g, beta, lay, gs: int, save_states: bool):
         I = _intra(q, k, v, g, beta)
         carry, (S_in, v_new) = lax.scan(chunk_step, carry, (I.w, I.u, I.k_d, I.decay, first, last, seq), unroll=gs == 1)
         o = _mm("...ck,...kv->...cv", I.q_g, S_in) + _mm("...ij,...jv->...iv", I.Aqk, v_new)
-        return carry, ((o, S_in) if save_states else (o,))
+        kept = ((I.Aqk, I.Kkk, I.T, I.w, I.u), v_new) if keep_intra else None
+        return carry, (o, S_in if save_states else None, kept)
 
     xs = _grouped((q, k, v, g, beta, chunk_first, chunk_last, chunk_seq), gs)
-    (_, final), ys = lax.scan(group_step, (jnp.zeros_like(h0[:, 0]), h0), xs)
-    ys = _ungrouped(ys)
-    return ys[0], final, (ys[1] if save_states else None)
+    (_, final), (o, S_in, kept) = lax.scan(group_step, (jnp.zeros_like(h0[:, 0]), h0), xs)
+    o, S_in = _ungrouped((o, S_in))
+    return o, final, S_in, kept
 
 
-def _backward(q, k, v, g, beta, lay, S_in, do, dfinal, gs: int):
-    """Reverse scan over chunk groups: recompute each group's intra stage, carry dS back."""
+def _backward(q, k, v, g, beta, lay, S_in, kept, do, dfinal, dS_in, gs: int):
+    """Reverse scan over chunk groups: each group's intra stage and v_new (recomputed, or with the
+    forward's ``kept`` matmul products), then the state cotangent pass over its chunks, carrying
+    dS back. dS_in: cotangent of the states entering the chunks [NC, B, HV, K, V], or None."""
     chunk_seq, chunk_first, chunk_last, _ = lay
 
     def chunk_step(carry, xs):
@@ -287,16 +295,19 @@ def _backward(q, k, v, g, beta, lay, S_in, do, dfinal, gs: int):
         return (dS_in, _seq_set_if(dh0, seq, first, dS_in)), (dS_next, dv_new)
 
     def group_step(carry, xs):
-        q, k, v, g, beta, S_in, do, first, last, seq = xs
-        I = _intra(q, k, v, g, beta)
-        v_new = I.u - _mm("...ck,...kv->...cv", I.w, S_in)
+        q, k, v, g, beta, S_in, do, dS_h, kept, first, last, seq = xs
+        I = _intra(q, k, v, g, beta, None if kept is None else kept[0])
+        v_new = I.u - _mm("...ck,...kv->...cv", I.w, S_in) if kept is None else kept[1]
         dv_new_o = _mm("...ij,...iv->...jv", I.Aqk, do)
         dS_o = _mm("...ck,...cv->...kv", I.q_g, do)
+        if dS_h is not None:
+            dS_o = dS_o + dS_h
         xs = (dv_new_o, dS_o, I.k_d, I.w, I.decay, first, last, seq)
         carry, (dS_next, dv_new) = lax.scan(chunk_step, carry, xs, reverse=True, unroll=gs == 1)
         return carry, _intra_grads(q, k, v, beta, I, S_in, v_new, do, dS_next, dv_new)
 
-    xs = _grouped((q, k, v, g, beta, S_in, do, chunk_first, chunk_last, chunk_seq), gs)
+    flags = _grouped((chunk_first, chunk_last, chunk_seq), gs)
+    xs = (*_grouped((q, k, v, g, beta, S_in, do, dS_in), gs), kept, *flags)
     (_, dh0), grads = lax.scan(group_step, (jnp.zeros_like(dfinal[:, 0]), dfinal), xs, reverse=True)
     return (*_ungrouped(grads), dh0)
 
@@ -333,37 +344,45 @@ def _intra_grads(q, k, v, beta, I: _Intra, S_in, v_new, do, dS_next, dv_new):
     return dq, dk, dv, dg, dbeta
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _chunk_core(q, k, v, g, beta, lay, gs):
-    o, final, _ = _forward(q, k, v, g, beta, lay, gs, save_states=False)
-    return o, final
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def _chunk_core(q, k, v, g, beta, lay, gs, keep_intra, states):
+    o, final, S_in, _ = _forward(q, k, v, g, beta, lay, gs, save_states=states, keep_intra=False)
+    return o, final, S_in
 
 
-def _chunk_core_fwd(q, k, v, g, beta, lay, gs):
-    o, final, S_in = _forward(q, k, v, g, beta, lay, gs, save_states=True)
-    return (o, final), (q, k, v, g, beta, lay, S_in)
+def _chunk_core_fwd(q, k, v, g, beta, lay, gs, keep_intra, states):
+    o, final, S_in, kept = _forward(q, k, v, g, beta, lay, gs, save_states=True, keep_intra=keep_intra)
+    return (o, final, S_in if states else None), (q, k, v, g, beta, lay, S_in, kept)
 
 
-def _chunk_core_bwd(gs, res, cts):
-    q, k, v, g, beta, lay, S_in = res
-    do, dfinal = cts
-    dq, dk, dv, dg, dbeta, dh0 = _backward(q, k, v, g, beta, lay, S_in, do, dfinal, gs)
+def _chunk_core_bwd(gs, keep_intra, states, res, cts):
+    q, k, v, g, beta, lay, S_in, kept = res
+    do, dfinal, dS_in = cts
+    dq, dk, dv, dg, dbeta, dh0 = _backward(q, k, v, g, beta, lay, S_in, kept, do, dfinal, dS_in, gs)
     return dq, dk, dv, dg, dbeta, (None, None, None, dh0)
 
 
 _chunk_core.defvjp(_chunk_core_fwd, _chunk_core_bwd)
 
 
-def chunk_kda_xla(q, k, v, g, beta, h0, layout: ChunkLayout, cfg: Config = Config()):
+def chunk_kda_xla(q, k, v, g, beta, h0, layout: ChunkLayout, cfg: Config = Config(), disable_recompute: bool = False,
+                  intermediate_states: bool = False):  # fmt: skip
     """Core chunked KDA on prepared inputs.
 
     q, k: [B, T, HV, K] (q already scaled, both repeated to HV heads); v: [B, T, HV, V];
     g: [B, T, HV, K] log-space decay; beta: [B, T, HV]; h0: [B, N, HV, K, V].
-    All in one float dtype (float32 or float64). Returns (o [B, T, HV, V], final [B, N, HV, K, V]).
+    All in one float dtype (float32 or float64). disable_recompute: the backward reads the
+    forward's matmul products of the intra-chunk stage (Aqk, Kkk, the inverse, w, u) and v_new
+    instead of recomputing them (more residual memory; docs/kda_xla.md).
+    Returns (o [B, T, HV, V], final [B, N, HV, K, V]) and with ``intermediate_states`` the
+    state entering each chunk [B, NC, HV, K, V] (differentiable; chunks no sequence uses are 0).
     """
     C = layout.chunk_size
     xs = tuple(_to_chunks(layout.pack(x), C) for x in (q, k, v, g, beta))
     lay = (layout.chunk_seq, layout.chunk_first, layout.chunk_last, h0)
     gs = 1 if cfg.resolved().schedule == "per_chunk" else layout.n_chunks
-    o, final = _chunk_core(*xs, lay, gs)
-    return layout.unpack(_from_chunks(o)), final
+    o, final, S_in = _chunk_core(*xs, lay, gs, disable_recompute, intermediate_states)
+    o = layout.unpack(_from_chunks(o))
+    if not intermediate_states:
+        return o, final
+    return o, final, layout.zero_unused(jnp.moveaxis(S_in, 0, 1))

@@ -162,7 +162,8 @@ def diff_argnames(kwargs) -> list[str]:
 
 
 def run_with_grads(fn, args, kwargs, seed: int = 1):
-    """Outputs (o, final_state) and gradients of a fixed random projection of both.
+    """Outputs (o, final_state and, with return_intermediate_states, the states entering the
+    chunks) and gradients of a fixed random projection of all of them.
 
     Gradients are taken for q, k, v, g, beta and every float array keyword."""
     rng = np.random.default_rng(seed)
@@ -173,15 +174,17 @@ def run_with_grads(fn, args, kwargs, seed: int = 1):
     w_s = jnp.asarray(rng.standard_normal((N, HV, K, V)))
 
     def loss(args, extra):
-        o, s = fn(*args, **{**kwargs, **extra})
+        o, s, *h = fn(*args, **{**kwargs, **extra})
         total = jnp.sum(o.astype(jnp.float64) * w_o) + jnp.sum(s.astype(jnp.float64) * w_s)
-        return total, (o, s)
+        for x in h:  # its chunk count depends on the layout: weights drawn for the shape it has
+            total = total + jnp.sum(x.astype(jnp.float64) * np.random.default_rng(seed + 1).standard_normal(x.shape))
+        return total, (o, s, *h)
 
     extra = {n: kwargs[n] for n in diff_argnames(kwargs)}
-    (_, (o, s)), (ga, ge) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(list(args), extra)
+    (_, outs), (ga, ge) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(list(args), extra)
     grads = dict(zip(["q", "k", "v", "g", "beta"], ga))
     grads.update(ge)
-    return o, s, grads
+    return (*outs, grads)
 
 
 def reference(args, kwargs):
@@ -196,13 +199,16 @@ def reference(args, kwargs):
 def assert_close_to_reference(fn, case: Case, dtype=jnp.float32):
     """Run ``fn`` (chunk_kda-like) on ``case`` and compare o, final state and all grads."""
     args, kwargs = make_inputs(case, dtype)
-    o, s, grads = run_with_grads(fn, args, kwargs)
-    o_ref, s_ref, g_ref = reference(args, kwargs)
+    o, s, *h, grads = run_with_grads(fn, args, kwargs)
+    o_ref, s_ref, *h_ref, g_ref = reference(args, kwargs)
     tol = TOL[dtype]
     assert o.dtype == args[0].dtype and o.shape == o_ref.shape
     errors = {"o": rel_rms(o, o_ref), "final_state": rel_rms(s, s_ref)}
+    for x, ref in zip(h, h_ref):  # the states entering the chunks (return_intermediate_states)
+        assert x.dtype == args[0].dtype and x.shape == ref.shape, (x.dtype, x.shape, ref.shape)
+        errors["states"] = rel_rms(x, ref)
     errors.update({f"d{n}": rel_rms(grads[n], g_ref[n]) for n in g_ref})
     for name, err in errors.items():
-        bound = tol["out"] if name in ("o", "final_state") else tol["grad"]
+        bound = tol["out"] if name in ("o", "final_state", "states") else tol["grad"]
         assert np.isfinite(err) and err <= bound, f"{case}: {name} rel. RMS error {err:.3g} > {bound:g} ({errors})"
     return errors

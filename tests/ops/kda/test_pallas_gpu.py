@@ -256,6 +256,13 @@ def test_gate_in_kernels_lowers_for_cuda(lower_bound, monkeypatch):
     _assert_lowers_for_cuda(jnp.bfloat16, K, True, monkeypatch, lower_bound=lower_bound, **gate)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+def test_kept_intermediates_and_chunk_states_lower_for_cuda(dtype, monkeypatch):
+    """The values kernel reading the forward's v_new and the state cotangent kernel taking the
+    cotangent of the states entering the chunks; the backward runs no intra kernel."""
+    _assert_lowers_for_cuda(dtype, 128, True, monkeypatch, disable_recompute=True, return_intermediate_states=True)
+
+
 def _assert_lowers_for_cuda(dtype, dim, varlen, monkeypatch, **options):
     """kdax.lower builds the "auto" backend's GPU kernels for an H100 here, without one."""
     monkeypatch.setattr(pallas_gpu, "VERIFIED_ON_GPU", True)  # so that "auto" picks them there
@@ -265,14 +272,14 @@ def _assert_lowers_for_cuda(dtype, dim, varlen, monkeypatch, **options):
     args = [jax.ShapeDtypeStruct(s, dtype) for s in shapes]
     fwd = lambda *a: kdax.chunk_kda(*a, cu_seqlens=cu, output_final_state=True, **options)
 
-    def loss(*a):
-        o, s = kdax.chunk_kda(*a, cu_seqlens=cu, output_final_state=True, **options)
-        return jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(s**2)  # squares: o and s are used (no dead kernel)
+    def loss(*a):  # squares: every output is used (no dead kernel)
+        return sum(jnp.sum(x.astype(jnp.float32) ** 2) for x in fwd(*a))
 
     grad = jax.grad(loss, argnums=(0, 1, 2, 3, 4))
     triton = "__gpu$xla.gpu.triton"
+    n_bwd = N_BWD - bool(options.get("disable_recompute"))  # the intra kernel's outputs kept from the forward
     assert kdax.lower(fwd, *args, platform="cuda").as_text().count(triton) == N_FWD
-    assert kdax.lower(grad, *args, platform="cuda").as_text().count(triton) == N_FWD + N_BWD
+    assert kdax.lower(grad, *args, platform="cuda").as_text().count(triton) == N_FWD + n_bwd
 
 
 def test_intra_kernel_overwrites_its_stash_behind_barriers(monkeypatch):

@@ -74,18 +74,28 @@ def test_float64_inputs_are_rejected():
 @pytest.mark.parametrize("pipeline", PIPELINES)
 def test_lowers_for_tpu(pipeline, dtype, dim, varlen, monkeypatch):
     """Forward alone, and forward (storing states) + backward: every kernel lowers to Mosaic."""
+    _assert_lowers_for_tpu(pipeline, dtype, dim, varlen)
+
+
+@pytest.mark.parametrize("pipeline", PIPELINES)
+def test_kept_intermediates_and_chunk_states_lower_for_tpu(pipeline, monkeypatch):
+    """The kernels that write the intra stage for the backward, read it there, and take the
+    cotangent of the states entering the chunks."""
+    _assert_lowers_for_tpu(pipeline, jnp.float32, 128, True, disable_recompute=True, return_intermediate_states=True)
+
+
+def _assert_lowers_for_tpu(pipeline, dtype, dim, varlen, **options):
     chunk_kda_tpu = functools.partial(kdax.chunk_kda, config=pallas_tpu.Config(pipeline=pipeline))
     B, T, H, HV = (1, 130, 2, 4) if varlen else (2, 130, 2, 4)
     cu = jnp.asarray([0, 1, 100, 130], jnp.int32) if varlen else None
     shapes = [(B, T, H, dim), (B, T, H, dim), (B, T, HV, dim), (B, T, HV, dim), (B, T, HV)]
     args = [jax.ShapeDtypeStruct(s, dtype) for s in shapes]
-    fwd = lambda *a: chunk_kda_tpu(*a, cu_seqlens=cu, output_final_state=True)
+    fwd = lambda *a: chunk_kda_tpu(*a, cu_seqlens=cu, output_final_state=True, **options)
     n_fwd = 1 if pipeline == "fused" else 3
     assert kdax.lower(fwd, *args, platform="tpu").as_text().count("tpu_custom_call") == n_fwd
 
-    def loss(*a):
-        o, s = chunk_kda_tpu(*a, cu_seqlens=cu, output_final_state=True)
-        return jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(s**2)  # squares: o and s are used (no dead kernel)
+    def loss(*a):  # squares: every output is used (no dead kernel)
+        return sum(jnp.sum(x.astype(jnp.float32) ** 2) for x in fwd(*a))
 
     grad = jax.grad(loss, argnums=(0, 1, 2, 3, 4))
     assert kdax.lower(grad, *args, platform="tpu").as_text().count("tpu_custom_call") == n_fwd + 1

@@ -20,15 +20,22 @@ def _tiny(seed=0, T=11, HV=2):
     return q, k, v, g, b, h0
 
 
-@pytest.mark.parametrize("fn", [kdax.chunk_kda, kdax.fused_recurrent_kda], ids=["chunk", "recurrent"])
-def test_check_grads_fp64(fn):
-    q, k, v, g, b, h0 = _tiny()
-    cu = jnp.asarray([0, 4, 11], jnp.int32)
-    kw = {"chunk_size": 16} if fn is kdax.chunk_kda else {}
+CHUNK_STATES = {"chunk_size": 16, "disable_recompute": True, "return_intermediate_states": True}
+
+
+@pytest.mark.parametrize(
+    "fn,kw,T",
+    [(kdax.chunk_kda, {"chunk_size": 16}, 11), (kdax.chunk_kda, CHUNK_STATES, 40), (kdax.fused_recurrent_kda, {}, 11)],
+    ids=["chunk", "chunk_kept_states", "recurrent"],
+)
+def test_check_grads_fp64(fn, kw, T):
+    """chunk_kept_states: the backward reading the forward's intermediates, and the cotangent of
+    the states entering the chunks (sequences of 4 and 36 tokens: 1 and 3 chunks of 16)."""
+    q, k, v, g, b, h0 = _tiny(T=T)
+    cu = jnp.asarray([0, 4, T], jnp.int32)
 
     def f(q, k, v, g, b, h0):
-        o, s = fn(q, k, v, g, b, initial_state=h0, output_final_state=True, cu_seqlens=cu, **kw)
-        return o, s
+        return fn(q, k, v, g, b, initial_state=h0, output_final_state=True, cu_seqlens=cu, **kw)
 
     check_grads(f, (q, k, v, g, b, h0), order=1, modes=["rev"], atol=1e-6, rtol=1e-6)
 
