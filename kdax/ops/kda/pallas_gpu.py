@@ -122,9 +122,9 @@ def shared_memory(kernel: str, C: int, Kp: int, BV: int, itemsize: int, stages: 
     t, c = C * Kp * itemsize, C * C
     f32 = itemsize == 4
     return {
-        "intra": (c * 7 if f32 else c * 5 // 4) + 32 * Kp,
-        "state": 4 * t if stages > 1 else t + c * itemsize // 2,
-        "output": max(t, c * itemsize) + BV * max(Kp, C) * itemsize,
+        "intra": (c * 5 + 64 * Kp if f32 else c * 5 // 4 + 32 * Kp) + 2048,
+        "state": 4 * t + 4096 if stages > 1 else t + c * itemsize // 2,
+        "output": max(t, c * itemsize) + BV * max(Kp, C) * 2,
         "dstate": 5 * t + 2 * c * itemsize if stages > 1 else t + c * itemsize // 2,
         "values": c * (20 if f32 else 7) + 4096,
         "keys": c * (10 if f32 else 6) + 8192,
