@@ -599,6 +599,7 @@ def _run_intra(q, k, v, g, gp, beta, C, groups, tiles, cfg, gate, qk, backward=F
     tiled = [jax.ShapeDtypeStruct((B, HV, L, d), t) for d, t in zip(widths, dtypes)]
     return pl.pallas_call(
         functools.partial(_intra_kernel, tiles, gate, qk, cfg.block_k, _interpret(cfg)),
+        name="kda_intra",
         grid=(B, HV, NC),
         in_specs=[tok(Kp, groups), tok(Kp, groups), tok(Vp), tok(Kp), _gate_spec(Kp), tok(1)],
         out_specs=[spec(d) for d in widths[:5]] + [_per_chunk_row(Kp)] + [spec(d) for d in widths[5:]],
@@ -623,6 +624,7 @@ def _forward(q, k, v, g, gp, beta, h0t, ranges, C, groups, tiles, cfg, gate, qk,
     seq, state = _seq_range(N), _seq_state(BV, Kp)
     v_new, s_in, final = pl.pallas_call(
         functools.partial(_state_kernel, tiles, C),
+        name="kda_state",
         grid=(B, N, HV, Vp // BV),
         in_specs=[seq, seq, _whole(L, Kp), _whole_vblock(L, BV), _whole(L, Kp), _whole(NC, Kp), state],
         out_specs=[_whole_vblock(L, BV), _chunk_states(NC, BV, Kp), state],
@@ -632,6 +634,7 @@ def _forward(q, k, v, g, gp, beta, h0t, ranges, C, groups, tiles, cfg, gate, qk,
     )(*ranges, w, u, k_d, dec, h0t)  # fmt: skip
     o = pl.pallas_call(
         functools.partial(_output_kernel, tiles),
+        name="kda_output",
         grid=(B, HV, NC, Vp // BV),
         in_specs=[
             pl.BlockSpec((None, None, C, C), lambda b, h, c, vb: (b, h, c, 0)),
@@ -664,6 +667,7 @@ def _backward(q, k, v, g, gp, beta, ranges, S_in, kept, do, dfinal_t, dS_in, C, 
     dh = [] if dS_in is None else [dS_in]
     dS_out, dh0t = pl.pallas_call(
         functools.partial(_dstate_kernel, tiles, C),
+        name="kda_state_cotangent",
         grid=(B, N, HV, Vp // BV),
         in_specs=[seq, seq, _whole(L, C), _whole(L, Kp), _whole(L, Kp), _whole(L, Kp), _whole(NC, Kp),
                   _whole_tokens(L, BV), state] + [_chunk_states(NC, BV, Kp)] * len(dh),
@@ -678,6 +682,7 @@ def _backward(q, k, v, g, gp, beta, ranges, S_in, kept, do, dfinal_t, dS_in, C, 
     n_out = 2 - len(v_new_in)  # v_new (unless kept) and dv_new
     *v_new_out, dv_new, dv, daqk, dakk_u, dbeta_v, d = pl.pallas_call(
         functools.partial(_values_kernel, tiles, BK, BV, kept is not None),
+        name="kda_values",
         grid=(B, HV, NC),
         in_specs=[spec(C), spec(C), spec(Kp), spec(Kp), spec(Vp), tok(Vp), tok(1), st, tok(Vp), st]
         + [spec(Vp)] * len(v_new_in),
@@ -689,6 +694,7 @@ def _backward(q, k, v, g, gp, beta, ranges, S_in, kept, do, dfinal_t, dS_in, C, 
     v_new = (*v_new_in, *v_new_out)[0]
     dkkk, dbeta, dq, dk, dG = pl.pallas_call(
         functools.partial(_keys_kernel, tiles, gate, BK, BV),
+        name="kda_keys",
         grid=(B, HV, NC),
         in_specs=[qk, qk, tok(Kp), _gate_spec(Kp), tok(1), spec(C), spec(C), spec(Kp), st, st, tok(Vp), spec(Vp),
                   spec(Vp), spec(1), spec(C), spec(1)],
@@ -703,6 +709,7 @@ def _backward(q, k, v, g, gp, beta, ranges, S_in, kept, do, dfinal_t, dS_in, C, 
     dqk = q.dtype if groups == 1 else f32  # summed over the group in XLA otherwise
     dq, dk, dg = pl.pallas_call(
         functools.partial(_levels_kernel, tiles, gate),
+        name="kda_levels",
         grid=(B, HV, NC, Kp // BK),
         in_specs=[_token_cols(C, BK, groups)] * 2 + [_token_cols(C, BK), gp_cols, pair, pair, cols, cols, cols],
         out_specs=[_token_cols(C, BK)] * 3,

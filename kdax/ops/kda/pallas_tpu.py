@@ -223,6 +223,7 @@ def _forward(q, k, v, g, beta, h0t, sched, groups: int, cfg: Config, save_states
 
         outs = pl.pallas_call(
             functools.partial(_fused_kernel, save_states),
+            name="kda_fused",
             grid_spec=pltpu.PrefetchScalarGridSpec(
                 num_scalar_prefetch=3, grid=(B, HV, NV, NC),
                 in_specs=[qk_spec, qk_spec, v_spec, k_spec, b_spec, st_spec],
@@ -245,6 +246,7 @@ def _forward(q, k, v, g, beta, h0t, sched, groups: int, cfg: Config, save_states
     names = _STAGED + (tuple(n for n in _KEPT if n not in _STAGED and n != "v_new") if keep else ())
     staged = pl.pallas_call(
         functools.partial(_intra_kernel, names),
+        name="kda_intra",
         grid=(B, HV, NC),
         in_specs=[spec3(Kp, lambda b, h, c: (b, lax.div(h, jnp.int32(groups)), c, 0))] * 2 + [spec3(Vp), spec3(Kp), spec3(1)],
         out_specs=[chunk_spec(n) for n in names],
@@ -255,6 +257,7 @@ def _forward(q, k, v, g, beta, h0t, sched, groups: int, cfg: Config, save_states
     dec_spec = pl.BlockSpec((1, 1, 8, Kp), lambda b, h, vb, c, *_: (b, h, c, 0))
     v_new, s_in, final = pl.pallas_call(
         _state_kernel,
+        name="kda_state",
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=3, grid=(B, HV, NV, NC),
             in_specs=[k_spec, v_spec, k_spec, dec_spec, st_spec],
@@ -265,6 +268,7 @@ def _forward(q, k, v, g, beta, h0t, sched, groups: int, cfg: Config, save_states
     )(*sched, f["w"], f["u"], f["k_d"], f["decay"], h0t)  # fmt: skip
     o = pl.pallas_call(
         _output_kernel,
+        name="kda_output",
         grid=(B, HV, NC, NV),
         in_specs=[
             pl.BlockSpec((1, 1, C, C), lambda b, h, c, vb: (b, h, c, 0)),
@@ -300,6 +304,7 @@ def _backward(q, k, v, g, beta, sched, S_in, kept, do, dfinal_t, dS_in, groups: 
     dh = [] if dS_in is None else [dS_in]
     dq, dk, dv, dg, dbeta, dh0t = pl.pallas_call(
         functools.partial(_bwd_kernel, dS_in is not None),
+        name="kda_backward",
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=3, grid=(B, HV, NC),
             in_specs=[qk, qk, spec(Vp), spec(Kp), spec(1), sin, spec(Vp), st] + [sin] * len(dh) + fields,

@@ -279,7 +279,10 @@ def _assert_lowers_for_cuda(dtype, dim, varlen, monkeypatch, **options):
     triton = "__gpu$xla.gpu.triton"
     n_bwd = N_BWD - bool(options.get("disable_recompute"))  # the intra kernel's outputs kept from the forward
     assert kdax.lower(fwd, *args, platform="cuda").as_text().count(triton) == N_FWD
-    assert kdax.lower(grad, *args, platform="cuda").as_text().count(triton) == N_FWD + n_bwd
+    text = kdax.lower(grad, *args, platform="cuda").as_text()
+    assert text.count(triton) == N_FWD + n_bwd
+    names = ("intra", "state", "output", "state_cotangent", "values", "keys", "levels")
+    assert all(f"kda_{name}" in text for name in names)  # every pallas_call named
 
 
 def test_intra_kernel_overwrites_its_stash_behind_barriers(monkeypatch):

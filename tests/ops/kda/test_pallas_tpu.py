@@ -98,7 +98,10 @@ def _assert_lowers_for_tpu(pipeline, dtype, dim, varlen, **options):
         return sum(jnp.sum(x.astype(jnp.float32) ** 2) for x in fwd(*a))
 
     grad = jax.grad(loss, argnums=(0, 1, 2, 3, 4))
-    assert kdax.lower(grad, *args, platform="tpu").as_text().count("tpu_custom_call") == n_fwd + 1
+    text = kdax.lower(grad, *args, platform="tpu").as_text()
+    assert text.count("tpu_custom_call") == n_fwd + 1
+    names = ("fused",) if pipeline == "fused" else ("intra", "state", "output")
+    assert all(f"kda_{name}" in text for name in (*names, "backward"))  # every pallas_call named
 
 
 def test_auto_picks_the_tpu_kernels_on_tpu(monkeypatch):
