@@ -52,14 +52,24 @@ PRECISIONS = {
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """``block_v``: V block of the state, output, state-cotangent, values and keys kernels,
-    ``block_k``: K block of the intra, values, keys and levels kernels (powers of two >= 16).
-    ``precision``: of the matmuls, "ieee" (float32 on the FMA units), "tf32x3" (float32 as
-    three TF32 tensor-core products), "tf32", "bf16" (bulk matmuls on bfloat16 operands and
-    intermediates stored in bfloat16; TF32 for the triangular inverse and the pairwise
-    factorisation's backward) or "auto" (bf16 for bfloat16 inputs, tf32x3 for float32 and float16).
-    In the interpreter, float32 matmuls are exact whatever the precision.
-    ``launch``: {kernel: (num_warps, num_stages)} overriding :data:`LAUNCH`. ``interpret``: None = interpret unless on GPU."""
+    """The pallas_gpu backend's per-call config (``chunk_kda(..., config=pallas_gpu.Config(...))``).
+
+    Attributes:
+        block_v: V block of the state, output, state-cotangent, values and keys kernels.
+        block_k: K block of the intra, values, keys and levels kernels (both powers of two >= 16).
+        precision: of the matmuls, "ieee" (float32 on the FMA units), "tf32x3" (float32 as
+            three TF32 tensor-core products), "tf32", "bf16" (bulk matmuls on bfloat16 operands
+            and intermediates stored in bfloat16; TF32 for the triangular inverse and the
+            pairwise factorisation's backward) or "auto" (bf16 for bfloat16 inputs, tf32x3 for
+            float32 and float16). In the interpreter, float32 matmuls are exact whatever the
+            precision.
+        launch: ((kernel, (num_warps, num_stages)), ...) overriding :data:`LAUNCH`; a launch
+            named here is taken as it is (no shared-memory fitting).
+        interpret: run in the Pallas interpreter; None: unless on a GPU (or lowering for one).
+
+    Raises:
+        ValueError: from :meth:`resolved`, naming the field that is out of range.
+    """
 
     block_v: int = 32
     block_k: int = 16
@@ -101,8 +111,12 @@ SHARED_MEMORY_KIB = {"8.0": 163, "8.6": 99, "8.7": 163, "8.9": 99, "9.0": 227, "
 
 
 def shared_memory_limit() -> tuple[int, str]:
-    """(bytes of shared memory a block may use, the GPU): the default GPU's, or an H100's where
-    none is present (the interpreter, :func:`kdax.lower`)."""
+    """Shared memory a block may use on the default GPU.
+
+    Returns:
+        (bytes, a description of the GPU): by compute capability (:data:`SHARED_MEMORY_KIB`),
+        an H100's where no GPU is present (the interpreter, :func:`kdax.lower`).
+    """
     device = jax.devices()[0]
     if device.platform != "gpu":
         return 227 * 1024, "an H100 (no GPU here)"
@@ -758,10 +772,19 @@ def _gate_params(gate, HV: int, K: int, Kp: int):  # [HV, 2, Kp]: exp(A_log), dt
 
 
 def chunk_fits(input_dtype, chunk_size: int, cfg: Config = Config(), K: int = 128, V: int = 128) -> str | None:
-    """Why the kernels do not take inputs of ``input_dtype`` at this chunk size and head dims
-    on this GPU (None: they do): the shared memory a block needs (:func:`shared_memory`) against
-    what the GPU allows (:func:`shared_memory_limit`). On an H100 every size fits with bfloat16
-    intermediates, and chunk sizes up to 64 with float32 ones (the values kernel's [C, C] tiles)."""
+    """Whether the kernels fit this GPU's shared memory (:func:`shared_memory` against
+    :func:`shared_memory_limit`). On an H100 every size fits with bfloat16 intermediates, and
+    chunk sizes up to 64 with float32 ones (the values kernel's [C, C] tiles).
+
+    Args:
+        input_dtype: the inputs' dtype (with ``cfg.precision`` it sets the intermediates').
+        chunk_size: C.
+        cfg: the config.
+        K, V: the head dims.
+
+    Returns:
+        None where they fit, else why not (which kernel needs how much, what the GPU allows).
+    """
     cfg = cfg.resolved()
     return _too_large(cfg, _tiles(cfg, input_dtype), chunk_size, K, V)
 

@@ -39,8 +39,17 @@ _TILES = Tiles(precision=lax.Precision.HIGHEST, matmul_reductions=True)  # see P
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """How the forward runs: ``pipeline`` "fused" or "staged"; ``block_v`` (a multiple of
-    128) splits V over grid programs; ``interpret`` None = interpret unless on TPU."""
+    """The pallas_tpu backend's per-call config (``chunk_kda(..., config=pallas_tpu.Config(...))``).
+
+    Attributes:
+        pipeline: how the forward runs, "fused" (one kernel) or "staged" (intra, state, output).
+        block_v: a multiple of 128: splits V over grid programs.
+        interpret: run in the Pallas TPU interpreter; None: unless on a TPU (or lowering for one).
+        detect_races: in the interpreter, check the kernels for data races.
+
+    Raises:
+        ValueError: from :meth:`resolved`, naming the field that is out of range.
+    """
 
     pipeline: str = "fused"
     block_v: int = 128

@@ -134,12 +134,24 @@ def _run(one: Callable, q, k, v, g, beta, scale, initial_state, output_final_sta
 
 def naive_recurrent_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
                         return_intermediate_states=False, chunk_size=64):  # fmt: skip
-    """KDA by the token-by-token recurrence of SPEC.md (``lax.scan`` over time).
+    """KDA by the token-by-token recurrence of SPEC.md (``lax.scan`` over time): the reference,
+    float64-capable, differentiable by autodiff (it stores every state).
 
-    Returns ``(o [B, T, HV, V] in q's dtype, final_state [N, HV, K, V] or None)``, and with
-    ``return_intermediate_states`` a third output: the state entering each chunk of
-    ``chunk_size`` tokens in q's dtype (FLA's ``h``), [B, NT, HV, K, V] with NT = ceil(T / chunk_size),
-    or with ``cu_seqlens`` [1, total chunks, HV, K, V], each sequence's chunks in turn.
+    Args:
+        q, k: [B, T, H, K]; v: [B, T, HV, V], HV a multiple of H.
+        g: [B, T, HV, K] log-space decay (<= 0); beta: [B, T, HV].
+        scale: the scale of q (K ** -0.5 when None).
+        initial_state: [N, HV, K, V] or None (zeros).
+        output_final_state: return the final states.
+        cu_seqlens: [N + 1] concrete int offsets of packed sequences (B = 1), or None.
+        return_intermediate_states: return the state entering each chunk too.
+        chunk_size: the chunk those states are taken at.
+
+    Returns:
+        ``(o [B, T, HV, V] in q's dtype, final_state [N, HV, K, V] or None)``, and with
+        ``return_intermediate_states`` a third output: the state entering each chunk in q's
+        dtype (FLA's ``h``), [B, NT, HV, K, V] with NT = ceil(T / chunk_size), or with
+        ``cu_seqlens`` [1, total chunks, HV, K, V], each sequence's chunks in turn.
     """
     one = functools.partial(_recurrent_one, chunk_size=chunk_size if return_intermediate_states else None)
     o, S, h = _run(one, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
@@ -160,9 +172,15 @@ def naive_chunk_kda(
     chunk_size=64,
 ):
     """KDA by the plain chunked algorithm: pairwise ``exp(G_i - G_j)``, exact triangular solve.
+    A second reference (it overflows in float32 under strong decay; use float64).
 
-    Same contract as :func:`naive_recurrent_kda` without intermediate states; memory grows as
-    ``C * C * K`` per chunk.
+    Args:
+        q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens: as
+            :func:`naive_recurrent_kda`.
+        chunk_size: the chunk length C; memory grows as C * C * K per chunk.
+
+    Returns:
+        ``(o [B, T, HV, V] in q's dtype, final_state [N, HV, K, V] or None)``.
     """
 
     def one(q, k, v, g, beta, S):

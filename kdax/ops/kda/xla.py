@@ -216,10 +216,17 @@ def _from_chunks(x: jax.Array) -> jax.Array:
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """How many chunks one step of the outer scan handles (``schedule``): "per_chunk" keeps
-    every intermediate of a chunk in cache (on CPU about 1.7x faster than whole-sequence
-    stages at T=4096, docs/kda_xla.md); "all_chunks" runs the state-free stages as a few
-    large parallel kernels (accelerators); "auto" picks by the default device."""
+    """The xla backend's per-call config (``chunk_kda(..., config=xla.Config(...))``).
+
+    Attributes:
+        schedule: how many chunks one step of the outer scan handles: "per_chunk" keeps every
+            intermediate of a chunk in cache (on CPU about 1.7x faster than whole-sequence
+            stages at T=4096, docs/kda_xla.md); "all_chunks" runs the state-free stages as a
+            few large parallel kernels (accelerators); "auto" picks by the device.
+
+    Raises:
+        ValueError: from :meth:`resolved`, naming ``config.schedule`` for another value.
+    """
 
     schedule: str = "auto"
 
