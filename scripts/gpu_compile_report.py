@@ -56,8 +56,8 @@ SMEM_LIMIT = 227 * 1024  # bytes of shared memory one H100 block may use
 ISSUE_PER_S = 132 * 4 * 1.75e9  # warp-instructions an H100 issues a second at most: 132 SMs, 4 a cycle each
 BYTES_PER_S = 3.35e12  # an H100 SXM's HBM bandwidth
 FORWARD = ("intra", "state", "output")  # the forward's kernels, in order
-KERNELS = {"_intra_kernel": "intra", "_state_kernel": "state", "_output_kernel": "output",
-           "_dstate_kernel": "dstate", "_values_kernel": "values", "_keys_kernel": "keys", "_levels_kernel": "levels"}  # fmt: skip
+KERNELS = {"kda_intra": "intra", "kda_state": "state", "kda_output": "output", "kda_state_cotangent": "dstate",
+           "kda_values": "values", "kda_keys": "keys", "kda_levels": "levels"}  # fmt: skip
 
 
 def triton_modules(T: int, dtype, cfg: pallas_gpu.Config, fla_options: bool = False, K: int = 128, V: int = 128,

@@ -298,7 +298,7 @@ def test_intra_kernel_overwrites_its_stash_behind_barriers(monkeypatch):
 
     def capture(jaxpr, *args, **kwargs):
         result = lower(jaxpr, *args, **kwargs)
-        if jaxpr.debug_info.func_name == "_intra_kernel":
+        if jaxpr.debug_info.func_name == "kda_intra":  # the pallas_call's name
             irs.append(result.module.operation.get_asm())
         return result
 
