@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +13,7 @@ from kdax.ops.common.dispatch import BACKENDS, OpBackends
 from kdax.ops.common.validation import check_array, fail
 from kdax.ops.common.varlen import chunk_layout
 from kdax.ops.kda import pallas_gpu, pallas_tpu, xla
+from kdax.ops.kda.checks import check_inputs, offsets
 from kdax.ops.kda.gate import beta_activation, kda_gate, l2norm
 from kdax.ops.kda.recurrent import fused_recurrent_kda_xla
 from kdax.ops.kda.reference import naive_recurrent_kda
@@ -21,8 +23,6 @@ CONFIGS = {
     "pallas_tpu": pallas_tpu.Config,
     "pallas_gpu": pallas_gpu.Config,
 }  # per-call kernel configs
-CHUNK_SIZES = (16, 32, 64, 128)
-MAX_HEAD_DIM = 256
 
 
 def _validate(
@@ -38,31 +38,11 @@ def _validate(
     for name, val in flags.items():
         if not isinstance(val, (bool, np.bool_)):
             fail(name, "a bool", f"{type(val).__name__} {val!r}")
-    check_array("q", q, 4)
-    B, T, H, K = q.shape
-    check_array("k", k, 4, q.shape)
-    check_array("v", v, 4)
-    if tuple(v.shape[:2]) != (B, T):
-        fail("v", f"shape ({B}, {T}, HV, V) matching q's batch and time", f"shape {tuple(v.shape)}")
-    HV, V = v.shape[2:]
-    if HV % H:
-        fail("v", f"a number of value heads HV divisible by q's heads H={H}", f"HV={HV}")
-    check_array("g", g, 4, (B, T, HV, K))
-    check_array("beta", beta, 3, (B, T, HV))
-    if T < 1:
-        fail("q", "at least one token (T >= 1)", f"T={T}")
-    if not 1 <= K <= MAX_HEAD_DIM:
-        fail("q", f"head dim K in [1, {MAX_HEAD_DIM}]", f"K={K}")
-    if V < 1:
-        fail("v", "value dim V >= 1", f"V={V}")
-    if q.dtype != k.dtype or q.dtype != v.dtype:
-        fail("k, v", f"the dtype of q ({q.dtype})", f"k {k.dtype}, v {v.dtype}")
+    N = check_inputs(q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
+                     chunk_size=chunk_size, state_v_first=state_v_first)  # fmt: skip
     if backend.startswith("pallas") and q.dtype == jnp.float64:
         fail("q", f"float32 or bfloat16 inputs with backend={backend!r} (the kernels have no float64)", "float64")
-    if scale is not None and not isinstance(scale, (int, float, np.floating, np.integer)):
-        fail("scale", "a Python float or None", type(scale).__name__)
-    if chunk_size is not None and chunk_size not in CHUNK_SIZES:
-        fail("chunk_size", f"one of {CHUNK_SIZES}", repr(chunk_size))
+    HV, K = g.shape[2:]
     if use_gate_in_kernel:
         if A_log is None and lower_bound is None:
             fail("A_log", "an array of shape (HV,) when use_gate_in_kernel and no lower_bound", None)
@@ -80,26 +60,7 @@ def _validate(
         fail("lower_bound", "a float in [-5, 0) with safe_gate=True and use_gate_in_kernel=True", repr(lower_bound))
     if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
         fail("allow_neg_eigval", "use_beta_sigmoid_in_kernel=True alongside it", "use_beta_sigmoid_in_kernel=False")
-    N = B
-    if cu_seqlens is not None:
-        check_array("cu_seqlens", cu_seqlens, 1, integer=True)
-        if cu_seqlens.shape[0] < 2:
-            fail("cu_seqlens", "at least 2 entries [0, ..., T]", f"shape {tuple(cu_seqlens.shape)}")
-        if B != 1:
-            fail("q", "batch size B=1 when cu_seqlens is given", f"B={B}")
-        N = cu_seqlens.shape[0] - 1
-        if not isinstance(cu_seqlens, jax.core.Tracer):
-            cu = np.asarray(cu_seqlens)
-            if cu[0] != 0 or cu[-1] != T or np.any(np.diff(cu) < 0):
-                fail("cu_seqlens", f"non-decreasing offsets from 0 to T={T}", cu.tolist())
-    if initial_state is not None:
-        check_array("initial_state", initial_state, 4, (N, HV, V, K) if state_v_first else (N, HV, K, V))
     return N
-
-
-def _offsets(cu_seqlens):
-    """cu_seqlens as an array: a list or tuple of offsets becomes a numpy array (then checked)."""
-    return np.asarray(cu_seqlens) if isinstance(cu_seqlens, (list, tuple)) else cu_seqlens
 
 
 def _preprocess(q, k, g, beta, use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias, lower_bound,
@@ -179,12 +140,14 @@ def _run(core, q, k, v, g, beta, scale, initial_state, N, cu_seqlens, output_fin
 
 
 def chunk_kda(
-    q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
-    use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None,
-    lower_bound=None, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
-    safe_gate=False, disable_recompute=False, return_intermediate_states=False, state_v_first=False,
-    cu_seqlens=None, chunk_size=64, backend="auto", config=None,
-):  # fmt: skip
+    q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, *, scale: float | None = None,
+    initial_state: jax.Array | None = None, output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False, A_log: jax.Array | None = None, dt_bias: jax.Array | None = None,
+    lower_bound: float | None = None, use_beta_sigmoid_in_kernel: bool = False, allow_neg_eigval: bool = False,
+    safe_gate: bool = False, disable_recompute: bool = False, return_intermediate_states: bool = False,
+    state_v_first: bool = False, cu_seqlens: jax.Array | Sequence[int] | None = None, chunk_size: int = 64,
+    backend: str = "auto", config: xla.Config | pallas_tpu.Config | pallas_gpu.Config | None = None,
+) -> tuple[jax.Array, jax.Array | None] | tuple[jax.Array, jax.Array | None, jax.Array]:  # fmt: skip
     """Chunked Kimi Delta Attention (training and prefill), with FLA's ``chunk_kda`` keywords.
 
     Compiled once per shape, dtype and static option (``jax.jit``), so an eager call costs what a
@@ -237,7 +200,7 @@ def chunk_kda(
         ValueError: a bad argument, named, with what was expected and what came.
         NotImplementedError: a backend this op lacks.
     """
-    cu_seqlens = _offsets(cu_seqlens)
+    cu_seqlens = offsets(cu_seqlens)
     N = _validate(q, k, v, g, beta, scale, initial_state, use_gate_in_kernel, A_log, dt_bias, lower_bound,
                   use_beta_sigmoid_in_kernel, allow_neg_eigval, cu_seqlens, chunk_size, backend, safe_gate,
                   state_v_first, disable_recompute, return_intermediate_states)  # fmt: skip
@@ -254,12 +217,13 @@ def chunk_kda(
 
 
 def fused_recurrent_kda(
-    q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
-    use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None,
-    lower_bound=None, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
-    safe_gate=False, disable_recompute=False, return_intermediate_states=False, state_v_first=False,
-    cu_seqlens=None, backend="auto",
-):  # fmt: skip
+    q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, *, scale: float | None = None,
+    initial_state: jax.Array | None = None, output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False, A_log: jax.Array | None = None, dt_bias: jax.Array | None = None,
+    lower_bound: float | None = None, use_beta_sigmoid_in_kernel: bool = False, allow_neg_eigval: bool = False,
+    safe_gate: bool = False, disable_recompute: bool = False, return_intermediate_states: bool = False,
+    state_v_first: bool = False, cu_seqlens: jax.Array | Sequence[int] | None = None, backend: str = "auto",
+) -> tuple[jax.Array, jax.Array | None]:  # fmt: skip
     """Token-by-token Kimi Delta Attention (decoding, short T), with FLA's ``fused_recurrent_kda`` keywords.
 
     Differentiable by autodiff through the scan over tokens, which stores one state per token.
@@ -280,7 +244,7 @@ def fused_recurrent_kda(
         ValueError: a bad argument, named, with what was expected and what came.
         NotImplementedError: a backend this op lacks.
     """
-    cu_seqlens = _offsets(cu_seqlens)
+    cu_seqlens = offsets(cu_seqlens)
     N = _validate(q, k, v, g, beta, scale, initial_state, use_gate_in_kernel, A_log, dt_bias, lower_bound,
                   use_beta_sigmoid_in_kernel, allow_neg_eigval, cu_seqlens, None, backend, safe_gate,
                   state_v_first, disable_recompute, return_intermediate_states)  # fmt: skip
@@ -343,21 +307,12 @@ def _apply(
     q, k, g, beta = _preprocess(q, k, g, beta, use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias,
                                 lower_bound, use_beta_sigmoid_in_kernel, allow_neg_eigval)  # fmt: skip
     if backend == "naive":
-        out = _naive(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                     return_intermediate_states, chunk_size)  # fmt: skip
+        out = naive_recurrent_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                                  output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                                  return_intermediate_states=return_intermediate_states, chunk_size=chunk_size or 64)  # fmt: skip
     else:
         out = _run(core, q, k, v, g, beta, scale, initial_state, N, cu_seqlens, output_final_state)
     return out[0], *(jnp.swapaxes(x, -1, -2) if state_v_first and x is not None else x for x in out[1:])
 
 
 _compiled = jax.jit(_apply, static_argnames=_STATIC)
-
-
-def _naive(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, return_intermediate_states,
-           chunk_size):  # fmt: skip
-    if isinstance(cu_seqlens, jax.core.Tracer):
-        fail("cu_seqlens", "a concrete array with backend='naive' (the reference loops over sequences)", "a tracer")
-    return naive_recurrent_kda(
-        q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-        cu_seqlens=cu_seqlens, return_intermediate_states=return_intermediate_states, chunk_size=chunk_size,
-    )  # fmt: skip

@@ -12,12 +12,15 @@ beta [B, T, HV]; initial_state [N, HV, K, V]; o [B, T, HV, V]; state [N, HV, K, 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+
+from kdax.ops.common.validation import fail
+from kdax.ops.kda.checks import check_inputs, offsets
 
 _HI = lax.Precision.HIGHEST
 
@@ -104,8 +107,14 @@ def _chunk_one(q, k, v, g, beta, S, chunk_size):
     return o, S, None
 
 
-def _run(one: Callable, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
-    """(o, final state or None, per-chunk states or None as ``one`` gives them, for every sequence)."""
+def _run(one: Callable, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size=None):
+    """(o, final state or None, per-chunk states or None as ``one`` gives them, for every sequence),
+    the arguments checked as every entry point checks them (:func:`check_inputs`)."""
+    cu_seqlens = offsets(cu_seqlens)
+    check_inputs(q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
+                 chunk_size=chunk_size)  # fmt: skip
+    if isinstance(cu_seqlens, jax.core.Tracer):
+        fail("cu_seqlens", "a concrete array with the references (they loop over sequences)", "a tracer")
     out_dtype = q.dtype
     q, k, v, g, beta = _prepare(q, k, v, g, beta, scale)
     B, _, HV, K = k.shape
@@ -132,8 +141,11 @@ def _run(one: Callable, q, k, v, g, beta, scale, initial_state, output_final_sta
     return o.astype(out_dtype), (S if output_final_state else None), (None if h is None else h.astype(out_dtype))
 
 
-def naive_recurrent_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
-                        return_intermediate_states=False, chunk_size=64):  # fmt: skip
+def naive_recurrent_kda(
+    q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, *, scale: float | None = None,
+    initial_state: jax.Array | None = None, output_final_state: bool = False,
+    cu_seqlens: jax.Array | Sequence[int] | None = None, return_intermediate_states: bool = False, chunk_size: int = 64,
+) -> tuple[jax.Array, jax.Array | None] | tuple[jax.Array, jax.Array | None, jax.Array]:  # fmt: skip
     """KDA by the token-by-token recurrence of SPEC.md (``lax.scan`` over time): the reference,
     float64-capable, differentiable by autodiff (it stores every state).
 
@@ -154,23 +166,16 @@ def naive_recurrent_kda(q, k, v, g, beta, *, scale=None, initial_state=None, out
         ``cu_seqlens`` [1, total chunks, HV, K, V], each sequence's chunks in turn.
     """
     one = functools.partial(_recurrent_one, chunk_size=chunk_size if return_intermediate_states else None)
-    o, S, h = _run(one, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
+    chunk = chunk_size if return_intermediate_states else None
+    o, S, h = _run(one, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk)
     return (o, S, h) if return_intermediate_states else (o, S)
 
 
 def naive_chunk_kda(
-    q,
-    k,
-    v,
-    g,
-    beta,
-    *,
-    scale=None,
-    initial_state=None,
-    output_final_state=False,
-    cu_seqlens=None,
-    chunk_size=64,
-):
+    q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, *, scale: float | None = None,
+    initial_state: jax.Array | None = None, output_final_state: bool = False,
+    cu_seqlens: jax.Array | Sequence[int] | None = None, chunk_size: int = 64,
+) -> tuple[jax.Array, jax.Array | None]:  # fmt: skip
     """KDA by the plain chunked algorithm: pairwise ``exp(G_i - G_j)``, exact triangular solve.
     A second reference (it overflows in float32 under strong decay; use float64).
 
@@ -186,4 +191,4 @@ def naive_chunk_kda(
     def one(q, k, v, g, beta, S):
         return _chunk_one(q, k, v, g, beta, S, chunk_size)
 
-    return _run(one, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)[:2]
+    return _run(one, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size)[:2]

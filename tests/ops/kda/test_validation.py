@@ -82,6 +82,19 @@ def test_bad_input_raises(fn, name, args, kwargs, message):
     assert message in str(info.value)
 
 
+_ARRAY_CASES = [b for b in BAD if set(b[2]) <= {"initial_state", "cu_seqlens", "scale", "chunk_size"}]
+
+
+@pytest.mark.parametrize("fn", [kdax.naive_recurrent_kda, kdax.naive_chunk_kda], ids=["recurrent", "chunk"])
+@pytest.mark.parametrize("name,args,kwargs,message", _ARRAY_CASES, ids=[b[0] for b in _ARRAY_CASES])
+def test_references_check_their_inputs_as_the_ops_do(fn, name, args, kwargs, message):
+    if fn is kdax.naive_recurrent_kda and "chunk_size" in kwargs:
+        pytest.skip("naive_recurrent_kda takes a chunk_size only for its intermediate states")
+    with pytest.raises(ValueError, match=None) as info:
+        fn(**args, **kwargs)
+    assert message in str(info.value)
+
+
 def test_backends_an_op_lacks_say_not_available():
     for backend in ("pallas_gpu", "pallas_tpu"):  # fused_recurrent_kda has only the xla core
         with pytest.raises(NotImplementedError, match=backend):
