@@ -50,7 +50,7 @@ def _bench(ns: argparse.Namespace) -> int:
         from kdax.bench import model
 
         B, T = given.get("B", 1), given.get("T", 1024)  # the model's prompt: B x T tokens
-        row = model.run(ns.model, B, T, ns.decode_steps, ns.repeats, ns.dtype)
+        row = model.run(ns.model, B, T, ns.decode_steps, ns.repeats, ns.dtype, progress=not ns.json)
         print(json.dumps({"meta": meta, "model": row}, indent=2) if ns.json else
               f"# {meta['device']}, jax {meta['jax']}, {meta['date']}\n{model.format_row(row)}")  # fmt: skip
         return 0

@@ -124,6 +124,9 @@ def test_bench_model_cli(capsys):
     assert main(["bench", *args, "--json"]) == 0
     row = json.loads(capsys.readouterr().out)["model"]
     assert row["prefill_tok_s"] > 0 and row["decode_tok_s"] > 0 and row["params"] > 1e6 and row["dtype"] == "bfloat16"
+    assert main(["bench", *args]) == 0  # the table, with progress on stderr
+    out, err = capsys.readouterr()
+    assert "| tiny | bfloat16 |" in out and "kdax bench --model tiny" in err and "compiling" in err
 
 
 def test_train_config_errors_name_the_field():

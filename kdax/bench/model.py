@@ -5,26 +5,33 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from tqdm import tqdm
 
 from kdax.bench.measure import time_calls
 from kdax.models import PRESETS, KDAForCausalLM
 from kdax.models.generation import decode_sample, prefill_sample
 
 
-def run(name: str, batch: int, prompt_len: int, decode_steps: int, repeats: int, dtype: str = "float32") -> dict:
+def run(name: str, batch: int, prompt_len: int, decode_steps: int, repeats: int, dtype: str = "float32",
+        progress: bool = True) -> dict:  # fmt: skip
     """Median wall time of a jit-compiled prefill of [batch, prompt_len] tokens and of
     ``decode_steps`` single-token steps after it (greedy, caches preallocated), with the
-    weights in ``dtype`` (:meth:`KDAForCausalLM.astype`)."""
+    weights in ``dtype`` (:meth:`KDAForCausalLM.astype`); ``progress``: a progress bar on stderr."""
     if name not in PRESETS:
         raise ValueError(f"model: expected one of {tuple(PRESETS)}, got {name!r}")
+    bar = tqdm(total=5, desc=f"kdax bench --model {name}", disable=not progress, leave=False)
+    step = lambda what: (bar.set_postfix_str(what), bar.update())
+    bar.set_postfix_str("building the model")
     config = PRESETS[name]()
     model = KDAForCausalLM(config, rngs=nnx.Rngs(0)).astype(dtype)
+    step("prefill: compiling")
     graphdef, state = nnx.split(model)
     ids = jax.random.randint(jax.random.key(1), (batch, prompt_len), 0, config.vocab_size, jnp.int32)
     lengths = jnp.full((batch,), prompt_len, jnp.int32)
     key = jax.random.key(0)
     prefill = lambda: prefill_sample(graphdef, state, ids, lengths, prompt_len + decode_steps, 0.0, None, None, key)
     token, cache = jax.block_until_ready(prefill())  # compiles
+    step("decode step: compiling")
 
     def decode(tok, c):
         for _ in range(decode_steps):
@@ -33,8 +40,12 @@ def run(name: str, batch: int, prompt_len: int, decode_steps: int, repeats: int,
 
     fresh = lambda: (token, jax.tree.map(jnp.copy, cache))  # decode_sample donates its cache
     jax.block_until_ready(decode(*fresh()))  # compiles
+    step(f"prefill: {repeats} timed calls")
     t_prefill = time_calls(prefill, repeats).median / 1e3
+    step(f"decode: {repeats} timed runs of {decode_steps} steps")
     t_decode = time_calls(decode, repeats, fresh).median / 1e3
+    step("done")
+    bar.close()
     return {
         "model": name, "dtype": dtype, "params": model.num_parameters(), "batch": batch, "prompt_len": prompt_len, "decode_steps": decode_steps,
         "prefill_ms": 1e3 * t_prefill, "prefill_tok_s": batch * prompt_len / t_prefill,
