@@ -1,8 +1,9 @@
-"""kdax: Kimi Delta Attention for JAX."""
+"""kdax: Kimi Delta Attention and Kascade sparse attention for JAX."""
 
-from kdax.ops.common.dispatch import use_backend
+from kdax.ops.common.dispatch import explain_backend, use_backend
 from kdax.ops.common.lowering import lower
-from kdax.ops.kda.api import chunk_kda, explain_backend, fused_recurrent_kda
+from kdax.ops.kascade.api import kascade_anchor, kascade_anchor_decode, kascade_reuse, kascade_reuse_decode
+from kdax.ops.kda.api import chunk_kda, fused_recurrent_kda
 from kdax.ops.kda.gate import beta_activation, kda_gate, l2norm
 from kdax.ops.kda.reference import naive_chunk_kda, naive_recurrent_kda
 
@@ -13,6 +14,10 @@ __all__ = [
     "chunk_kda",
     "explain_backend",
     "fused_recurrent_kda",
+    "kascade_anchor",
+    "kascade_anchor_decode",
+    "kascade_reuse",
+    "kascade_reuse_decode",
     "kda_gate",
     "l2norm",
     "lower",

@@ -33,3 +33,19 @@ def round_up(n: int, m: int) -> int:
         ``ceil(n / m) * m``.
     """
     return -(-n // m) * m
+
+
+def masked_softmax(scores: jax.Array, allowed: jax.Array) -> jax.Array:
+    """Softmax over the last axis among the ``allowed`` entries.
+
+    Args:
+        scores: [..., S] floats.
+        allowed: bool, broadcastable to scores.
+
+    Returns:
+        [..., S] in scores' dtype: 0 where not allowed, and in rows with nothing allowed.
+    """
+    s = jnp.where(allowed, scores, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    p = jnp.where(allowed, jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0)), 0)
+    return p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), jnp.finfo(p.dtype).tiny)

@@ -210,3 +210,38 @@ def _note_interpreter(backend: str, platform: str) -> None:  # once per backend 
     log.warning(
         "backend=%r on %s: its kernels run in the Pallas interpreter (slow; meant for tests)", backend, platform
     )
+
+
+REGISTRY: dict[str, OpBackends] = {}  # every public op's backends, by op name (filled as the op families load)
+
+
+def register(op: OpBackends) -> OpBackends:
+    """Record an op's backends for :func:`explain_backend`; returns ``op``."""
+    REGISTRY[op.op] = op
+    return op
+
+
+def explain_backend(dtype=jnp.float32, chunk_size: int | None = 64, config=None, op: str = "chunk_kda",
+                    head_dims: tuple[int, int] = (128, 128)) -> tuple[str, str]:  # fmt: skip
+    """Which backend ``backend="auto"`` runs for an op's inputs of ``dtype`` here, and why.
+
+    "auto" takes the kernels a config names, else those :func:`kdax.use_backend` names,
+    else the default device's, where the op has them and they take the inputs; else xla.
+
+    Args:
+        dtype: the inputs' dtype.
+        chunk_size: chunk_kda's chunk size (None for fused_recurrent_kda; other ops ignore it).
+        config: a backend's kernel config, which asks for that backend's kernels.
+        op: a public op's name: "chunk_kda", "fused_recurrent_kda", "kascade_anchor",
+            "kascade_reuse", "kascade_anchor_decode" or "kascade_reuse_decode".
+        head_dims: (K, V), KDA's key and value head dims (other ops ignore them).
+
+    Returns:
+        (backend, reason): e.g. ("xla", "no kernels for this device (cpu)").
+
+    Raises:
+        ValueError: for an unknown op or a config of no backend.
+    """
+    if op not in REGISTRY:
+        fail("op", f"one of {tuple(REGISTRY)}", repr(op))
+    return REGISTRY[op].explain(dtype, config, chunk_size=chunk_size, head_dims=head_dims)

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kdax.ops.common.dispatch import BACKENDS, OpBackends
+from kdax.ops.common.dispatch import BACKENDS, OpBackends, register
 from kdax.ops.common.validation import check_array, fail
 from kdax.ops.common.varlen import chunk_layout
 from kdax.ops.kda import pallas_gpu, pallas_tpu, xla
@@ -85,34 +85,9 @@ def _refuse(kernels, dtype, config, asked, chunk_size=None, head_dims=(128, 128)
 
 
 _OPS = {
-    "chunk_kda": OpBackends("chunk_kda", tuple(CONFIGS), CONFIGS, _refuse),
-    "fused_recurrent_kda": OpBackends("fused_recurrent_kda", ("xla",), CONFIGS, _refuse),
+    "chunk_kda": register(OpBackends("chunk_kda", tuple(CONFIGS), CONFIGS, _refuse)),
+    "fused_recurrent_kda": register(OpBackends("fused_recurrent_kda", ("xla",), CONFIGS, _refuse)),
 }
-
-
-def explain_backend(dtype=jnp.float32, chunk_size: int | None = 64, config=None, op: str = "chunk_kda",
-                    head_dims: tuple[int, int] = (128, 128)):  # fmt: skip
-    """Which backend ``backend="auto"`` runs for inputs of ``dtype`` here, and why.
-
-    "auto" takes the kernels a config names, else those :func:`kdax.use_backend` names,
-    else the default device's, where the op has them and they take the inputs; else xla.
-
-    Args:
-        dtype: the inputs' dtype.
-        chunk_size: chunk_kda's chunk size (None for fused_recurrent_kda).
-        config: a backend's kernel config, which asks for that backend's kernels.
-        op: "chunk_kda" or "fused_recurrent_kda".
-        head_dims: (K, V), the key and value head dims.
-
-    Returns:
-        (backend, reason): e.g. ("xla", "no kernels for this device (cpu)").
-
-    Raises:
-        ValueError: for an unknown op or a config of no backend.
-    """
-    if op not in _OPS:
-        fail("op", "'chunk_kda' or 'fused_recurrent_kda'", repr(op))
-    return _OPS[op].explain(dtype, config, chunk_size=chunk_size, head_dims=head_dims)
 
 
 def _repeated_qk(core):
@@ -182,7 +157,7 @@ def chunk_kda(
             checked when concrete, trusted when traced (malformed traced offsets give
             meaningless values).
         chunk_size: 16, 32, 64 or 128.
-        backend: "auto", "xla", "pallas_tpu", "pallas_gpu" or "naive" (``explain_backend`` says
+        backend: "auto", "xla", "pallas_tpu", "pallas_gpu" or "naive" (:func:`kdax.explain_backend` says
             what "auto" picks).
         config: the backend's kernel config (``kdax.ops.kda.<backend>.Config``), None for its
             default; with backend "auto" a config picks its own backend.

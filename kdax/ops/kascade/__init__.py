@@ -1,0 +1,1 @@
+"""Kascade top-k sparse attention: references, the portable XLA ops, public API."""

@@ -1,0 +1,213 @@
+"""Public Kascade entry points: argument checks, backend dispatch, compiled calls."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kdax.ops.common.dispatch import BACKENDS, OpBackends, register
+from kdax.ops.common.validation import fail
+from kdax.ops.kascade import reference, xla
+from kdax.ops.kascade.checks import check_call, decode_k_max, prefill_k_max
+
+CONFIGS = {"xla": xla.Config}  # per-call kernel configs
+_OPS = {
+    name: register(OpBackends(name, ("xla",), CONFIGS))
+    for name in ("kascade_anchor", "kascade_reuse", "kascade_anchor_decode", "kascade_reuse_decode")
+}
+
+
+def _check_common(backend, dense_output=False):
+    if backend not in BACKENDS:
+        fail("backend", f"one of {BACKENDS}", repr(backend))
+    if not isinstance(dense_output, (bool, np.bool_)):
+        fail("dense_output", "a bool", f"{type(dense_output).__name__} {dense_output!r}")
+
+
+def _scale(q, scale) -> float:
+    return q.shape[-1] ** -0.5 if scale is None else float(scale)
+
+
+def _rows(lengths, B, T):
+    return jnp.full((B,), T, jnp.int32) if lengths is None else jnp.asarray(lengths, jnp.int32)
+
+
+def kascade_anchor(
+    q: jax.Array, k: jax.Array, v: jax.Array, *, topk_percent: float = 10, min_k: int = 128, tile_size: int = 32,
+    scale: float | None = None, dense_output: bool = False, lengths: jax.Array | None = None, backend: str = "auto",
+    config: xla.Config | None = None,
+) -> tuple[jax.Array, jax.Array]:  # fmt: skip
+    """A Kascade anchor layer (prefill): exact attention picks each query tile's top-k keys.
+
+    Query tile t (queries s_t = t * tile_size onward) pools the exact causal softmax
+    probabilities of its queries and of the H/G query heads of each KV head over the keys
+    j < s_t, and keeps the k_t = min(s_t, max(min_k, floor(topk_percent * s_t / 100))) largest
+    (ties toward the smaller index). Compiled once per shape and static option.
+
+    Args:
+        q: [B, T, H, D]; k, v: [B, T, G, D], G dividing H (query head h reads KV head h // (H / G)).
+        topk_percent: the share of the keys before a tile that it keeps, in (0, 100], one decimal at most.
+        min_k: the least budget of a tile (capped at s_t).
+        tile_size: queries per tile: 16, 32, 64 or 128.
+        scale: the scores' scale, D ** -0.5 when None.
+        dense_output: return dense causal attention (a schedule's layer 0) instead of the sparse output.
+        lengths: [B] ints, valid tokens of right-padded rows (None: all T); outputs past them are 0
+            and tiles starting at or past them select nothing.
+        backend: "auto", "xla" or "naive" (the dense reference); :func:`kdax.explain_backend` says
+            what "auto" picks.
+        config: the backend's config (:class:`kdax.ops.kascade.xla.Config`), None for its default.
+
+    Returns:
+        (indices, o): indices [B, G, ceil(T / tile_size), k_max] int32, each row its selection
+        ascending then -1, k_max the last tile's budget; o [B, T, H, D] in q's dtype: attention of
+        each query over its tile's selection and its tile's own causal block (or dense).
+
+    Raises:
+        ValueError: a bad argument, named, with what was expected and what came.
+        NotImplementedError: a backend this op lacks.
+    """
+    _check_common(backend, dense_output)
+    tenths, _ = check_call(q, k, v, lengths, topk_percent=topk_percent, min_k=min_k, tile_size=tile_size, scale=scale)
+    B, T = q.shape[:2]
+    backend, config = _OPS["kascade_anchor"].resolve(backend, q.dtype, config)
+    return _anchor(q, k, v, _rows(lengths, B, T), backend=backend, config=config, tenths=tenths, min_k=int(min_k),
+                   tile_size=tile_size, scale=_scale(q, scale), dense_output=bool(dense_output))  # fmt: skip
+
+
+_ANCHOR_STATIC = ("backend", "config", "tenths", "min_k", "tile_size", "scale", "dense_output")
+
+
+@functools.partial(jax.jit, static_argnames=_ANCHOR_STATIC)
+def _anchor(q, k, v, lengths, *, backend, config, tenths, min_k, tile_size, scale, dense_output):
+    if backend == "naive":
+        return reference.naive_kascade_anchor(q, k, v, topk_percent=tenths / 10, min_k=min_k, tile_size=tile_size,
+                                              scale=scale, dense_output=dense_output, lengths=lengths)  # fmt: skip
+    k_max = prefill_k_max(q.shape[1], tile_size, tenths, min_k)
+    return xla.kascade_anchor_xla(q, k, v, lengths, tenths=tenths, min_k=min_k, k_max=k_max, tile_size=tile_size,
+                                  scale=scale, dense_output=dense_output, cfg=config)  # fmt: skip
+
+
+def kascade_reuse(
+    q: jax.Array, k: jax.Array, v: jax.Array, indices: jax.Array, *, head_map: jax.Array | None = None,
+    tile_size: int = 32, scale: float | None = None, lengths: jax.Array | None = None, backend: str = "auto",
+    config: xla.Config | None = None,
+) -> jax.Array:  # fmt: skip
+    """A Kascade reuse layer (prefill): attend an anchor's selection, remapped per KV head.
+
+    Query i of tile t, head h of KV head g, attends the keys indices[b, head_map[g], t] (those
+    before s_t) and its tile's own causal block s_t <= j <= i. Compiled once per shape and
+    static option.
+
+    Args:
+        q: [B, T, H, D]; k, v: [B, T, G, D].
+        indices: [B, G, ceil(T / tile_size), k] int, an anchor's selection of the same tiles
+            (distinct keys per row, -1 for none).
+        head_map: [G] ints (an array or a list), KV head g reads the anchor's KV head head_map[g];
+            None: the identity.
+        tile_size, scale, lengths, backend, config: as :func:`kascade_anchor`.
+
+    Returns:
+        o [B, T, H, D] in q's dtype, 0 past a row's length.
+
+    Raises:
+        ValueError: a bad argument, named, with what was expected and what came.
+        NotImplementedError: a backend this op lacks.
+    """
+    _check_common(backend)
+    _, head_map = check_call(q, k, v, lengths, indices=indices, head_map=head_map, tile_size=tile_size, scale=scale)
+    B, T, _, _ = q.shape
+    G = k.shape[2]
+    backend, config = _OPS["kascade_reuse"].resolve(backend, q.dtype, config)
+    head_map = jnp.arange(G, dtype=jnp.int32) if head_map is None else jnp.asarray(head_map, jnp.int32)
+    return _reuse(q, k, v, jnp.asarray(indices, jnp.int32), head_map, _rows(lengths, B, T), backend=backend,
+                  config=config, tile_size=tile_size, scale=_scale(q, scale))  # fmt: skip
+
+
+@functools.partial(jax.jit, static_argnames=("backend", "config", "tile_size", "scale"))
+def _reuse(q, k, v, indices, head_map, lengths, *, backend, config, tile_size, scale):
+    if backend == "naive":
+        return reference.naive_kascade_reuse(q, k, v, indices, head_map=head_map, tile_size=tile_size, scale=scale,
+                                             lengths=lengths)  # fmt: skip
+    return xla.kascade_reuse_xla(q, k, v, lengths, indices[:, head_map], tile_size=tile_size, scale=scale, cfg=config)
+
+
+def kascade_anchor_decode(
+    q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengths: jax.Array, *, topk_percent: float = 10,
+    min_k: int = 128, scale: float | None = None, dense_output: bool = False, backend: str = "auto",
+    config: xla.Config | None = None,
+) -> tuple[jax.Array, jax.Array]:  # fmt: skip
+    """A Kascade anchor layer, one decode step: exact attention of the new token picks the top-k keys.
+
+    The score of key j < lengths[b] pools the softmax probabilities of the KV head's H/G query
+    heads; the budget is k_b = min(len_b, max(min_k, floor(topk_percent * len_b / 100))).
+
+    Args:
+        q: [B, H, D], the new token's queries.
+        k_cache, v_cache: [B, L, G, D], the new token's keys and values already stored.
+        lengths: [B] ints, valid keys per row (the new token's included).
+        topk_percent, min_k, scale, backend, config: as :func:`kascade_anchor`.
+        dense_output: return dense attention over the valid keys instead of the sparse output.
+
+    Returns:
+        (indices [B, G, k_max] int32, ascending then -1, k_max the budget of L keys;
+        o [B, H, D] in q's dtype, attention over the selection only (or dense); 0 in an empty row).
+
+    Raises:
+        ValueError: a bad argument, named, with what was expected and what came.
+        NotImplementedError: a backend this op lacks.
+    """
+    _check_common(backend, dense_output)
+    tenths, _ = check_call(q, k_cache, v_cache, lengths, decode=True, topk_percent=topk_percent, min_k=min_k,
+                           scale=scale)  # fmt: skip
+    backend, config = _OPS["kascade_anchor_decode"].resolve(backend, q.dtype, config)
+    return _anchor_decode(q, k_cache, v_cache, jnp.asarray(lengths, jnp.int32), backend=backend, config=config,
+                          tenths=tenths, min_k=int(min_k), scale=_scale(q, scale), dense_output=bool(dense_output))  # fmt: skip
+
+
+@functools.partial(jax.jit, static_argnames=("backend", "config", "tenths", "min_k", "scale", "dense_output"))
+def _anchor_decode(q, k_cache, v_cache, lengths, *, backend, config, tenths, min_k, scale, dense_output):
+    if backend == "naive":
+        return reference.naive_kascade_anchor_decode(q, k_cache, v_cache, lengths, topk_percent=tenths / 10,
+                                                     min_k=min_k, scale=scale, dense_output=dense_output)  # fmt: skip
+    k_max = decode_k_max(k_cache.shape[1], tenths, min_k)
+    return xla.kascade_anchor_decode_xla(q, k_cache, v_cache, lengths, tenths=tenths, min_k=min_k, k_max=k_max,
+                                         scale=scale, dense_output=dense_output, cfg=config)  # fmt: skip
+
+
+def kascade_reuse_decode(
+    q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengths: jax.Array, indices: jax.Array, *,
+    head_map: jax.Array | None = None, scale: float | None = None, backend: str = "auto",
+    config: xla.Config | None = None,
+) -> jax.Array:  # fmt: skip
+    """A Kascade reuse layer, one decode step: attend an anchor's selection only, remapped per KV head.
+
+    Args:
+        q: [B, H, D]; k_cache, v_cache: [B, L, G, D]; lengths: [B] ints.
+        indices: [B, G, k] int, an anchor's decode selection (distinct keys, -1 for none).
+        head_map, scale, backend, config: as :func:`kascade_reuse`.
+
+    Returns:
+        o [B, H, D] in q's dtype (0 in a row with nothing selected).
+
+    Raises:
+        ValueError: a bad argument, named, with what was expected and what came.
+        NotImplementedError: a backend this op lacks.
+    """
+    _check_common(backend)
+    _, head_map = check_call(q, k_cache, v_cache, lengths, decode=True, indices=indices, head_map=head_map, scale=scale)
+    G = k_cache.shape[2]
+    backend, config = _OPS["kascade_reuse_decode"].resolve(backend, q.dtype, config)
+    head_map = jnp.arange(G, dtype=jnp.int32) if head_map is None else jnp.asarray(head_map, jnp.int32)
+    return _reuse_decode(q, k_cache, v_cache, jnp.asarray(lengths, jnp.int32), jnp.asarray(indices, jnp.int32),
+                         head_map, backend=backend, config=config, scale=_scale(q, scale))  # fmt: skip
+
+
+@functools.partial(jax.jit, static_argnames=("backend", "config", "scale"))
+def _reuse_decode(q, k_cache, v_cache, lengths, indices, head_map, *, backend, config, scale):
+    if backend == "naive":
+        return reference.naive_kascade_reuse_decode(q, k_cache, v_cache, lengths, indices, head_map=head_map,
+                                                    scale=scale)  # fmt: skip
+    return xla.kascade_reuse_decode_xla(q, k_cache, v_cache, lengths, indices[:, head_map], scale=scale, cfg=config)

@@ -1,0 +1,176 @@
+"""What every Kascade entry point checks, the references' included, and the key budgets they share."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kdax.ops.common.validation import check_array, fail
+
+TILE_SIZES = (16, 32, 64, 128)
+
+
+def percent_tenths(topk_percent) -> int:
+    """``topk_percent`` in tenths of a percent, so budgets are computed exactly in integers.
+
+    Raises:
+        ValueError: ``topk_percent`` is not a number in (0, 100] with at most one decimal.
+    """
+    if isinstance(topk_percent, bool) or not isinstance(topk_percent, (int, float, np.integer, np.floating)):
+        fail("topk_percent", "a number in (0, 100]", type(topk_percent).__name__)
+    tenths = round(float(topk_percent) * 10)
+    if not 0 < topk_percent <= 100 or abs(float(topk_percent) * 10 - tenths) > 1e-6:
+        fail("topk_percent", "a number in (0, 100] with at most one decimal (e.g. 10 or 12.5)", repr(topk_percent))
+    return tenths
+
+
+def budget(n, tenths: int, min_k: int):
+    """The top-k budget over ``n`` candidate keys: ``min(n, max(min_k, floor(topk_percent * n / 100)))``.
+
+    Exact in integer arithmetic for NumPy and jax ints alike (no overflow below 2**31 keys).
+
+    Args:
+        n: int or int array, the candidate keys (a tile's start s_t, or a row's length).
+        tenths: :func:`percent_tenths` of topk_percent.
+        min_k: the least budget.
+
+    Returns:
+        The budget, of n's type.
+    """
+    share = (n // 1000) * tenths + (n % 1000) * tenths // 1000
+    xp = jnp if isinstance(n, jax.Array) else np
+    return xp.minimum(n, xp.maximum(min_k, share))
+
+
+def prefill_k_max(T: int, tile_size: int, tenths: int, min_k: int) -> int:
+    """The static width of prefill indices: the budget of the last query tile (the largest)."""
+    return int(budget(((T - 1) // tile_size) * tile_size, tenths, min_k))
+
+
+def decode_k_max(L: int, tenths: int, min_k: int) -> int:
+    """The static width of decode indices: the budget of a full cache of ``L`` keys."""
+    return int(budget(L, tenths, min_k))
+
+
+def check_options(topk_percent=10, min_k=128, tile_size=32, scale=None) -> int:
+    """Check the static options; return :func:`percent_tenths` of ``topk_percent``.
+
+    Raises:
+        ValueError: naming the first bad option.
+    """
+    tenths = percent_tenths(topk_percent)
+    if isinstance(min_k, bool) or not isinstance(min_k, (int, np.integer)) or min_k < 0:
+        fail("min_k", "a non-negative int", repr(min_k))
+    if tile_size not in TILE_SIZES:
+        fail("tile_size", f"one of {TILE_SIZES}", repr(tile_size))
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float, np.integer, np.floating))):
+        fail("scale", "a Python float or None", type(scale).__name__)
+    return tenths
+
+
+def check_qkv(q, k, v, decode: bool = False) -> None:
+    """Check q [B, T, H, D], k, v [B, T, G, D] (decode: q [B, H, D], caches [B, L, G, D]).
+
+    Raises:
+        ValueError: naming the first array that is not as above.
+    """
+    check_array("q", q, 3 if decode else 4)
+    names = ("k_cache", "v_cache") if decode else ("k", "v")
+    check_array(names[0], k, 4)
+    B, D = q.shape[0], q.shape[-1]
+    H = q.shape[-2]
+    if k.shape[0] != B or k.shape[-1] != D or (not decode and k.shape[1] != q.shape[1]):
+        want = f"(B={B}, L, G, D={D})" if decode else f"(B={B}, T={q.shape[1]}, G, D={D})"
+        fail(names[0], f"shape {want} matching q", f"shape {tuple(k.shape)}")
+    check_array(names[1], v, 4, k.shape)
+    G = k.shape[2]
+    if G < 1 or H % G:
+        fail(names[0], f"a number of KV heads G dividing q's heads H={H}", f"G={G}")
+    if k.shape[1] < 1:
+        fail(names[0] if decode else "q", "at least one token", f"shape {tuple(k.shape)}")
+    if D < 1:
+        fail("q", "head dim D >= 1", f"D={D}")
+    if q.dtype != k.dtype or q.dtype != v.dtype:
+        fail(f"{names[0]}, {names[1]}", f"the dtype of q ({q.dtype})", f"{k.dtype}, {v.dtype}")
+
+
+def check_lengths(lengths, B: int, T: int, name: str = "lengths") -> None:
+    """Check ``lengths`` [B] ints (values in [0, T] when concrete).
+
+    Raises:
+        ValueError: naming ``name``.
+    """
+    check_array(name, lengths, 1, (B,), integer=True)
+    if not _traced(lengths):
+        arr = np.asarray(lengths)
+        if arr.size and (arr.min() < 0 or arr.max() > T):
+            fail(name, f"values in [0, {T}]", f"{arr.tolist()}")
+
+
+def check_indices(indices, lead: tuple[int, ...], T: int) -> None:
+    """Check a selection: ints of shape ``(*lead, k)``, values in [-1, T) when concrete.
+
+    Raises:
+        ValueError: naming ``indices``.
+    """
+    check_array("indices", indices, len(lead) + 1, integer=True)
+    if tuple(indices.shape[:-1]) != tuple(lead):
+        fail("indices", f"shape {(*lead, 'k')}", f"shape {tuple(indices.shape)}")
+    if not _traced(indices):
+        arr = np.asarray(indices)
+        if arr.size and (arr.min() < -1 or arr.max() >= T):
+            got = f"values in [{arr.min()}, {arr.max()}]"
+            fail("indices", f"values in [-1, {T}) (key positions, -1 for none)", got)
+
+
+def check_head_map(head_map, G: int):
+    """``head_map`` [G] ints in [0, G) (a list or an array), or None for the identity.
+
+    Returns:
+        The head map as an int32 array, or None.
+
+    Raises:
+        ValueError: naming ``head_map``.
+    """
+    if head_map is None:
+        return None
+    if isinstance(head_map, (list, tuple)):
+        head_map = np.asarray(head_map, np.int32)
+    check_array("head_map", head_map, 1, (G,), integer=True)
+    if not _traced(head_map):
+        arr = np.asarray(head_map)
+        if arr.size and (arr.min() < 0 or arr.max() >= G):
+            fail("head_map", f"values in [0, {G}) (KV heads of the anchor)", f"{arr.tolist()}")
+    return head_map
+
+
+def _traced(x) -> bool:
+    return isinstance(x, jax.core.Tracer)
+
+
+def check_call(q, k, v, lengths=None, *, decode=False, indices=None, head_map=None, topk_percent=10, min_k=0,
+               tile_size=32, scale=None):  # fmt: skip
+    """Every check of one Kascade call (prefill, or ``decode`` with k, v the caches).
+
+    Args:
+        q, k, v, lengths: the arrays (prefill ``lengths`` may be None).
+        decode: whether this is a decode step.
+        indices, head_map: a reuse call's selection and head map (None for an anchor).
+        topk_percent, min_k, tile_size, scale: the options.
+
+    Returns:
+        (:func:`percent_tenths` of topk_percent, the head map as an array or None).
+
+    Raises:
+        ValueError: naming the first bad argument.
+    """
+    check_qkv(q, k, v, decode)
+    tenths = check_options(topk_percent, min_k, tile_size, scale)
+    B, T = k.shape[:2]
+    G = k.shape[2]
+    if lengths is not None or decode:
+        check_lengths(lengths, B, T)
+    if indices is not None:
+        check_indices(indices, (B, G) if decode else (B, G, -(-T // tile_size)), T)
+    return tenths, check_head_map(head_map, G)

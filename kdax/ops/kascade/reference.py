@@ -1,0 +1,251 @@
+"""Kascade by its definitions, written for clarity: the gold standard the backends are tested
+against. Dense: each forms the [T, T] (decode: [L]) attention of every head.
+
+They compute in float32, or in float64 given float64 inputs (enable ``jax_enable_x64``).
+Shapes: q [B, T, H, D]; k, v [B, T, G, D], H % G == 0, query head h reads KV head
+h // (H // G); decode q [B, H, D], caches [B, L, G, D], lengths [B]. Query tile t holds the
+queries s_t = t * tile_size .. s_t + tile_size - 1. Definitions: ../../../docs/kascade.md.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from kdax.ops.common.arrays import masked_softmax
+from kdax.ops.kascade.checks import budget, check_call, check_options, decode_k_max, prefill_k_max
+
+_HI = lax.Precision.HIGHEST
+
+
+def _cast(q, k, v, scale):
+    """q (scaled), k, v in the compute dtype, and q's heads grouped: q [B, T, G, R, D]."""
+    dt = jnp.promote_types(q.dtype, jnp.float32)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    G = k.shape[-2]
+    q = q.astype(dt) * scale
+    return q.reshape(*q.shape[:-2], G, q.shape[-2] // G, q.shape[-1]), k.astype(dt), v.astype(dt)
+
+
+def _row_lengths(lengths, B, T):
+    return jnp.full((B,), T, jnp.int32) if lengths is None else jnp.asarray(lengths, jnp.int32)
+
+
+def _attend(q, k, v, allowed):
+    """q [B, T, G, R, D] over k, v [B, S, G, D] where allowed [B, G, R | 1, T, S] -> [B, T, H, D]."""
+    scores = jnp.einsum("btgrd,bsgd->bgrts", q, k, precision=_HI)
+    o = jnp.einsum("bgrts,bsgd->btgrd", masked_softmax(scores, allowed), v, precision=_HI)
+    return o.reshape(*o.shape[:2], -1, o.shape[-1])
+
+
+def _causal(B, T, lengths):
+    """[B, 1, 1, T, T]: key j <= query i < the row's length."""
+    i, j = jnp.arange(T)[:, None], jnp.arange(T)[None, :]
+    return ((j <= i) & (i < lengths[:, None, None]))[:, None, None]
+
+
+def naive_attention(q, k, v, *, scale=None, lengths=None) -> jax.Array:
+    """Dense causal GQA attention.
+
+    Args:
+        q: [B, T, H, D]; k, v: [B, T, G, D].
+        scale: the scores' scale, D ** -0.5 when None.
+        lengths: [B] valid tokens per right-padded row, or None (all T).
+
+    Returns:
+        o [B, T, H, D] in q's dtype; 0 past a row's length.
+    """
+    check_call(q, k, v, lengths, scale=scale)
+    B, T = q.shape[:2]
+    qg, kc, vc = _cast(q, k, v, scale)
+    return _attend(qg, kc, vc, _causal(B, T, _row_lengths(lengths, B, T))).astype(q.dtype)
+
+
+def pooled_probabilities(q, k, *, tile_size=32, scale=None, lengths=None) -> jax.Array:
+    """The anchor's scores: dense causal attention probabilities, summed over each KV head's
+    query heads and over each query tile's valid queries.
+
+    Args:
+        q: [B, T, H, D]; k: [B, T, G, D].
+        tile_size: queries per tile.
+        scale, lengths: as :func:`naive_attention`.
+
+    Returns:
+        P [B, G, NT, T] in the compute dtype, NT = ceil(T / tile_size): P[b, g, t, j] is the
+        attention mass the queries of tile t put on key j (over all keys, the tile's own included).
+    """
+    B, T = q.shape[:2]
+    qg, kc, _ = _cast(q, k, k, scale)
+    scores = jnp.einsum("btgrd,bsgd->bgrts", qg, kc, precision=_HI)
+    p = masked_softmax(scores, _causal(B, T, _row_lengths(lengths, B, T))).sum(axis=2)  # [B, G, T, T]
+    NT = -(-T // tile_size)
+    p = jnp.pad(p, ((0, 0), (0, 0), (0, NT * tile_size - T), (0, 0)))
+    return p.reshape(B, p.shape[1], NT, tile_size, T).sum(axis=3)
+
+
+def _top(P, k_max, keep):
+    """The ``keep`` largest entries per row of P [..., S] (ties toward the smaller index; keep [...]
+    per row, <= k_max), sorted ascending, padded with -1 to k_max."""
+    S = P.shape[-1]
+    order = jnp.argsort(-P, axis=-1, stable=True)[..., :k_max]
+    order = jnp.where(jnp.arange(k_max) < keep[..., None], order, S)
+    order = jnp.sort(order, axis=-1)
+    return jnp.where(order < S, order, -1).astype(jnp.int32)
+
+
+def select_tiles(P, lengths, *, tile_size, topk_percent, min_k) -> jax.Array:
+    """The selection of every query tile from its pooled probabilities.
+
+    Args:
+        P: [B, G, NT, T], as :func:`pooled_probabilities`.
+        lengths: [B] valid tokens per row (tiles at or past it select nothing).
+        tile_size, topk_percent, min_k: as :func:`naive_kascade_anchor`.
+
+    Returns:
+        indices [B, G, NT, k_max] int32: the k_t keys j < s_t of largest P, ascending, then -1.
+    """
+    NT, T = P.shape[2:]
+    tenths = check_options(topk_percent, min_k, tile_size)
+    starts = np.arange(NT) * tile_size
+    before = jnp.arange(T)[None, :] < starts[:, None]  # [NT, T]: keys j < s_t
+    keep = jnp.asarray(budget(starts, tenths, min_k))[None, :] * (starts[None, :] < lengths[:, None])  # [B, NT]
+    return _top(jnp.where(before, P, -jnp.inf), prefill_k_max(T, tile_size, tenths, min_k), keep[:, None])
+
+
+def _members(indices, S):
+    """[..., k] indices (-1: none) -> [..., S] bool: which keys are selected."""
+    hit = jnp.zeros((*indices.shape[:-1], S + 1), bool)
+    idx = jnp.where(indices < 0, S, indices)
+    return jnp.put_along_axis(hit, idx, True, axis=-1, inplace=False)[..., :S]
+
+
+def sparse_mask(indices, *, T, tile_size, head_map=None, lengths=None) -> jax.Array:
+    """What each query attends under a prefill selection: the selection of its tile (of KV head
+    head_map[g]) and its tile's own causal block.
+
+    Args:
+        indices: [B, G, NT, k] int, -1 for none.
+        T: the tokens.
+        tile_size: queries per tile.
+        head_map: [G] ints or None (identity).
+        lengths: [B] valid tokens per row, or None.
+
+    Returns:
+        allowed [B, G, 1, T, T] bool (query i, key j).
+    """
+    B = indices.shape[0]
+    if head_map is not None:
+        indices = jnp.asarray(indices)[:, jnp.asarray(head_map)]
+    tile = jnp.arange(T) // tile_size
+    chosen = _members(indices, T)[:, :, tile]  # [B, G, T, T]
+    i, j = jnp.arange(T)[:, None], jnp.arange(T)[None, :]
+    diagonal = (j >= tile[:, None] * tile_size) & (j <= i)
+    return ((chosen | diagonal) & _causal(B, T, _row_lengths(lengths, B, T))[:, 0])[:, :, None]
+
+
+def naive_kascade_anchor(q, k, v, *, topk_percent=10, min_k=128, tile_size=32, scale=None, dense_output=False,
+                         lengths=None) -> tuple[jax.Array, jax.Array]:  # fmt: skip
+    """A Kascade anchor layer (prefill): select each query tile's keys from exact attention.
+
+    Args:
+        q: [B, T, H, D]; k, v: [B, T, G, D].
+        topk_percent: the budget k_t = min(s_t, max(min_k, floor(topk_percent * s_t / 100))).
+        min_k: the least budget.
+        tile_size: queries per tile (16, 32, 64 or 128).
+        scale: D ** -0.5 when None.
+        dense_output: return dense causal attention instead of the sparse output.
+        lengths: [B] valid tokens per right-padded row, or None.
+
+    Returns:
+        (indices [B, G, NT, k_max] int32, o [B, T, H, D] in q's dtype, 0 past a row's length).
+    """
+    check_call(q, k, v, lengths, topk_percent=topk_percent, min_k=min_k, tile_size=tile_size, scale=scale)
+    B, T = q.shape[:2]
+    rows = _row_lengths(lengths, B, T)
+    P = pooled_probabilities(q, k, tile_size=tile_size, scale=scale, lengths=rows)
+    indices = select_tiles(P, rows, tile_size=tile_size, topk_percent=topk_percent, min_k=min_k)
+    if dense_output:
+        return indices, naive_attention(q, k, v, scale=scale, lengths=rows)
+    return indices, naive_kascade_reuse(q, k, v, indices, tile_size=tile_size, scale=scale, lengths=rows)
+
+
+def naive_kascade_reuse(q, k, v, indices, *, head_map=None, tile_size=32, scale=None, lengths=None) -> jax.Array:
+    """A Kascade reuse layer (prefill): attend an anchor's selection, remapped per KV head.
+
+    Args:
+        q: [B, T, H, D]; k, v: [B, T, G, D].
+        indices: [B, G, NT, k] int32 of an anchor (-1 for none).
+        head_map: [G] ints: KV head g uses the anchor's selection of KV head head_map[g]; None: identity.
+        tile_size, scale, lengths: as :func:`naive_kascade_anchor`.
+
+    Returns:
+        o [B, T, H, D] in q's dtype, 0 past a row's length.
+    """
+    _, head_map = check_call(q, k, v, lengths, indices=indices, head_map=head_map, tile_size=tile_size, scale=scale)
+    T = q.shape[1]
+    qg, kc, vc = _cast(q, k, v, scale)
+    allowed = sparse_mask(indices, T=T, tile_size=tile_size, head_map=head_map, lengths=lengths)
+    return _attend(qg, kc, vc, allowed).astype(q.dtype)
+
+
+def _decode_scores(q, k_cache, lengths, scale):
+    """([B, G, R, L] scores, [B, 1, 1, L] valid keys) of one query token per row."""
+    qg, kc, _ = _cast(q[:, None], k_cache, k_cache, scale)
+    scores = jnp.einsum("bgrd,bsgd->bgrs", qg[:, 0], kc, precision=_HI)
+    valid = jnp.arange(k_cache.shape[1])[None, :] < jnp.asarray(lengths)[:, None]
+    return scores, valid[:, None, None]
+
+
+def naive_kascade_anchor_decode(q, k_cache, v_cache, lengths, *, topk_percent=10, min_k=128, scale=None,
+                                dense_output=False) -> tuple[jax.Array, jax.Array]:  # fmt: skip
+    """A Kascade anchor layer (one decode step): select keys from the exact attention of the token.
+
+    Args:
+        q: [B, H, D]; k_cache, v_cache: [B, L, G, D].
+        lengths: [B] valid keys per row, the current token's included.
+        topk_percent, min_k: the budget k_b = min(len_b, max(min_k, floor(topk_percent * len_b / 100))).
+        scale: D ** -0.5 when None.
+        dense_output: return dense attention over the valid keys instead of the sparse output.
+
+    Returns:
+        (indices [B, G, k_max] int32, ascending then -1; o [B, H, D] in q's dtype).
+    """
+    tenths, _ = check_call(q, k_cache, v_cache, lengths, decode=True, topk_percent=topk_percent, min_k=min_k,
+                           scale=scale)  # fmt: skip
+    scores, valid = _decode_scores(q, k_cache, lengths, scale)
+    P = masked_softmax(scores, valid).sum(axis=2)  # [B, G, L]
+    lengths = jnp.asarray(lengths, jnp.int32)
+    keep = budget(lengths, tenths, min_k)[:, None]
+    indices = _top(jnp.where(valid[:, 0], P, -jnp.inf), decode_k_max(k_cache.shape[1], tenths, min_k), keep)
+    if dense_output:
+        return indices, _decode_attend(scores, valid, v_cache, q.dtype)
+    return indices, naive_kascade_reuse_decode(q, k_cache, v_cache, lengths, indices, scale=scale)
+
+
+def _decode_attend(scores, allowed, v_cache, dtype):
+    vc = v_cache.astype(scores.dtype)
+    o = jnp.einsum("bgrs,bsgd->bgrd", masked_softmax(scores, allowed), vc, precision=_HI)
+    return o.reshape(o.shape[0], -1, o.shape[-1]).astype(dtype)
+
+
+def naive_kascade_reuse_decode(q, k_cache, v_cache, lengths, indices, *, head_map=None, scale=None) -> jax.Array:
+    """A Kascade reuse layer (one decode step): attend an anchor's selection only.
+
+    Args:
+        q: [B, H, D]; k_cache, v_cache: [B, L, G, D]; lengths: [B].
+        indices: [B, G, k] int32 of an anchor's decode step (-1 for none).
+        head_map: as :func:`naive_kascade_reuse`.
+        scale: D ** -0.5 when None.
+
+    Returns:
+        o [B, H, D] in q's dtype (0 in a row with nothing selected).
+    """
+    _, head_map = check_call(q, k_cache, v_cache, lengths, decode=True, indices=indices, head_map=head_map, scale=scale)
+    L = k_cache.shape[1]
+    if head_map is not None:
+        indices = jnp.asarray(indices)[:, head_map]
+    scores, valid = _decode_scores(q, k_cache, lengths, scale)
+    allowed = _members(jnp.asarray(indices), L)[:, :, None] & valid
+    return _decode_attend(scores, allowed, v_cache, q.dtype)

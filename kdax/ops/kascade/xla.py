@@ -1,0 +1,199 @@
+"""Kascade in plain XLA ops (backend "xla", the portable default), in memory O(B T (H D + G k_max)).
+
+Prefill runs over blocks of query tiles (``lax.map``): an anchor block forms its queries'
+scores against all keys (one block of the [T, T] matrix at a time), takes exact softmax
+probabilities (max and sum first, then probabilities), pools them per tile and KV head,
+selects with ``lax.top_k``; the sparse output of a block gathers each tile's selected K/V
+rows and attends them together with the tile's own causal block. Decode forms the one
+query's scores over the cache (anchor) or gathers the selected rows only (reuse). Scores,
+softmax and accumulation in float32 whatever the inputs' dtype. Design: docs/kascade.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+from jax import lax
+
+from kdax.ops.common.arrays import masked_softmax
+from kdax.ops.kascade.checks import budget
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Per-call settings of the xla backend.
+
+    Attributes:
+        block_bytes: the most bytes of float32 scores one block of query tiles forms (anchor:
+            queries x all keys x heads; it sets how many tiles a block takes; at least one).
+    """
+
+    block_bytes: int = 16 << 20
+
+    def resolved(self) -> Config:
+        """This config (nothing depends on the device)."""
+        return self
+
+
+def _precision(dtype):
+    return lax.Precision.HIGHEST if dtype == jnp.float32 or dtype == jnp.float64 else lax.Precision.DEFAULT
+
+
+def _acc(dtype):
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def _top(P, k_max, keep):
+    """The ``keep`` [...] largest of P [..., S] (ties toward the smaller index), ascending, -1-padded to k_max."""
+    if k_max == 0:
+        return jnp.zeros((*P.shape[:-1], 0), jnp.int32)
+    S = P.shape[-1]
+    _, order = lax.top_k(P, k_max)
+    order = jnp.sort(jnp.where(jnp.arange(k_max) < keep[..., None], order, S), axis=-1)
+    return jnp.where(order < S, order, -1).astype(jnp.int32)
+
+
+def _gather(x, indices):
+    """x [B, G, S, D] at indices [B, G, n, k] (-1 read as 0) -> [B, G, n, k, D]."""
+    B, G, n, k = indices.shape
+    flat = jnp.maximum(indices, 0).reshape(B, G, n * k, 1)
+    return jnp.take_along_axis(x, flat, axis=2).reshape(B, G, n, k, x.shape[-1])
+
+
+def _sparse_block(qb, kt, vt, kd, vd, indices, rows, lengths, scale):
+    """Sparse attention of one block of query tiles.
+
+    qb [B, nb, tile, G, R, D]; kt, vt [B, G, S, D] (all keys); kd, vd [B, nb, tile, G, D]
+    (the tiles' own keys); indices [B, G, nb, k]; rows [nb, tile] the queries' positions;
+    lengths [B]. Returns [B, nb, tile, G, R, D] in float32.
+    """
+    acc, prec = _acc(qb.dtype), _precision(qb.dtype)
+    starts = rows[:, 0]
+    valid_q = rows[None] < lengths[:, None, None]  # [B, nb, tile]
+    ks, vs = _gather(kt, indices), _gather(vt, indices)
+    s_sel = jnp.einsum("bntgrd,bgnkd->bgrntk", qb, ks, preferred_element_type=acc, precision=prec) * scale
+    s_diag = jnp.einsum("bntgrd,bnsgd->bgrnts", qb, kd, preferred_element_type=acc, precision=prec) * scale
+    a_sel = (indices >= 0) & (indices < starts[None, None, :, None])  # [B, G, nb, k]
+    a_sel = a_sel[:, :, None, :, None, :] & valid_q[:, None, None, :, :, None]
+    a_diag = (rows[:, None, :] <= rows[:, :, None])[None] & valid_q[..., None]  # [B, nb, tile, tile]
+    s = jnp.concatenate([jnp.where(a_sel, s_sel, -jnp.inf), jnp.where(a_diag[:, None, None], s_diag, -jnp.inf)], -1)
+    p = masked_softmax(s, s > -jnp.inf)
+    k = indices.shape[-1]
+    o = jnp.einsum("bgrntk,bgnkd->bntgrd", p[..., :k], vs.astype(acc), precision=prec)
+    return o + jnp.einsum("bgrnts,bnsgd->bntgrd", p[..., k:], vd.astype(acc), precision=prec)
+
+
+def _blocks(q, k, v, tile_size, cfg):
+    """Padded, grouped inputs and the block plan shared by anchor and reuse prefill."""
+    B, T, H, D = q.shape
+    G = k.shape[2]
+    NT = -(-T // tile_size)
+    S = NT * tile_size
+    nb = max(1, min(NT, cfg.block_bytes // (4 * B * H * tile_size * S)))
+    NB = -(-NT // nb)
+    Tp = NB * nb * tile_size
+    pad = ((0, 0), (0, Tp - T), (0, 0), (0, 0))
+    qp, kp, vp = (jnp.pad(x, pad) for x in (q, k, v))
+    return qp.reshape(B, Tp, G, H // G, D), kp, vp, nb, NB, NT, S
+
+
+def _block_inputs(qp, kp, vp, blk, nb, tile_size):
+    """The block's queries [B, nb, tile, G, R, D], own keys and values [B, nb, tile, G, D], positions [nb, tile]."""
+    B, _, G, R, D = qp.shape
+    q0 = blk * nb * tile_size
+    take = lambda x: lax.dynamic_slice_in_dim(x, q0, nb * tile_size, axis=1)
+    qb = take(qp).reshape(B, nb, tile_size, G, R, D)
+    kd, vd = (take(x).reshape(B, nb, tile_size, G, D) for x in (kp, vp))
+    return qb, kd, vd, q0 + jnp.arange(nb * tile_size).reshape(nb, tile_size)
+
+
+def kascade_anchor_xla(q, k, v, lengths, *, tenths, min_k, k_max, tile_size, scale, dense_output, cfg):
+    """See :func:`kdax.kascade_anchor`. q [B, T, H, D]; k, v [B, T, G, D]; lengths [B] int32.
+
+    Returns (indices [B, G, NT, k_max] int32, o [B, T, H, D] in q's dtype)."""
+    B, T = q.shape[:2]
+    qp, kp, vp, nb, NB, NT, S = _blocks(q, k, v, tile_size, cfg)
+    acc, prec = _acc(q.dtype), _precision(q.dtype)
+    kt, vt = (x[:, :S].transpose(0, 2, 1, 3) for x in (kp, vp))  # [B, G, S, D]
+    keys = jnp.arange(S)
+
+    def block(blk):
+        qb, kd, vd, rows = _block_inputs(qp, kp, vp, blk, nb, tile_size)
+        s = jnp.einsum("bntgrd,bgsd->bgrnts", qb, kt, preferred_element_type=acc, precision=prec) * scale
+        valid_q = rows[None] < lengths[:, None, None]  # [B, nb, tile]
+        allowed = (keys <= rows[..., None])[None] & valid_q[..., None]  # [B, nb, tile, S]
+        p = masked_softmax(s, allowed[:, None, None])  # [B, G, R, nb, tile, S]
+        starts = rows[:, 0]
+        pooled = jnp.where(keys[None, :] < starts[:, None], p.sum(axis=(2, 4)), -jnp.inf)  # [B, G, nb, S]
+        keep = budget(starts, tenths, min_k)[None] * (starts[None] < lengths[:, None])  # [B, nb]
+        idx = _top(pooled, k_max, keep[:, None])
+        if dense_output:
+            o = jnp.einsum("bgrnts,bgsd->bntgrd", p, vt.astype(acc), precision=prec)
+        else:
+            o = _sparse_block(qb, kt, vt, kd, vd, idx, rows, lengths, scale)
+        return idx, o.astype(q.dtype)
+
+    idx, o = lax.map(block, jnp.arange(NB))  # [NB, B, G, nb, k], [NB, B, nb, tile, G, R, D]
+    idx = jnp.moveaxis(idx, 0, 2).reshape(B, k.shape[2], NB * nb, k_max)[:, :, :NT]
+    return idx, _unblock(o, T)
+
+
+def kascade_reuse_xla(q, k, v, lengths, indices, *, tile_size, scale, cfg):
+    """See :func:`kdax.kascade_reuse`. indices [B, G, NT, k] already remapped per KV head.
+
+    Returns o [B, T, H, D] in q's dtype."""
+    B, T = q.shape[:2]
+    kk = indices.shape[-1]
+    qp, kp, vp, nb, NB, NT, S = _blocks(q, k, v, tile_size, cfg)
+    kt, vt = (x[:, :S].transpose(0, 2, 1, 3) for x in (kp, vp))
+    idx = jnp.pad(indices, ((0, 0), (0, 0), (0, NB * nb - NT), (0, 0)), constant_values=-1)
+    idx = jnp.moveaxis(idx.reshape(B, idx.shape[1], NB, nb, kk), 2, 0)  # [NB, B, G, nb, k]
+
+    def block(args):
+        blk, ib = args
+        qb, kd, vd, rows = _block_inputs(qp, kp, vp, blk, nb, tile_size)
+        return _sparse_block(qb, kt, vt, kd, vd, ib, rows, lengths, scale).astype(q.dtype)
+
+    return _unblock(lax.map(block, (jnp.arange(NB), idx)), T)
+
+
+def _unblock(o, T):
+    """[NB, B, nb, tile, G, R, D] -> [B, T, H, D]."""
+    NB, B, nb, tile, G, R, D = o.shape
+    return jnp.moveaxis(o, 0, 1).reshape(B, NB * nb * tile, G * R, D)[:, :T]
+
+
+def _decode_scores(q, k_cache, lengths, scale):
+    """Scores [B, G, R, L] (float32) of one token per row and the valid keys [B, L]."""
+    B, H, D = q.shape
+    G = k_cache.shape[2]
+    s = jnp.einsum("bgrd,bsgd->bgrs", q.reshape(B, G, H // G, D), k_cache,
+                   preferred_element_type=_acc(q.dtype), precision=_precision(q.dtype))  # fmt: skip
+    return s * scale, jnp.arange(k_cache.shape[1])[None, :] < lengths[:, None]
+
+
+def kascade_anchor_decode_xla(q, k_cache, v_cache, lengths, *, tenths, min_k, k_max, scale, dense_output, cfg):
+    """See :func:`kdax.kascade_anchor_decode`. Returns (indices [B, G, k_max] int32, o [B, H, D])."""
+    acc, prec = _acc(q.dtype), _precision(q.dtype)
+    s, valid = _decode_scores(q, k_cache, lengths, scale)
+    p = masked_softmax(s, valid[:, None, None])
+    idx = _top(jnp.where(valid[:, None], p.sum(axis=2), -jnp.inf), k_max, budget(lengths, tenths, min_k)[:, None])
+    if dense_output:
+        o = jnp.einsum("bgrs,bsgd->bgrd", p, v_cache.astype(acc), precision=prec)
+        return idx, o.reshape(q.shape).astype(q.dtype)
+    return idx, kascade_reuse_decode_xla(q, k_cache, v_cache, lengths, idx, scale=scale, cfg=cfg)
+
+
+def kascade_reuse_decode_xla(q, k_cache, v_cache, lengths, indices, *, scale, cfg):
+    """See :func:`kdax.kascade_reuse_decode`. indices [B, G, k] already remapped. Returns o [B, H, D]."""
+    B, H, D = q.shape
+    G = k_cache.shape[2]
+    acc, prec = _acc(q.dtype), _precision(q.dtype)
+    kt, vt = (x.transpose(0, 2, 1, 3) for x in (k_cache, v_cache))  # [B, G, L, D]
+    ks, vs = (_gather(x, indices[:, :, None])[:, :, 0] for x in (kt, vt))  # [B, G, k, D]
+    s = jnp.einsum("bgrd,bgkd->bgrk", q.reshape(B, G, H // G, D), ks, preferred_element_type=acc, precision=prec)
+    s = s * scale
+    allowed = (indices >= 0) & (indices < lengths[:, None, None])
+    o = jnp.einsum("bgrk,bgkd->bgrd", masked_softmax(s, allowed[:, :, None]), vs.astype(acc), precision=prec)
+    return o.reshape(B, H, D).astype(q.dtype)

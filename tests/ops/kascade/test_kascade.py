@@ -1,0 +1,259 @@
+"""Kascade ops against their float64 definitions: selections, outputs, decode, options, transforms."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kdax
+from kdax.bench.measure import rel_rms
+from kdax.ops.kascade import api, reference, xla
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    B: int = 2
+    T: int = 100  # not a multiple of any tile size
+    H: int = 4
+    G: int = 2
+    D: int = 16
+    tile_size: int = 16
+    topk_percent: float = 20
+    min_k: int = 4
+    lengths: tuple[int, ...] | None = None
+    block_bytes: int = 1  # one tile per block: every block boundary is met
+
+    def __str__(self) -> str:
+        return self.name
+
+
+CASES = [
+    Case("gqa"),
+    Case("mha_one_block", G=4, block_bytes=1 << 30),
+    Case("one_kv_head_D60", G=1, D=60, tile_size=32),
+    Case("D100_tile64", T=200, D=100, tile_size=64, topk_percent=12.5, min_k=0),
+    Case("lengths_0_1_37_100", B=4, lengths=(0, 1, 37, 100)),
+    Case("min_k_over_T", min_k=1000),  # every key before a tile: sparse == dense
+    Case("T_under_tile", T=10, tile_size=32),  # one tile, nothing to select (k_max = 0)
+    Case("tile128", T=300, tile_size=128, G=1, H=2, topk_percent=10, min_k=8),
+]
+
+
+def inputs(case: Case, dtype=jnp.float64, seed=0):
+    r = np.random.default_rng(seed)
+    B, T, H, G, D = case.B, case.T, case.H, case.G, case.D
+    q = r.standard_normal((B, T, H, D)) * 1.5  # peaked attention: selections matter
+    k, v = r.standard_normal((B, T, G, D)), r.standard_normal((B, T, G, D))
+    lengths = None if case.lengths is None else jnp.asarray(case.lengths, jnp.int32)
+    return (*(jnp.asarray(x, dtype) for x in (q, k, v)), lengths)
+
+
+def options(case: Case):
+    return {"topk_percent": case.topk_percent, "min_k": case.min_k, "tile_size": case.tile_size}
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+@pytest.mark.parametrize("dense_output", [False, True])
+def test_anchor_matches_definition_in_float64(case, dense_output):
+    q, k, v, lengths = inputs(case)
+    want_idx, want = reference.naive_kascade_anchor(q, k, v, **options(case), dense_output=dense_output,
+                                                    lengths=lengths)  # fmt: skip
+    idx, o = kdax.kascade_anchor(q, k, v, **options(case), dense_output=dense_output, lengths=lengths,
+                                 config=xla.Config(case.block_bytes))  # fmt: skip
+    assert idx.dtype == jnp.int32 and idx.shape == want_idx.shape
+    np.testing.assert_array_equal(idx, want_idx)
+    np.testing.assert_allclose(o, want, atol=1e-12)
+    if case.lengths is not None:
+        past = np.arange(case.T)[None, :] >= np.asarray(case.lengths)[:, None]
+        assert not np.asarray(o)[past].any()
+
+
+@pytest.mark.parametrize("case", CASES[:5], ids=str)
+def test_reuse_matches_definition_with_a_head_map(case):
+    q, k, v, lengths = inputs(case)
+    anchor_idx, _ = reference.naive_kascade_anchor(*inputs(case, seed=1)[:3], **options(case), lengths=lengths)
+    head_map = np.arange(case.G)[::-1].copy()
+    want = reference.naive_kascade_reuse(q, k, v, anchor_idx, head_map=head_map, tile_size=case.tile_size,
+                                         lengths=lengths)  # fmt: skip
+    o = kdax.kascade_reuse(q, k, v, anchor_idx, head_map=list(head_map), tile_size=case.tile_size, lengths=lengths,
+                           config=xla.Config(case.block_bytes))  # fmt: skip
+    np.testing.assert_allclose(o, want, atol=1e-12)
+
+
+def test_selection_is_the_definition():
+    """Brute force on one tile: the selected keys are the k_t largest pooled probabilities."""
+    case = Case("one", B=1, T=64, H=2, G=1, tile_size=16, topk_percent=25, min_k=0)
+    q, k, v, _ = inputs(case)
+    idx, _ = kdax.kascade_anchor(q, k, v, **options(case))
+    s = np.einsum("thd,sd->hts", np.asarray(q[0]), np.asarray(k[0, :, 0])) / 4.0
+    s = np.where(np.arange(64)[None, None, :] <= np.arange(64)[None, :, None], s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p = (p / p.sum(-1, keepdims=True)).sum(0)  # [T, S] pooled over the heads
+    for t, start in enumerate(range(0, 64, 16)):
+        budget = min(start, start * 25 // 100)
+        pooled = p[start : start + 16, :start].sum(0)
+        want = np.sort(np.argsort(-pooled, kind="stable")[:budget])
+        got = np.asarray(idx[0, 0, t])
+        np.testing.assert_array_equal(got[:budget], want)
+        assert (got[budget:] == -1).all()
+
+
+def test_full_budget_is_dense_attention_and_reuse_of_own_selection_is_the_anchor():
+    case = Case("full", min_k=10_000)
+    q, k, v, _ = inputs(case)
+    idx, o = kdax.kascade_anchor(q, k, v, **options(case))
+    np.testing.assert_allclose(o, reference.naive_attention(q, k, v), atol=1e-12)
+    case = Case("sparse")
+    idx, o = kdax.kascade_anchor(q, k, v, **options(case))
+    np.testing.assert_allclose(kdax.kascade_reuse(q, k, v, idx, tile_size=case.tile_size), o, atol=1e-12)
+    assert np.abs(np.asarray(o - reference.naive_attention(q, k, v))).max() > 1e-3  # it is sparse
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+def test_low_precision_within_bars(dtype):
+    """Low-precision inputs, float32 softmax and accumulation: the reuse output (the selection held
+    fixed) within bars of float64; the anchor's selection keeps what the float64 one keeps, up to
+    near-ties (its pooled mass within rounding)."""
+    case = Case("prec", T=130, lengths=(130, 77))
+    q, k, v, lengths = inputs(case)
+    idx64, _ = reference.naive_kascade_anchor(q, k, v, **options(case), lengths=lengths)
+    want = reference.naive_kascade_reuse(q, k, v, idx64, tile_size=case.tile_size, lengths=lengths)
+    low = [x.astype(dtype) for x in (q, k, v)]
+    o = kdax.kascade_reuse(*low, idx64, tile_size=case.tile_size, lengths=lengths)
+    assert o.dtype == dtype
+    assert rel_rms(o, want) < (1e-5 if dtype == jnp.float32 else 1e-2)
+    idx, _ = kdax.kascade_anchor(*low, **options(case), lengths=lengths)
+    P = reference.pooled_probabilities(*[x.astype(jnp.float64) for x in low[:2]], tile_size=case.tile_size,
+                                       lengths=lengths)  # fmt: skip
+
+    def mass(sel):
+        return np.take_along_axis(np.asarray(P), np.maximum(np.asarray(sel), 0), -1).sum(-1, where=np.asarray(sel) >= 0)
+
+    np.testing.assert_array_equal(np.asarray(idx) >= 0, np.asarray(idx64) >= 0)  # the same budgets
+    tol = 1e-6 if dtype == jnp.float32 else 2e-2
+    assert (mass(idx) >= mass(idx64) - tol * np.maximum(mass(idx64), 1)).all()
+
+
+@pytest.mark.parametrize("lengths", [(100, 1, 37), (0, 64, 100)], ids=["long_short", "empty_row"])
+@pytest.mark.parametrize("dense_output", [False, True])
+def test_decode_matches_definition(lengths, dense_output):
+    case = Case("decode", B=3)
+    q, k, v, _ = inputs(case)
+    lengths = jnp.asarray(lengths, jnp.int32)
+    qt = q[:, 7]
+    want_idx, want = reference.naive_kascade_anchor_decode(qt, k, v, lengths, topk_percent=20, min_k=4,
+                                                           dense_output=dense_output)  # fmt: skip
+    idx, o = kdax.kascade_anchor_decode(qt, k, v, lengths, topk_percent=20, min_k=4, dense_output=dense_output)
+    np.testing.assert_array_equal(idx, want_idx)
+    np.testing.assert_allclose(o, want, atol=1e-12)
+    assert idx.shape == (3, 2, 20)
+    np.testing.assert_array_equal((idx >= 0).sum(-1)[:, 0], np.minimum(lengths, np.maximum(4, lengths // 5)))
+    if lengths[0] == 0:
+        assert not np.asarray(o[0]).any()
+    head_map = jnp.asarray([1, 0])
+    want = reference.naive_kascade_reuse_decode(qt, k, v, lengths, want_idx, head_map=head_map)
+    np.testing.assert_allclose(kdax.kascade_reuse_decode(qt, k, v, lengths, idx, head_map=head_map), want, atol=1e-12)
+
+
+def test_decode_with_the_whole_cache_selected_is_dense():
+    case = Case("decode")
+    q, k, v, _ = inputs(case)
+    lengths = jnp.asarray([100, 40], jnp.int32)
+    _, dense = kdax.kascade_anchor_decode(q[:, 3], k, v, lengths, dense_output=True)
+    _, sparse = kdax.kascade_anchor_decode(q[:, 3], k, v, lengths, topk_percent=100, min_k=0)
+    np.testing.assert_allclose(sparse, dense, atol=1e-12)
+
+
+def test_jit_vmap_and_grad():
+    case = Case("transforms", T=40)
+    q, k, v, _ = inputs(case)
+    idx, o = kdax.kascade_anchor(q, k, v, **options(case))
+    jitted = jax.jit(lambda q, k, v: kdax.kascade_anchor(q, k, v, **options(case)))(q, k, v)
+    np.testing.assert_array_equal(jitted[0], idx)
+    mapped = jax.vmap(lambda q, k, v: kdax.kascade_anchor(q[None], k[None], v[None], **options(case))[1][0])(q, k, v)
+    np.testing.assert_allclose(mapped, o, atol=1e-12)
+
+    def loss(backend):
+        return lambda q, k, v: jnp.sum(jnp.sin(kdax.kascade_reuse(q, k, v, idx, tile_size=16, backend=backend)))
+
+    grads = jax.grad(loss("xla"), argnums=(0, 1, 2))(q, k, v)  # differentiable with the selection held fixed
+    want = jax.grad(loss("naive"), argnums=(0, 1, 2))(q, k, v)
+    for got, ref in zip(grads, want):
+        np.testing.assert_allclose(got, ref, atol=1e-11)
+
+
+def test_ops_compile_once_per_shape_and_option():
+    case = Case("compile", T=40)
+    q, k, v, _ = inputs(case, jnp.float32)
+    api._anchor.clear_cache()
+    kdax.kascade_anchor(q, k, v, **options(case))
+    kdax.kascade_anchor(q, k, v, **options(case))
+    assert api._anchor._cache_size() == 1
+    kdax.kascade_anchor(q, k, v, **options(case), dense_output=True)
+    assert api._anchor._cache_size() == 2
+
+
+def test_anchor_memory_is_one_block_of_scores():
+    """At T = 4096 the [T, T] float32 scores of one head are 64 MiB; the anchor's temporaries stay
+    near its block budget (plus O(T (H D + G k_max)) for inputs, indices and gathered rows)."""
+    B, T, H, G, D = 1, 4096, 4, 2, 32
+    q = jax.ShapeDtypeStruct((B, T, H, D), jnp.float32)
+    kv = jax.ShapeDtypeStruct((B, T, G, D), jnp.float32)
+    lengths = jax.ShapeDtypeStruct((B,), jnp.int32)
+    cfg = xla.Config(block_bytes=4 << 20)
+    anchor = api._anchor.lower(q, kv, kv, lengths, backend="xla", config=cfg, tenths=100, min_k=128, tile_size=32,
+                               scale=0.2, dense_output=False).compile()  # fmt: skip
+    temp = anchor.memory_analysis().temp_size_in_bytes
+    assert temp < 32 << 20, temp / 2**20  # dense scores of all heads: 256 MiB
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (lambda q, k, v: kdax.kascade_anchor(q, k, v[:, :, :1]), "v: expected shape"),
+        (lambda q, k, v: kdax.kascade_anchor(q, k[:, :, :1].repeat(3, 2), v[:, :, :1].repeat(3, 2)), "k: expected a number of KV heads"),
+        (lambda q, k, v: kdax.kascade_anchor(q, k, v.astype(jnp.float32)), "k, v: expected the dtype of q"),
+        (lambda q, k, v: kdax.kascade_anchor(q, k, v, topk_percent=0), "topk_percent"),
+        (lambda q, k, v: kdax.kascade_anchor(q, k, v, topk_percent=10.25), "topk_percent"),
+        (lambda q, k, v: kdax.kascade_anchor(q, k, v, min_k=-1), "min_k"),
+        (lambda q, k, v: kdax.kascade_anchor(q, k, v, tile_size=24), "tile_size"),
+        (lambda q, k, v: kdax.kascade_anchor(q, k, v, dense_output=1), "dense_output"),
+        (lambda q, k, v: kdax.kascade_anchor(q, k, v, lengths=jnp.asarray([3, 101])), "lengths: expected values"),
+        (lambda q, k, v: kdax.kascade_anchor(q, k, v, lengths=jnp.asarray([3.0, 1.0])), "lengths: expected an integer"),
+        (lambda q, k, v: kdax.kascade_anchor(q, k, v, backend="cuda"), "backend"),
+        (lambda q, k, v: kdax.kascade_anchor(q, k, v, config=object()), "config"),
+        (lambda q, k, v: kdax.kascade_reuse(q, k, v, jnp.zeros((2, 2, 3, 4), jnp.int32)), "indices: expected shape"),
+        (lambda q, k, v: kdax.kascade_reuse(q, k, v, jnp.full((2, 2, 4, 4), 100)), "indices: expected values"),
+        (lambda q, k, v: kdax.kascade_reuse(q, k, v, jnp.zeros((2, 2, 4, 4), jnp.int32), head_map=[0, 2]), "head_map"),
+        (lambda q, k, v: kdax.kascade_anchor_decode(q, k, v, jnp.asarray([1, 1])), "q: expected a 3-d"),
+        (lambda q, k, v: kdax.kascade_anchor_decode(q[:, 0], k, v, jnp.asarray([1])), "lengths: expected shape"),
+        (lambda q, k, v: kdax.kascade_reuse_decode(q[:, 0], k, v, jnp.asarray([1, 1]), jnp.zeros((2, 1, 3), jnp.int32)), "indices: expected shape"),
+    ],
+    ids=lambda x: x if isinstance(x, str) else "",
+)  # fmt: skip
+def test_bad_arguments_raise_value_errors_naming_them(call, match):
+    q, k, v, _ = inputs(Case("bad"))  # T = 100, tile 32 (the default): 4 tiles
+    with pytest.raises(ValueError, match=match):
+        call(q, k, v)
+
+
+def test_references_check_their_inputs_as_the_ops_do():
+    q, k, v, _ = inputs(Case("bad"))
+    with pytest.raises(ValueError, match="k, v: expected the dtype of q"):
+        reference.naive_kascade_anchor(q, k, v.astype(jnp.float32))
+    with pytest.raises(ValueError, match="tile_size"):
+        reference.naive_kascade_reuse(q, k, v, jnp.zeros((2, 2, 4, 4), jnp.int32), tile_size=20)
+
+
+def test_auto_runs_xla_off_accelerators_and_names_kascade_ops():
+    assert kdax.explain_backend(op="kascade_anchor") == ("xla", "no kernels for this device (cpu)")
+    with kdax.use_backend("pallas_gpu"):
+        assert kdax.explain_backend(op="kascade_reuse_decode") == ("xla", "the op has no pallas_gpu kernels")
+    with pytest.raises(NotImplementedError, match="pallas_tpu"):
+        kdax.kascade_reuse(*inputs(Case("x"))[:3], jnp.zeros((2, 2, 7, 4), jnp.int32), tile_size=16,
+                           backend="pallas_tpu")  # fmt: skip
