@@ -1,0 +1,132 @@
+"""Kascade schedules: the anchor dynamic program against brute force, the statistics against loops,
+JSON round trips and checks."""
+
+from __future__ import annotations
+
+import itertools
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kdax
+from kdax.ops.kascade import reference
+from kdax.ops.kascade.schedule import (
+    KascadeSchedule,
+    build_schedule,
+    choose_anchors,
+    layer_importance,
+    layer_similarity,
+    pair_similarity,
+)
+
+
+def _score(S, w, anchors):
+    L = len(w)
+    serving = [max(a for a in anchors if a <= l) for l in range(L)]
+    return sum(w[l] * S[serving[l], l] for l in range(L))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_anchor_program_matches_brute_force(seed):
+    r = np.random.default_rng(seed)
+    L = 8
+    S = np.triu(r.uniform(0.2, 1.0, (L, L)))
+    np.fill_diagonal(S, 1.0)
+    w = r.uniform(0.0, 1.0, L)
+    for n in range(1, L + 1):
+        got = choose_anchors(S, w, n)
+        assert got[0] == 0 and len(got) == n and list(got) == sorted(set(got))
+        best = max(_score(S, w, (0, *c)) for c in itertools.combinations(range(1, L), n - 1))
+        assert np.isclose(_score(S, w, got), best, rtol=1e-12)
+
+
+def test_anchor_program_finds_the_block_structure():
+    L = 6
+    S = np.full((L, L), 0.1)
+    S[:3, :3] = S[3:, 3:] = 0.95  # two groups of similar layers
+    np.fill_diagonal(S, 1.0)
+    assert choose_anchors(S, np.ones(L), 2) == (0, 3)
+    with pytest.raises(ValueError, match="n_anchors"):
+        choose_anchors(S, np.ones(L), 7)
+
+
+def _inputs(seed, B=2, T=96, H=4, G=2, D=8):
+    r = np.random.default_rng(seed)
+    q = jnp.asarray(r.standard_normal((B, T, H, D)) * 2)
+    return q, jnp.asarray(r.standard_normal((B, T, G, D)))
+
+
+def test_pair_similarity_matches_loops_and_is_one_for_itself():
+    tile, opts = 16, {"topk_percent": 20, "min_k": 2, "tile_size": 16}
+    (q1, k1), (q2, k2) = _inputs(0), _inputs(1)
+    P = np.asarray(reference.pooled_probabilities(q1, k1, tile_size=tile))
+    own, _ = reference.naive_kascade_anchor(q1, k1, k1, **opts)
+    other, _ = reference.naive_kascade_anchor(q2, k2, k2, **opts)
+    got = pair_similarity(P, own, other, tile)
+    B, G, NT, _ = P.shape
+    want = np.zeros((B, G, G))
+    for b, g, g2 in itertools.product(range(B), range(G), range(G)):
+        ratios = []
+        for t in range(NT):
+            block = P[b, g, t, t * tile :].sum()
+            on_other = sum(P[b, g, t, j] for j in np.asarray(other[b, g2, t]) if j >= 0)
+            on_own = sum(P[b, g, t, j] for j in np.asarray(own[b, g, t]) if j >= 0)
+            ratios.append((on_other + block) / (on_own + block))
+        want[b, g, g2] = min(ratios)
+    np.testing.assert_allclose(got, want.mean(0), rtol=1e-12)
+    itself = pair_similarity(P, own, own, tile)
+    np.testing.assert_allclose(np.diagonal(itself), 1.0, rtol=1e-12)
+    assert (got <= 1 + 1e-12).all()  # a layer's own top-k holds the most mass a budget can
+
+
+def test_layer_similarity_and_build_schedule():
+    L, G = 4, 2
+    pairs = np.full((L, L, G, G), 0.5)
+    pairs[0, 1] = [[0.2, 0.9], [0.8, 0.3]]  # layer 1 reads anchor 0's heads swapped
+    for layer in range(L):
+        pairs[layer, layer] = np.eye(G) * 0.5 + 0.5
+    sim, maps = layer_similarity(pairs)
+    assert np.isclose(sim[0, 1], 0.85) and maps[0, 1].tolist() == [1, 0]
+    schedule = build_schedule([1, 3, 5, 7], pairs, np.ones(L), 2, topk_percent=10, min_k=64, tile_size=32)
+    assert schedule.anchors == (1, 5)  # position 2 or 3 scores 3.35, position 1 scores 3 (ties: the first)
+    assert schedule.role(0) == ("dense", None, None)
+    assert schedule.role(1) == ("anchor", None, None)
+    assert schedule.role(3) == ("reuse", 1, (1, 0))
+    assert schedule.role(7) == ("reuse", 5, (0, 0))
+
+
+def test_schedule_round_trips_through_json(tmp_path):
+    schedule = KascadeSchedule((0, 2, 3, 5), (0, 3), {2: (1, 0), 5: (0, 0)}, topk_percent=12.5, min_k=64)
+    path = tmp_path / "schedule.json"
+    schedule.save(path)
+    assert KascadeSchedule.load(path) == schedule
+    assert kdax.KascadeSchedule is KascadeSchedule
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"layers": (2, 1), "anchors": (2,), "head_maps": {1: (0,)}}, "layers"),
+        ({"layers": (0, 1), "anchors": (1,), "head_maps": {0: (0,)}}, "anchors"),
+        ({"layers": (0, 1, 2), "anchors": (0,), "head_maps": {1: (0,)}}, "head_maps"),
+        ({"layers": (0, 1), "anchors": (0,), "head_maps": {1: (2, 0)}}, "head_maps"),
+        ({"layers": (0,), "anchors": (0,), "head_maps": {}, "tile_size": 8}, "tile_size"),
+    ],
+)
+def test_bad_schedules_raise_value_errors_naming_the_field(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        KascadeSchedule(**kwargs)
+
+
+def test_load_names_the_file_of_a_bad_schedule(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text('{"layers": [0], "anchors": [0]}')
+    with pytest.raises(ValueError, match="bad.json: schedule"):
+        KascadeSchedule.load(path)
+
+
+def test_layer_importance():
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((3, 5, 8)))
+    assert abs(layer_importance(x, jnp.zeros_like(x))) < 1e-6
+    assert abs(layer_importance(x, -2 * x) - 2.0) < 1e-6
