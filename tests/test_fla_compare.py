@@ -109,6 +109,7 @@ def test_kernel_profile_from_a_gpu_trace():
         fla_compare.gpu_stream_events(host_only)
 
 
+@pytest.mark.slow
 def test_gpu_tune_runs_its_sweep(monkeypatch):
     """The launch-table sweep off GPU, cut to one value per axis: it runs, each config timed once."""
     from kdax.bench import gpu_tune

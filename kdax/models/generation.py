@@ -46,8 +46,9 @@ def sample_logits(logits, rng, temperature: float, top_k: int | None, top_p: flo
 
 
 # The two steps of generate(), compiled; ``ctx``: the dispatch context to run under (part of the cache key).
-@functools.partial(jax.jit, static_argnums=(0, 4, 5, 6, 7), static_argnames="ctx")
-def prefill_sample(graphdef, state, ids, lengths, max_length, temperature, top_k, top_p, rng, ctx=("auto", None)):
+@functools.partial(jax.jit, static_argnums=(0, 4, 5, 6, 7), static_argnames=("ctx", "kascade"))
+def prefill_sample(graphdef, state, ids, lengths, max_length, temperature, top_k, top_p, rng, ctx=("auto", None),
+                   kascade=None):  # fmt: skip
     """:meth:`KDAForCausalLM.prefill` of ``ids`` [B, T] (row b's ``lengths[b]`` tokens first) into
     a fresh cache of ``max_length`` tokens, then :func:`sample_logits` at each row's last token.
 
@@ -56,13 +57,13 @@ def prefill_sample(graphdef, state, ids, lengths, max_length, temperature, top_k
     """
     model = nnx.merge(graphdef, state)
     with dispatch.restored(ctx):
-        logits, cache = model.prefill(ids, model.init_cache(ids.shape[0], max_length), lengths)
+        logits, cache = model.prefill(ids, model.init_cache(ids.shape[0], max_length), lengths, kascade)
     last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
     return sample_logits(last, rng, temperature, top_k, top_p), cache
 
 
-@functools.partial(jax.jit, static_argnums=(0, 4, 5, 6), static_argnames="ctx", donate_argnums=(3,))
-def decode_sample(graphdef, state, tokens, cache, temperature, top_k, top_p, rng, ctx=("auto", None)):
+@functools.partial(jax.jit, static_argnums=(0, 4, 5, 6), static_argnames=("ctx", "kascade"), donate_argnums=(3,))
+def decode_sample(graphdef, state, tokens, cache, temperature, top_k, top_p, rng, ctx=("auto", None), kascade=None):
     """:meth:`KDAForCausalLM.decode` of ``tokens`` [B], then :func:`sample_logits`; ``cache`` is
     donated.
 
@@ -70,7 +71,7 @@ def decode_sample(graphdef, state, tokens, cache, temperature, top_k, top_p, rng
         (tokens [B] int32, the advanced :class:`ModelCache`).
     """
     with dispatch.restored(ctx):
-        logits, cache = nnx.merge(graphdef, state).decode(tokens, cache)
+        logits, cache = nnx.merge(graphdef, state).decode(tokens, cache, kascade)
     return sample_logits(logits, rng, temperature, top_k, top_p), cache
 
 
@@ -94,7 +95,7 @@ def _check_args(model, max_new_tokens, temperature, top_k, top_p, eos_token_id, 
 
 def generate(model: KDAForCausalLM, input_ids, max_new_tokens: int, *, temperature: float = 0.0,
              top_k: int | None = None, top_p: float | None = None, eos_token_id: int | None = None,
-             attention_mask=None, rng=None):  # fmt: skip
+             attention_mask=None, rng=None, kascade=None):  # fmt: skip
     """Extend each prompt by up to ``max_new_tokens`` tokens: a chunked prefill, then one
     compiled decode step per token (compiled once per batch shape and option, none per step).
 
@@ -115,6 +116,9 @@ def generate(model: KDAForCausalLM, input_ids, max_new_tokens: int, *, temperatu
         attention_mask: [B, T], 1 on tokens and 0 on padding (left or right; each row's
             tokens may sit anywhere), or None.
         rng: a jax.random key, required when temperature > 0.
+        kascade: a :class:`kdax.KascadeSchedule` of the model's full-attention layers: its
+            anchors select keys in the prefill and in every decode step, the layers between
+            reuse them; None: dense attention.
 
     Returns:
         [B, T + max_new_tokens] int32: input_ids as given, then the new tokens.
@@ -124,9 +128,10 @@ def generate(model: KDAForCausalLM, input_ids, max_new_tokens: int, *, temperatu
             ``top_k``, ``top_p`` or ``eos_token_id`` is out of the range above; ``rng`` is
             None with temperature > 0; ``input_ids`` is not a [B, T] integer array with
             T >= 1 and ids in [0, vocab_size); ``attention_mask`` is not [B, T] or has a row
-            without a token.
+            without a token; ``kascade`` is not a schedule of the model's full-attention layers.
     """
     _check_args(model, max_new_tokens, temperature, top_k, top_p, eos_token_id, rng)
+    model._check_kascade(kascade)
     B, T = _check_ids(input_ids, model.config.vocab_size)
     input_ids = jnp.asarray(input_ids, jnp.int32)
     if max_new_tokens == 0:
@@ -140,7 +145,9 @@ def generate(model: KDAForCausalLM, input_ids, max_new_tokens: int, *, temperatu
     graphdef, state = nnx.split(model)
     options = (float(temperature), top_k, None if top_p is None else float(top_p))
     ctx = dispatch.context()
-    token, cache = prefill_sample(graphdef, state, ids, lengths, T + max_new_tokens, *options, rngs[0], ctx=ctx)
+    token, cache = prefill_sample(
+        graphdef, state, ids, lengths, T + max_new_tokens, *options, rngs[0], ctx=ctx, kascade=kascade
+    )
     done = jnp.zeros((B,), bool)
     out = []
     for i in range(max_new_tokens):
@@ -150,7 +157,7 @@ def generate(model: KDAForCausalLM, input_ids, max_new_tokens: int, *, temperatu
         out.append(token)
         if i + 1 == max_new_tokens or (eos_token_id is not None and bool(done.all())):
             break
-        token, cache = decode_sample(graphdef, state, token, cache, *options, rngs[i + 1], ctx=ctx)
+        token, cache = decode_sample(graphdef, state, token, cache, *options, rngs[i + 1], ctx=ctx, kascade=kascade)
     new = jnp.stack(out, axis=1)
     if new.shape[1] < max_new_tokens:
         new = jnp.pad(new, ((0, 0), (0, max_new_tokens - new.shape[1])), constant_values=eos_token_id)

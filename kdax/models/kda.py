@@ -11,8 +11,9 @@ import numpy as np
 from flax import nnx
 
 from kdax.models.config import KDAConfig
-from kdax.nn import Attention, GatedMLP, KimiDeltaAttention, RMSNorm, ShortConvolution
+from kdax.nn import Attention, GatedMLP, KascadeStep, KimiDeltaAttention, RMSNorm, ShortConvolution
 from kdax.ops.common import dispatch
+from kdax.ops.kascade.schedule import KascadeSchedule
 
 
 class ModelCache(NamedTuple):
@@ -110,7 +111,7 @@ class KDABlock(nnx.Module):
         self.mlp_norm = RMSNorm(c.hidden_size, eps=c.norm_eps)
         self.mlp = GatedMLP(c.hidden_size, c.hidden_ratio, c.intermediate_size, c.hidden_act, rngs=rngs)
 
-    def __call__(self, x, seg: Segments, cache=None, output_cache=False, mode=None):
+    def __call__(self, x, seg: Segments, cache=None, output_cache=False, mode=None, kascade=None):
         """Apply the block.
 
         Args:
@@ -120,12 +121,18 @@ class KDABlock(nnx.Module):
                 sequence, or an attention layer's (k, v)), or None.
             output_cache: whether a KDA mixer returns its final state.
             mode: the KDA mixer's mode (None: its own choice).
+            kascade: the :class:`kdax.nn.KascadeStep` an attention mixer runs, or None (dense).
 
         Returns:
-            (x [B, T, hidden_size], the mixer's new cache or None).
+            (x [B, T, hidden_size], the mixer's new cache or None, a Kascade anchor's selection
+            or None).
         """
         h = self.attn_norm(x)
-        if isinstance(self.attn, Attention):
+        indices = None
+        if isinstance(self.attn, Attention) and kascade is not None:
+            h, cache, indices = self.attn(h, positions=seg.positions, segment_ids=seg.segment_ids, cache=cache,
+                                          kascade=kascade)  # fmt: skip
+        elif isinstance(self.attn, Attention):
             h, cache = self.attn(h, positions=seg.positions, segment_ids=seg.segment_ids, cache=cache)
         else:
             B, T, D = h.shape
@@ -133,7 +140,7 @@ class KDABlock(nnx.Module):
             flat, cache = self.attn(flat, cu_seqlens=seg.kda_cu, cache=cache, output_cache=output_cache, mode=mode)
             h = flat.reshape(B, T, D)
         x = x + h
-        return x + self.mlp(self.mlp_norm(x)), cache
+        return x + self.mlp(self.mlp_norm(x)), cache, indices
 
 
 class KDAModel(nnx.Module):
@@ -152,7 +159,7 @@ class KDAModel(nnx.Module):
         )
         self.norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
 
-    def __call__(self, input_ids, seg: Segments, caches=None, output_cache=False, mode=None):
+    def __call__(self, input_ids, seg: Segments, caches=None, output_cache=False, mode=None, kascade=None):
         """Embed, run the blocks, normalise.
 
         Args:
@@ -161,6 +168,7 @@ class KDAModel(nnx.Module):
             caches: per-layer caches (see :class:`ModelCache`), or None.
             output_cache: whether the KDA layers return their final states.
             mode: the KDA layers' mode (None: their own choice).
+            kascade: a :class:`kdax.KascadeSchedule` for the softmax layers, or None (dense).
 
         Returns:
             (hidden [B, T, hidden_size], a tuple of per-layer caches, None for a layer that
@@ -168,9 +176,18 @@ class KDAModel(nnx.Module):
         """
         x = self.embeddings(input_ids)
         caches = (None,) * len(self.layers) if caches is None else caches
-        new = []
-        for layer, cache in zip(self.layers, caches):
-            x, cache = layer(x, seg, cache, output_cache, mode)
+        new, selections = [], {}
+        for i, (layer, cache) in enumerate(zip(self.layers, caches)):
+            step = None
+            if kascade is not None:
+                role, anchor, head_map = kascade.role(i)
+                if role == "anchor":
+                    step = KascadeStep(kascade, "anchor", dense_output=i == kascade.anchors[0])
+                elif role == "reuse":
+                    step = KascadeStep(kascade, "reuse", indices=selections[anchor], head_map=head_map)
+            x, cache, indices = layer(x, seg, cache, output_cache, mode, step)
+            if indices is not None:
+                selections[i] = indices
             new.append(cache)
         return self.norm(x), tuple(new)
 
@@ -234,7 +251,7 @@ class KDAForCausalLM(nnx.Module):
             return self.model.embeddings.attend(h).astype(jnp.float32)
         return self.lm_head(h).astype(jnp.float32)
 
-    def __call__(self, input_ids, *, attention_mask=None, cu_seqlens=None):
+    def __call__(self, input_ids, *, attention_mask=None, cu_seqlens=None, kascade: KascadeSchedule | None = None):
         """Logits of every position.
 
         Compiled once per model structure and input shapes: an eager call costs about what
@@ -248,6 +265,8 @@ class KDAForCausalLM(nnx.Module):
             cu_seqlens: [N + 1] int offsets of sequences packed in one row (B = 1),
                 non-decreasing from 0 to T, or None. Trusted: the compiled forward sees them
                 traced, so malformed offsets give meaningless logits rather than an error.
+            kascade: a :class:`kdax.KascadeSchedule` over the model's softmax layers (its
+                anchors select, the layers between reuse), or None: dense attention.
 
         Returns:
             logits [B, T, vocab_size] float32.
@@ -257,9 +276,13 @@ class KDAForCausalLM(nnx.Module):
                 concrete) holds ids outside [0, vocab_size); both ``attention_mask`` and
                 ``cu_seqlens`` are given; ``input_ids``' batch size is not 1 with
                 ``cu_seqlens``; ``attention_mask`` is not [B, T] or (when concrete) has a row
-                without a token.
+                without a token; ``kascade`` is not a schedule of this model's full-attention
+                layers, or comes with ``cu_seqlens``.
         """
         B, T = _check_ids(input_ids, self.config.vocab_size)
+        self._check_kascade(kascade)
+        if kascade is not None and cu_seqlens is not None:
+            raise ValueError("kascade: expected None with cu_seqlens (Kascade runs on rows, not packed sequences)")
         if attention_mask is not None and cu_seqlens is not None:
             raise ValueError("attention_mask: expected None when cu_seqlens is given (pass one of them)")
         if cu_seqlens is not None:
@@ -269,17 +292,34 @@ class KDAForCausalLM(nnx.Module):
         if attention_mask is not None:
             attention_mask = _check_mask(attention_mask, (B, T))
         graphdef, state = nnx.split(self)
-        return _forward(graphdef, state, input_ids, attention_mask, cu_seqlens, dispatch.context())
+        return _forward(graphdef, state, input_ids, attention_mask, cu_seqlens, dispatch.context(), kascade)
 
-    def _forward(self, input_ids, attention_mask, cu_seqlens):
+    def _check_kascade(self, kascade) -> None:
+        """Raise ValueError unless ``kascade`` is None or a schedule of this model's full-attention layers."""
+        if kascade is None:
+            return
+        if not isinstance(kascade, KascadeSchedule):
+            raise ValueError(f"kascade: expected None or a kdax.KascadeSchedule, got {type(kascade).__name__}")
+        full = [
+            i for i, b in enumerate(self.model.layers) if isinstance(b.attn, Attention) and b.attn.window_size is None
+        ]
+        if set(kascade.layers) - set(full):
+            raise ValueError(f"kascade: expected a schedule over the full-attention layers {full}, got layers "
+                             f"{list(kascade.layers)}")  # fmt: skip
+        widths = {len(m) for m in kascade.head_maps.values()}
+        heads = {self.model.layers[i].attn.num_kv_heads for i in kascade.layers}
+        if widths and widths != heads:
+            raise ValueError(f"kascade: expected head maps of {sorted(heads)} KV heads, got {sorted(widths)}")
+
+    def _forward(self, input_ids, attention_mask, cu_seqlens, kascade=None):
         B, T = input_ids.shape
         if cu_seqlens is not None:
             return self._logits(self.model(input_ids, packed_segments(T, cu_seqlens))[0])
         if attention_mask is None:
-            return self._logits(self.model(input_ids, Segments(None, _arange(B, T), None))[0])
+            return self._logits(self.model(input_ids, Segments(None, _arange(B, T), None), kascade=kascade)[0])
         mask, order, lengths = align_rows(attention_mask, (B, T))
         ids = jnp.take_along_axis(input_ids, order, axis=1)
-        logits = self._logits(self.model(ids, row_segments(B, T, lengths))[0])
+        logits = self._logits(self.model(ids, row_segments(B, T, lengths), kascade=kascade)[0])
         out = jnp.zeros_like(logits).at[jnp.arange(B)[:, None], order].set(logits)
         return jnp.where(mask[..., None], out, 0.0)
 
@@ -302,7 +342,7 @@ class KDAForCausalLM(nnx.Module):
         )
         return ModelCache(layers, jnp.zeros((batch_size,), jnp.int32))
 
-    def prefill(self, input_ids, cache: ModelCache, lengths=None):
+    def prefill(self, input_ids, cache: ModelCache, lengths=None, kascade: KascadeSchedule | None = None):
         """Run a prompt through the chunk path into an empty cache.
 
         Args:
@@ -310,6 +350,7 @@ class KDAForCausalLM(nnx.Module):
             cache: an empty :class:`ModelCache` from :meth:`init_cache` (batch_size B,
                 max_length >= T).
             lengths: [B] ints in [1, T], the tokens of each row (default T).
+            kascade: a :class:`kdax.KascadeSchedule`, or None (dense attention).
 
         Returns:
             (logits [B, T, vocab_size] float32, meaningless on padding; the cache holding
@@ -318,31 +359,32 @@ class KDAForCausalLM(nnx.Module):
         B, T = input_ids.shape
         lengths = jnp.full((B,), T, jnp.int32) if lengths is None else jnp.asarray(lengths, jnp.int32)
         fresh = tuple(c if isinstance(b.attn, Attention) else None for b, c in zip(self.model.layers, cache.layers))
-        h, layers = self.model(input_ids, row_segments(B, T, lengths), fresh, True, "chunk")
+        h, layers = self.model(input_ids, row_segments(B, T, lengths), fresh, True, "chunk", kascade)
         rows = lambda c: jax.tree.map(lambda x: x[::2], c)  # row b's tokens are KDA sequence 2b
         layers = tuple(c if isinstance(b.attn, Attention) else rows(c) for b, c in zip(self.model.layers, layers))
         return self._logits(h), ModelCache(layers, lengths)
 
-    def decode(self, tokens, cache: ModelCache):
+    def decode(self, tokens, cache: ModelCache, kascade: KascadeSchedule | None = None):
         """One token per row through the recurrent path.
 
         Args:
             tokens: [B] ints, each row's next token.
             cache: the :class:`ModelCache` of :meth:`prefill` or of an earlier decode.
+            kascade: a :class:`kdax.KascadeSchedule`, or None (dense attention).
 
         Returns:
             (logits [B, vocab_size] float32, the cache advanced by one token).
         """
         seg = Segments(None, cache.lengths[:, None], None)
-        h, layers = self.model(tokens[:, None], seg, cache.layers, True, "fused_recurrent")
+        h, layers = self.model(tokens[:, None], seg, cache.layers, True, "fused_recurrent", kascade)
         return self._logits(h)[:, 0], ModelCache(layers, cache.lengths + 1)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 5))
-def _forward(graphdef, state, input_ids, attention_mask, cu_seqlens, ctx):
-    """:meth:`KDAForCausalLM.__call__` on validated inputs, compiled once per dispatch context too."""
+@functools.partial(jax.jit, static_argnums=(0, 5, 6))
+def _forward(graphdef, state, input_ids, attention_mask, cu_seqlens, ctx, kascade):
+    """:meth:`KDAForCausalLM.__call__` on validated inputs, compiled once per dispatch context and schedule too."""
     with dispatch.restored(ctx):
-        return nnx.merge(graphdef, state)._forward(input_ids, attention_mask, cu_seqlens)
+        return nnx.merge(graphdef, state)._forward(input_ids, attention_mask, cu_seqlens, kascade)
 
 
 def _check_mask(attention_mask, shape) -> jax.Array:

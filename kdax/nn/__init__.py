@@ -1,9 +1,18 @@
 """Flax NNX layers for KDA models (FLA's parameter structure, so checkpoints convert)."""
 
-from kdax.nn.attention import Attention
+from kdax.nn.attention import Attention, KascadeStep
 from kdax.nn.conv import ShortConvolution
 from kdax.nn.kda import KDACache, KimiDeltaAttention
 from kdax.nn.mlp import GatedMLP
 from kdax.nn.norm import GatedRMSNorm, RMSNorm
 
-__all__ = ["Attention", "GatedMLP", "GatedRMSNorm", "KDACache", "KimiDeltaAttention", "RMSNorm", "ShortConvolution"]
+__all__ = [
+    "Attention",
+    "GatedMLP",
+    "GatedRMSNorm",
+    "KDACache",
+    "KascadeStep",
+    "KimiDeltaAttention",
+    "RMSNorm",
+    "ShortConvolution",
+]

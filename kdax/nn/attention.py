@@ -4,9 +4,32 @@ window_size slots for sliding-window layers)."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+from kdax.ops.kascade.api import kascade_anchor, kascade_anchor_decode, kascade_reuse, kascade_reuse_decode
+from kdax.ops.kascade.schedule import KascadeSchedule
+
+
+class KascadeStep(NamedTuple):
+    """What a softmax layer runs under a Kascade schedule (see :func:`kdax.kascade_anchor`).
+
+    Attributes:
+        schedule: the schedule (its topk_percent, min_k and tile_size).
+        role: "anchor" or "reuse".
+        dense_output: an anchor's output is dense attention (the schedule's first layer).
+        indices: a reuse layer's anchor selection (prefill [B, G, NT, k], decode [B, G, k]).
+        head_map: a reuse layer's head map.
+    """
+
+    schedule: KascadeSchedule
+    role: str
+    dense_output: bool = False
+    indices: jax.Array | None = None
+    head_map: tuple[int, ...] | None = None
 
 
 def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
@@ -90,7 +113,7 @@ class Attention(nnx.Module):
         shape = (batch_size, slots, self.num_kv_heads, self.head_dim)
         return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
 
-    def __call__(self, x, *, positions=None, segment_ids=None, cache=None):
+    def __call__(self, x, *, positions=None, segment_ids=None, cache=None, kascade: KascadeStep | None = None):
         """Attend causally within each row (or segment), optionally continuing from a cache.
 
         With ``cache`` each row holds one sequence whose tokens before positions[b, 0] are
@@ -104,10 +127,18 @@ class Attention(nnx.Module):
             segment_ids: [B, T] ints, or None; tokens attend only within their segment
                 (packed sequences, padding).
             cache: None, or the (k, v) of :meth:`init_cache` (or of an earlier call).
+            kascade: None (dense attention), or the Kascade step this layer runs: over the
+                tokens of ``x`` (prefill; an empty cache), or one token over the cache
+                (decode, T = 1). ``segment_ids`` then mark each row's tokens (segment of the
+                first token) and its padding after them; no sliding window.
 
         Returns:
             (y [B, T, hidden_size] in the dtype x and the weights promote to (x's dtype when
-            they match), the updated (k, v) cache or None without ``cache``).
+            they match), the updated (k, v) cache or None without ``cache``); with
+            ``kascade``, a third item: an anchor's selection (None for a reuse layer).
+
+        Raises:
+            ValueError: ``kascade`` on a sliding-window layer.
         """
         B, T, _ = x.shape
         H, G, Dh = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
@@ -116,6 +147,8 @@ class Attention(nnx.Module):
         q = rope(self.q_proj(x).reshape(B, T, H * G, Dh), positions, self.rope_theta)
         k = rope(self.k_proj(x).reshape(B, T, H, Dh), positions, self.rope_theta)
         v = self.v_proj(x).reshape(B, T, H, Dh)
+        if kascade is not None:
+            return self._kascade(x.dtype, q, k, v, positions, segment_ids, cache, kascade)
         if cache is None:
             dist = jnp.broadcast_to(jnp.arange(T)[:, None] - jnp.arange(T)[None, :], (B, T, T))
             allowed = dist >= 0
@@ -141,6 +174,39 @@ class Attention(nnx.Module):
         scores = jnp.where(allowed[:, None, None], scores, -jnp.inf)
         o = jnp.einsum("bkgts,bskd->btkgd", jax.nn.softmax(scores, axis=-1), v.astype(jnp.float32))
         return self.o_proj(o.reshape(B, T, H * G * Dh).astype(x.dtype)), cache
+
+    def _kascade(self, dtype, q, k, v, positions, segment_ids, cache, step: KascadeStep):
+        """The Kascade path of :meth:`__call__`."""
+        if self.window_size is not None:
+            raise ValueError(f"kascade: expected a full-attention layer, got window_size={self.window_size}")
+        B, T = q.shape[:2]
+        sched = step.schedule
+        if cache is not None and T == 1:  # decode: one token over the cache
+            first = positions[:, :1]
+            cache = tuple(_store(c, new, first, first) for c, new in zip(cache, (k, v)))
+            kc, vc = (c.astype(q.dtype) for c in cache)
+            lengths = first[:, 0] + 1
+            if step.role == "anchor":
+                indices, o = kascade_anchor_decode(q[:, 0], kc, vc, lengths, topk_percent=sched.topk_percent,
+                                                   min_k=sched.min_k, dense_output=step.dense_output)  # fmt: skip
+            else:
+                indices = None
+                o = kascade_reuse_decode(q[:, 0], kc, vc, lengths, step.indices, head_map=step.head_map)
+            o = o[:, None]
+        else:
+            n = T if segment_ids is None else jnp.sum(segment_ids == segment_ids[:, :1], axis=1)
+            lengths = jnp.broadcast_to(jnp.asarray(n, jnp.int32), (B,))
+            if cache is not None:  # prefill into an empty cache
+                first = positions[:, :1]
+                cache = tuple(_store(c, new, first, first + lengths[:, None] - 1) for c, new in zip(cache, (k, v)))
+            opts = {"tile_size": sched.tile_size, "lengths": lengths}
+            if step.role == "anchor":
+                indices, o = kascade_anchor(q, k, v, topk_percent=sched.topk_percent, min_k=sched.min_k,
+                                            dense_output=step.dense_output, **opts)  # fmt: skip
+            else:
+                indices = None
+                o = kascade_reuse(q, k, v, step.indices, head_map=step.head_map, **opts)
+        return self.o_proj(o.reshape(B, T, -1).astype(dtype)), cache, indices
 
 
 def _slot_positions(last: jax.Array, slots: int) -> jax.Array:

@@ -57,8 +57,9 @@ def options(case: Case):
     return {"topk_percent": case.topk_percent, "min_k": case.min_k, "tile_size": case.tile_size}
 
 
-@pytest.mark.parametrize("case", CASES, ids=str)
-@pytest.mark.parametrize("dense_output", [False, True])
+@pytest.mark.parametrize(
+    ("case", "dense_output"), [(c, False) for c in CASES] + [(CASES[0], True), (CASES[4], True)], ids=str
+)
 def test_anchor_matches_definition_in_float64(case, dense_output):
     q, k, v, lengths = inputs(case)
     want_idx, want = reference.naive_kascade_anchor(q, k, v, **options(case), dense_output=dense_output,

@@ -101,6 +101,7 @@ def test_schedule_round_trips_through_json(tmp_path):
     path = tmp_path / "schedule.json"
     schedule.save(path)
     assert KascadeSchedule.load(path) == schedule
+    assert hash(KascadeSchedule.load(path)) == hash(schedule)  # a static argument of jit
     assert kdax.KascadeSchedule is KascadeSchedule
 
 

@@ -68,9 +68,17 @@ def test_float32_inputs_get_three_pass_tf32_on_gpu():
         assert pallas_gpu._tiles(pallas_gpu.Config(interpret=True), dtype).sums == jax.lax.Precision.HIGHEST
 
 
+def _slow_unless(keep: bool, *values):
+    """A parameter set that CI runs only when ``keep`` (the rest: ``pytest -m slow``)."""
+    return pytest.param(*values, marks=() if keep else pytest.mark.slow)
+
+
 @pytest.mark.parametrize(
-    "case", [c for c in CASES if c.name in ("T65_gva_h0", "strong_decay_varlen", "gate_rate_20_60_varlen")], ids=str
-)
+    "case",
+    [_slow_unless(c.name == "strong_decay_varlen", c) for c in CASES
+     if c.name in ("T65_gva_h0", "strong_decay_varlen", "gate_rate_20_60_varlen")],
+    ids=str,
+)  # fmt: skip
 def test_float32_inputs_within_bars_with_gpu_matmuls(case, monkeypatch):
     """float32 inputs with the matmuls "auto" picks on a GPU (tf32x3), emulated here: the
     float32 bars, which one-pass TF32 misses."""
@@ -79,7 +87,8 @@ def test_float32_inputs_within_bars_with_gpu_matmuls(case, monkeypatch):
     assert_close_to_reference(chunk_kda_gpu, case, jnp.float32)
 
 
-_GPU_MATMUL_CASES = [(c, p) for c in CASES if c.name in ("T65_gva_h0", "strong_decay_varlen") for p in ("bf16", "tf32")]
+_GPU_MATMUL_CASES = [_slow_unless(c.name == "strong_decay_varlen" and p == "bf16", c, p) for c in CASES
+                     if c.name in ("T65_gva_h0", "strong_decay_varlen") for p in ("bf16", "tf32")]  # fmt: skip
 _GATE_CASE = next(c for c in CASES if c.name == "gate_l2_varlen_K60")  # gate logits, L2 norm in the kernels
 
 
