@@ -1,5 +1,5 @@
 """The ``kdax`` command line: ``kdax bench`` times KDA backends (or a model) and prints a table;
-``kdax train`` trains the tiny hybrid."""
+``kdax train`` trains the tiny hybrid; ``kdax kascade calibrate`` writes a Kascade schedule."""
 
 from __future__ import annotations
 
@@ -83,6 +83,30 @@ def _bench(ns: argparse.Namespace) -> int:
 DEFAULT_SHAPE = {"B": 1, "T": 4096, "H": 4, "K": 128, "V": 128}
 
 
+def _calibrate(ns: argparse.Namespace) -> int:
+    import numpy as np
+
+    from kdax.models import from_pretrained
+    from kdax.models.kascade import calibrate
+
+    tokens = train.load_corpus(ns.text)
+    start = ns.offset
+    rows = [tokens[start + i * ns.seq_len : start + (i + 1) * ns.seq_len] for i in range(ns.rows)]
+    if any(len(r) < ns.seq_len for r in rows):
+        raise SystemExit(f"kdax kascade calibrate: the text holds {tokens.size} tokens, fewer than --offset + "
+                         f"--rows x --seq-len = {start + ns.rows * ns.seq_len}")  # fmt: skip
+    model = from_pretrained(ns.checkpoint)
+    if model.config.vocab_size < 256:
+        raise SystemExit(f"kdax kascade calibrate: the checkpoint's vocab_size {model.config.vocab_size} is too small "
+                         "for byte-level text (256 ids)")  # fmt: skip
+    print(f"calibrating on {ns.rows} x {ns.seq_len} tokens from token {start}...", file=sys.stderr, flush=True)
+    schedule = calibrate(model, np.stack(rows).astype(np.int32), ns.anchors, topk_percent=ns.topk_percent,
+                         min_k=ns.min_k, tile_size=ns.tile_size)  # fmt: skip
+    schedule.save(ns.out)
+    print(f"anchors {list(schedule.anchors)} of layers {list(schedule.layers)} -> {ns.out}")
+    return 0
+
+
 def _pairs(text: str) -> list[tuple[int, int]]:  # "1x2048,8x8192" -> [(1, 2048), (8, 8192)]
     try:
         pairs = [tuple(int(n) for n in item.split("x")) for item in text.split(",")]
@@ -141,7 +165,27 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument(
         "--resume", action="store_true", help="continue from the newest checkpoint in --out-dir (same settings)"
     )
+    k = sub.add_parser("kascade", help="Kascade sparse attention tools", formatter_class=_Help)
+    ksub = k.add_subparsers(dest="kascade_command", required=True)
+    c = ksub.add_parser("calibrate", help="choose a Kascade schedule for a checkpoint from calibration text",
+                        formatter_class=_Help)  # fmt: skip
+    c.add_argument("--checkpoint", required=True, help="a model directory in FLA's format (kdax train's out_dir/model)")
+    c.add_argument("--text", default=None, help="calibration text file (None: the text shipped with kdax)")
+    c.add_argument("--offset", type=int, default=0, help="the first calibration token (byte) of the text")
+    c.add_argument("--rows", type=int, default=4, help="calibration rows")
+    c.add_argument("--seq-len", type=int, default=2048, help="tokens per calibration row")
+    c.add_argument(
+        "--anchors", type=int, default=2, help="anchor layers to place (the first full-attention layer is one)"
+    )
+    c.add_argument(
+        "--topk-percent", type=float, default=10, help="keys kept per query tile, percent of those before it"
+    )
+    c.add_argument("--min-k", type=int, default=128, help="the least keys a tile keeps")
+    c.add_argument("--tile-size", type=int, default=32, help="queries per tile (16, 32, 64 or 128)")
+    c.add_argument("--out", default="kascade_schedule.json", help="where to write the schedule (JSON)")
     ns = parser.parse_args(argv)
+    if ns.command == "kascade":
+        return _calibrate(ns)
     if ns.command == "train":
         fields = {f.name: getattr(ns, f.name) for f in dataclasses.fields(TrainConfig)}
         train.main(TrainConfig(**fields), ns.corpus, ns.sample_tokens, ns.resume)

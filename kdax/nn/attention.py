@@ -113,6 +113,17 @@ class Attention(nnx.Module):
         shape = (batch_size, slots, self.num_kv_heads, self.head_dim)
         return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
 
+    def project(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The queries, keys and values of ``x`` ([B, T, hidden_size]) at ``positions`` ([B, T]).
+
+        Returns:
+            (q [B, T, num_heads, head_dim], k and v [B, T, num_kv_heads, head_dim]), RoPE on q and k.
+        """
+        B, T, _ = x.shape
+        q = rope(self.q_proj(x).reshape(B, T, self.num_heads, self.head_dim), positions, self.rope_theta)
+        k = rope(self.k_proj(x).reshape(B, T, self.num_kv_heads, self.head_dim), positions, self.rope_theta)
+        return q, k, self.v_proj(x).reshape(B, T, self.num_kv_heads, self.head_dim)
+
     def __call__(self, x, *, positions=None, segment_ids=None, cache=None, kascade: KascadeStep | None = None):
         """Attend causally within each row (or segment), optionally continuing from a cache.
 
@@ -144,9 +155,7 @@ class Attention(nnx.Module):
         H, G, Dh = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-        q = rope(self.q_proj(x).reshape(B, T, H * G, Dh), positions, self.rope_theta)
-        k = rope(self.k_proj(x).reshape(B, T, H, Dh), positions, self.rope_theta)
-        v = self.v_proj(x).reshape(B, T, H, Dh)
+        q, k, v = self.project(x, positions)
         if kascade is not None:
             return self._kascade(x.dtype, q, k, v, positions, segment_ids, cache, kascade)
         if cache is None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -75,3 +77,35 @@ def test_bad_schedules_raise(model, schedule, kwargs, match):
     ids = _ids(1 if kwargs else 2)
     with pytest.raises(ValueError, match=match):
         model(ids, kascade=schedule, **kwargs)
+
+
+def test_calibration_statistics_and_schedule(model):
+    from kdax.models.kascade import calibrate, layer_statistics
+
+    ids = _ids(2, 96, seed=3)
+    layers, pairs, importance = layer_statistics(model, ids, topk_percent=10, min_k=4, tile_size=16)
+    assert layers == [0, 1, 3, 4] and pairs.shape == (4, 4, 2, 2) and importance.shape == (4,)
+    for i in range(4):
+        np.testing.assert_allclose(np.diagonal(pairs[i, i]), 1.0, rtol=1e-6)  # a layer's own selection
+    assert (pairs[np.triu_indices(4)] <= 1 + 1e-6).all() and (importance > 0).all()
+    schedule = calibrate(model, ids, 2, topk_percent=10, min_k=4, tile_size=16)
+    assert schedule.layers == (0, 1, 3, 4) and schedule.anchors[0] == 0 and len(schedule.anchors) == 2
+    assert np.isfinite(np.asarray(model(ids, kascade=schedule))).all()
+
+
+def test_kdax_kascade_calibrate_writes_a_schedule(model, tmp_path, capsys):
+    from kdax.cli import main
+    from kdax.models import save_pretrained
+
+    save_pretrained(model, tmp_path / "small_vocab")
+    with pytest.raises(SystemExit, match="vocab_size 64"):  # byte-level text needs 256 ids
+        main(["kascade", "calibrate", "--checkpoint", str(tmp_path / "small_vocab")])
+    bytes_model = KDAForCausalLM(dataclasses.replace(CONFIG, vocab_size=256), rngs=nnx.Rngs(1))
+    save_pretrained(bytes_model, tmp_path / "model")
+    out = tmp_path / "schedule.json"
+    argv = ["kascade", "calibrate", "--checkpoint", str(tmp_path / "model"), "--rows", "1", "--seq-len", "64",
+            "--anchors", "3", "--min-k", "4", "--tile-size", "16", "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    schedule = KascadeSchedule.load(out)
+    assert schedule.layers == (0, 1, 3, 4) and len(schedule.anchors) == 3 and schedule.tile_size == 16
+    assert "anchors" in capsys.readouterr().out
