@@ -54,6 +54,17 @@ def _bench(ns: argparse.Namespace) -> int:
         print(json.dumps({"meta": meta, "model": row}, indent=2) if ns.json else
               f"# {meta['device']}, jax {meta['jax']}, {meta['date']}\n{model.format_row(row)}")  # fmt: skip
         return 0
+    if ns.kascade:
+        from kdax.bench import kascade
+
+        T, H = given.get("T", 4096), given.get("H", 8)
+        print(f"compiling and timing dense, anchor and reuse layers (T={T}, cache {ns.cache_len})...",
+              file=sys.stderr, flush=True)  # fmt: skip
+        rows = kascade.run(given.get("B", 1), T, ns.cache_len, H, ns.kv_heads, ns.head_dim, ns.topk_percent,
+                           ns.min_k, ns.tile_size, ns.dtype, ns.repeats, progress=not ns.json)  # fmt: skip
+        print(json.dumps({"meta": meta, "kascade": [dataclasses.asdict(r) for r in rows]}, indent=2) if ns.json else
+              f"# {meta['device']}, jax {meta['jax']}, {meta['date']}\n{kascade.format_table(rows)}")  # fmt: skip
+        return 0
     if ns.eager:
         from kdax.bench import eager
 
@@ -128,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kdax", description="kdax: Kimi Delta Attention for JAX")
     parser.add_argument("--version", action="version", version=f"kdax {kdax.__version__} (jax {jax.__version__})")
     sub = parser.add_subparsers(dest="command", required=True)
-    b = sub.add_parser("bench", help="time KDA backends against the naive scan, with errors vs float64",
+    b = sub.add_parser("bench", help="time KDA backends against the naive scan (or Kascade against dense attention)",
                        formatter_class=_Help)  # fmt: skip
     b.add_argument("--B", type=int, help="batch (default 1; --gpu-tune: B=1 T=8192 H=16 K=V=128)")
     b.add_argument("--T", type=int, help="tokens (default 4096; --model: 1024)")
@@ -154,6 +165,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="prefill (--B x --T prompt) and decode (--decode-steps) tokens/s of a model, random weights")  # fmt: skip
     b.add_argument("--decode-steps", type=int, default=32, help="--model: decode steps timed after the prefill")
     b.add_argument("--eager", action="store_true", help="eager calls of the ops and the tiny model against jitted ones")
+    b.add_argument("--kascade", action="store_true",
+                   help="Kascade dense / anchor / reuse layers, prefill (--T, default 4096; --H, default 8) and decode")  # fmt: skip
+    b.add_argument("--cache-len", type=int, default=16384, help="--kascade: the decode cache length")
+    b.add_argument("--kv-heads", type=int, default=2, help="--kascade: KV heads G")
+    b.add_argument("--head-dim", type=int, default=128, help="--kascade: head dim D")
+    b.add_argument("--topk-percent", type=float, default=10, help="--kascade: keys kept, percent")
+    b.add_argument("--min-k", type=int, default=128, help="--kascade: the least keys a tile keeps")
+    b.add_argument("--tile-size", type=int, default=32, help="--kascade: queries per tile")
     t = sub.add_parser("train", help="train the tiny hybrid on byte-level text, then print a sample",
                        formatter_class=_Help)  # fmt: skip
     for f in dataclasses.fields(TrainConfig):

@@ -22,7 +22,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from tqdm import tqdm
 
-from kdax.models import KDAForCausalLM, generate, save_pretrained, tiny_config
+from kdax.models import PRESETS, KDAForCausalLM, generate, save_pretrained
 
 
 def load_corpus(path: str | None = None) -> np.ndarray:
@@ -63,10 +63,11 @@ class TrainConfig:
     says what it is.
 
     Raises:
-        ValueError: naming the field, for steps, batch_size, seq_len or keep below 1, lr not
+        ValueError: naming the field, for an unknown preset, a holdout outside [0, 1), steps, batch_size, seq_len or keep below 1, lr not
             positive or checkpoint_every negative.
     """
 
+    preset: str = dataclasses.field(default="tiny", metadata={"help": "the model: a preset of kdax.models.PRESETS"})
     steps: int = dataclasses.field(default=300, metadata={"help": "optimizer steps"})
     batch_size: int = dataclasses.field(default=16, metadata={"help": "sequences per step"})
     seq_len: int = dataclasses.field(default=128, metadata={"help": "tokens per sequence"})
@@ -75,6 +76,9 @@ class TrainConfig:
     weight_decay: float = dataclasses.field(default=0.1, metadata={"help": "AdamW weight decay"})
     clip: float = dataclasses.field(default=1.0, metadata={"help": "global gradient-norm clip"})
     seed: int = dataclasses.field(default=0, metadata={"help": "seed of the weights and the batches"})
+    holdout: float = dataclasses.field(
+        default=0.0, metadata={"help": "share of the corpus, at its end, kept out of training (held-out text)"}
+    )
     checkpoint_every: int = dataclasses.field(
         default=0, metadata={"help": "save the training state every N steps and at the last (0: never)"}
     )
@@ -85,6 +89,8 @@ class TrainConfig:
     )
 
     def __post_init__(self):
+        if self.preset not in PRESETS:
+            raise ValueError(f"preset: expected one of {sorted(PRESETS)}, got {self.preset!r}")
         for name in ("steps", "batch_size", "seq_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: expected a positive int, got {getattr(self, name)}")
@@ -92,12 +98,14 @@ class TrainConfig:
             raise ValueError(f"lr: expected a positive float, got {self.lr}")
         if self.checkpoint_every < 0:
             raise ValueError(f"checkpoint_every: expected >= 0, got {self.checkpoint_every}")
+        if not 0 <= self.holdout < 1:
+            raise ValueError(f"holdout: expected a share in [0, 1), got {self.holdout}")
         if self.keep < 1:
             raise ValueError(f"keep: expected a positive int, got {self.keep}")
 
 
 # The settings a resumed run must share with the checkpoint's to continue it exactly.
-_RUN_FIELDS = ("steps", "batch_size", "seq_len", "lr", "warmup", "weight_decay", "clip", "seed")
+_RUN_FIELDS = ("preset", "steps", "batch_size", "seq_len", "lr", "warmup", "weight_decay", "clip", "seed", "holdout")
 
 
 def loss_fn(model: KDAForCausalLM, batch: jax.Array) -> jax.Array:
@@ -247,7 +255,7 @@ def train(
 
 
 def main(cfg: TrainConfig, corpus: str | None = None, sample_tokens: int = 200, resume: bool = False) -> KDAForCausalLM:
-    """Train the tiny model, print the loss against the unigram entropy, then a sample.
+    """Train the model of ``cfg.preset``, print the loss against the unigram entropy, then a sample.
 
     Args:
         cfg: the run's settings.
@@ -259,7 +267,8 @@ def main(cfg: TrainConfig, corpus: str | None = None, sample_tokens: int = 200, 
         The trained model.
     """
     tokens = load_corpus(corpus)
-    model = KDAForCausalLM(tiny_config(), rngs=nnx.Rngs(cfg.seed))
+    tokens = tokens[: tokens.size - int(cfg.holdout * tokens.size)]
+    model = KDAForCausalLM(PRESETS[cfg.preset](), rngs=nnx.Rngs(cfg.seed))
     entropy = unigram_entropy(tokens)
     print(f"corpus {tokens.size:,} bytes, unigram entropy {entropy:.3f} nats; model {model.num_parameters():,} params")
     losses = train(model, tokens, cfg, resume=resume)

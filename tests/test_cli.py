@@ -40,3 +40,28 @@ def test_version_and_every_train_option_states_its_default(capsys):
     text = " ".join(capsys.readouterr().out.split())  # help lines wrap
     for f in dataclasses.fields(TrainConfig):
         assert f"{f.metadata['help']} (default: {f.default})" in text, f.name
+
+
+def test_bench_kascade_table_and_json(capsys):
+    import json
+
+    args = ["bench", "--kascade", "--T", "96", "--cache-len", "128", "--H", "2", "--head-dim", "16", "--min-k", "8",
+            "--repeats", "1"]  # fmt: skip
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "| phase" in out and "x faster than dense" in out and "32-layer average (5 anchors)" in out
+    for layer in ("dense", "anchor (dense output)", "anchor", "reuse"):
+        assert f"| prefill | 96     | {layer}" in out and f"| decode  | 128    | {layer}" in out
+    assert main([*args, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["kascade"]
+    assert len(rows) == 10 and all(r["median_ms"] > 0 for r in rows)
+    assert all(r["rel_err"] < 1e-5 for r in rows if r["rel_err"] is not None)  # float32 against float64
+
+
+def test_kascade_calibrate_help_states_defaults(capsys):
+    import pytest
+
+    with pytest.raises(SystemExit):
+        main(["kascade", "calibrate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default: 2048)" in text and "(default: kascade_schedule.json)" in text

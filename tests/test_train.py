@@ -136,3 +136,7 @@ def test_train_config_errors_name_the_field():
         TrainConfig(lr=0.0)
     with pytest.raises(ValueError, match="keep"):
         TrainConfig(keep=0)
+    with pytest.raises(ValueError, match="holdout"):
+        TrainConfig(holdout=1.0)
+    with pytest.raises(ValueError, match="preset"):
+        TrainConfig(preset="huge")

@@ -126,6 +126,16 @@ class KascadeSchedule:
             raise ValueError(f"{path}: {e}") from e
 
 
+def _masses(P, selections, tile_size: int):
+    """(each tile's own-block mass [B, G, NT], mass on the selections [B, G(P), G(selections), NT])."""
+    P = np.asarray(P, np.float64)
+    NT, T = P.shape[2:]
+    block = np.where(np.arange(T)[None, :] >= (np.arange(NT) * tile_size)[:, None], P, 0).sum(-1)
+    sel = np.asarray(selections)
+    picked = np.take_along_axis(P[:, :, None], np.maximum(sel, 0)[:, None], axis=-1)
+    return block, np.where(sel[:, None] >= 0, picked, 0).sum(-1)
+
+
 def pair_similarity(P, own, anchor, tile_size: int) -> np.ndarray:
     """How well an anchor's selection serves a layer, per head pair.
 
@@ -141,18 +151,30 @@ def pair_similarity(P, own, anchor, tile_size: int) -> np.ndarray:
         selection plus the tile's block, over that on its own selection plus the block; the minimum
         over query tiles, the mean over rows.
     """
-    P = np.asarray(P, np.float64)
-    NT, T = P.shape[2:]
-    block = np.where(np.arange(T)[None, :] >= (np.arange(NT) * tile_size)[:, None], P, 0).sum(-1)  # [B, G, NT]
-
-    def mass(sel):  # [B, G', NT, k] -> [B, G(layer), G', NT]
-        sel = np.asarray(sel)
-        picked = np.take_along_axis(P[:, :, None], np.maximum(sel, 0)[:, None], axis=-1)
-        return np.where(sel[:, None] >= 0, picked, 0).sum(-1)
-
-    mine = np.diagonal(mass(own), axis1=1, axis2=2).transpose(0, 2, 1)  # [B, G, NT]
-    ratio = (mass(anchor) + block[:, :, None]) / np.maximum(mine + block, 1e-300)[:, :, None]
+    block, on_anchor = _masses(P, anchor, tile_size)
+    _, on_own = _masses(P, own, tile_size)
+    mine = np.diagonal(on_own, axis1=1, axis2=2).transpose(0, 2, 1)  # [B, G, NT]
+    ratio = (on_anchor + block[:, :, None]) / np.maximum(mine + block, 1e-300)[:, :, None]
     return ratio.min(axis=-1).mean(axis=0)
+
+
+def recall(P, selection, tile_size: int) -> float:
+    """The share of a layer's dense attention mass that a selection (plus each tile's own block) keeps.
+
+    Args:
+        P: [B, G, NT, T] the layer's pooled probabilities (as :func:`pair_similarity`).
+        selection: [B, G, NT, k] the keys each tile attends besides its block (-1 for none),
+            already remapped to the layer's heads.
+        tile_size: queries per tile.
+
+    Returns:
+        The kept mass over the total, summed over rows, heads and tiles 1.. (tile 0 attends
+        only its own block).
+    """
+    block, on = _masses(P, selection, tile_size)
+    kept = block + np.diagonal(on, axis1=1, axis2=2).transpose(0, 2, 1)
+    total = np.asarray(P, np.float64).sum(-1)
+    return float(kept[:, :, 1:].sum() / max(total[:, :, 1:].sum(), 1e-300))
 
 
 def layer_similarity(pairs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -1,0 +1,136 @@
+"""``kdax bench --kascade``: per-layer time of dense, anchor and reuse attention layers, prefill
+and decode, each against the dense baseline (``jax.nn.dot_product_attention``) on the same inputs
+in the same run, with errors against the float64 reference where it fits in memory, and the
+schedule-weighted average of a 32-layer model with 5 anchors."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+import kdax
+from kdax.bench.measure import rel_rms, time_calls
+from kdax.ops.kascade import reference
+
+LAYERS, ANCHORS = 32, 5  # the model the weighted average stands for (layer 0 a dense-output anchor)
+REFERENCE_MAX_T = 4096  # the float64 reference forms [B, H, T, T]: errors only up to this T
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One measured layer kind: times in ms (median and interquartile range)."""
+
+    phase: str  # "prefill" or "decode"
+    tokens: int  # T (prefill) or the cache length L (decode)
+    layer: str  # "dense", "anchor (dense output)", "anchor", "reuse", or "32-layer average"
+    median_ms: float
+    iqr_ms: tuple[float, float]
+    vs_dense: float  # dense time / this time (x faster than dense)
+    rel_err: float | None  # vs the float64 reference (dense: jax.nn.dot_product_attention's)
+
+
+def _inputs(B, T, H, G, D, dtype, seed=0):
+    r = np.random.default_rng(seed)
+    q = r.standard_normal((B, T, H, D)) * 1.5
+    k, v = r.standard_normal((B, T, G, D)), r.standard_normal((B, T, G, D))
+    return [jnp.asarray(x, dtype) for x in (q, k, v)]
+
+
+def run(B=1, T=4096, L=16384, H=8, G=2, D=128, topk_percent=10, min_k=128, tile_size=32, dtype="float32",
+        repeats=5, progress=True) -> list[Row]:  # fmt: skip
+    """Time each layer kind at prefill length T and decode cache length L.
+
+    Returns:
+        The rows, each layer kind's and the 32-layer averages, prefill then decode.
+    """
+    dtype = jnp.dtype(dtype)
+    opts = {"topk_percent": topk_percent, "min_k": min_k}
+    q, k, v = _inputs(B, T, H, G, D, dtype)
+    head_map = np.arange(G)[::-1].copy()
+    prefill = {
+        "dense": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True),
+        "anchor (dense output)": lambda q, k, v: kdax.kascade_anchor(q, k, v, **opts, tile_size=tile_size,
+                                                                    dense_output=True),
+        "anchor": lambda q, k, v: kdax.kascade_anchor(q, k, v, **opts, tile_size=tile_size),
+    }  # fmt: skip
+    idx, _ = kdax.kascade_anchor(*_inputs(B, T, H, G, D, dtype, seed=1), **opts, tile_size=tile_size)
+    prefill["reuse"] = lambda q, k, v: kdax.kascade_reuse(q, k, v, idx, head_map=head_map, tile_size=tile_size)
+    qd, kc, vc = _inputs(B, L, H, G, D, dtype, seed=2)
+    qd, lengths = qd[:, -1], jnp.full((B,), L, jnp.int32)
+    didx, _ = kdax.kascade_anchor_decode(qd * 0.5, kc, vc, lengths, **opts)
+    decode = {
+        "dense": lambda: jax.nn.dot_product_attention(qd[:, None], kc, vc)[:, 0],
+        "anchor (dense output)": lambda: kdax.kascade_anchor_decode(qd, kc, vc, lengths, **opts, dense_output=True),
+        "anchor": lambda: kdax.kascade_anchor_decode(qd, kc, vc, lengths, **opts),
+        "reuse": lambda: kdax.kascade_reuse_decode(qd, kc, vc, lengths, didx, head_map=head_map),
+    }
+    jobs = [("prefill", T, name, fn, (q, k, v)) for name, fn in prefill.items()]
+    jobs += [("decode", L, name, fn, ()) for name, fn in decode.items()]
+    bar = tqdm(jobs, desc="kdax bench --kascade", disable=not progress)
+    rows, dense_ms = [], {}
+    for phase, n, name, fn, args in bar:
+        bar.set_postfix_str(f"{phase} {name}: compiling, then {repeats} timed calls")
+        f = jax.jit(fn)
+        t = time_calls(lambda f=f, args=args: f(*args), repeats)
+        out = f(*args)
+        o = out[1] if isinstance(out, tuple) else out
+        dense_ms.setdefault(phase, t.median)
+        err = _error(name, o, (q, k, v, idx) if phase == "prefill" else (qd, kc, vc, lengths, didx), head_map,
+                     opts, tile_size)  # fmt: skip
+        rows.append(Row(phase, n, name, t.median, (t.q25, t.q75), dense_ms[phase] / t.median, err))
+    for phase, n in (("prefill", T), ("decode", L)):
+        ms = {r.layer: r for r in rows if r.phase == phase}
+        avg = (ms["anchor (dense output)"].median_ms + (ANCHORS - 1) * ms["anchor"].median_ms
+               + (LAYERS - ANCHORS) * ms["reuse"].median_ms) / LAYERS  # fmt: skip
+        rows.append(Row(phase, n, f"{LAYERS}-layer average ({ANCHORS} anchors)", avg, (avg, avg),
+                        ms["dense"].median_ms / avg, None))  # fmt: skip
+    return rows
+
+
+def _error(name, o, args, head_map, opts, tile_size):
+    """rel. RMS error of ``o`` against the float64 reference of the same layer (``args``: prefill
+    (q, k, v, indices) or decode (q, k_cache, v_cache, lengths, indices)), None past REFERENCE_MAX_T."""
+    with jax.enable_x64(True):
+        *arrays, idx = args
+        if len(arrays) == 3:  # prefill
+            q, k, v = (x.astype(jnp.float64) for x in arrays)
+            if q.shape[1] > REFERENCE_MAX_T:
+                return None
+            if name == "reuse":
+                ref = reference.naive_kascade_reuse(q, k, v, idx, head_map=head_map, tile_size=tile_size)
+            elif name == "dense":
+                ref = reference.naive_attention(q, k, v)
+            else:
+                ref = reference.naive_kascade_anchor(q, k, v, **opts, tile_size=tile_size,
+                                                     dense_output=name != "anchor")[1]  # fmt: skip
+        else:
+            lengths = arrays.pop()
+            q, kc, vc = (x.astype(jnp.float64) for x in arrays)
+            if name == "reuse":
+                ref = reference.naive_kascade_reuse_decode(q, kc, vc, lengths, idx, head_map=head_map)
+            else:
+                ref = reference.naive_kascade_anchor_decode(q, kc, vc, lengths, **opts,
+                                                            dense_output=name != "anchor")[1]  # fmt: skip
+        return rel_rms(o, ref)
+
+
+def format_table(rows: list[Row]) -> str:
+    """The rows as a markdown table with a legend."""
+    head = ("phase", "tokens", "layer", "median ms (IQR)", "x faster than dense", "rel. RMS error vs float64")
+    lines = [(r.phase, str(r.tokens), r.layer, f"{r.median_ms:.2f} ({r.iqr_ms[0]:.2f}-{r.iqr_ms[1]:.2f})",
+              f"{r.vs_dense:.2f}x", "-" if r.rel_err is None else f"{r.rel_err:.2e}") for r in rows]  # fmt: skip
+    widths = [max(len(h), *(len(x[i]) for x in lines)) for i, h in enumerate(head)]
+    fmt = lambda cols: "| " + " | ".join(c.ljust(w) for c, w in zip(cols, widths)) + " |"
+    legend = (
+        "dense: jax.nn.dot_product_attention (causal) on the same inputs, in the same run. anchor: exact\n"
+        "attention selects each query tile's top-k keys (its output sparse, or dense for a schedule's layer 0);\n"
+        "reuse: attends an anchor's selection. Decode: one token over a cache of `tokens` keys. The average\n"
+        f"weighs one dense-output anchor, {ANCHORS - 1} anchors and {LAYERS - ANCHORS} reuse layers. Error: against "
+        "the float64 reference of the same layer (prefill up to T = 4096)."
+    )
+    return "\n".join([fmt(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [fmt(x) for x in lines]
+                     + ["", legend])  # fmt: skip

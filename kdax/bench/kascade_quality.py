@@ -1,0 +1,176 @@
+"""Kascade's quality on a trained model: perplexity of held-out text and recall of dense attention
+mass, dense against Kascade and against baselines with the same key budget.
+
+Methods (every full-attention layer but the schedule's first, which stays dense):
+  kascade          the schedule: anchors select, reuse layers read their anchor's heads by head map
+  kascade_no_remap the same anchors, each reuse head reading the anchor head of its own index
+  sink_window      the first 4 keys and the most recent keys before the tile, the same budget k_t
+  random           k_t keys drawn uniformly from those before the tile (seeded)
+
+Run: ``python -m kdax.bench.kascade_quality --checkpoint DIR`` (docs/kascade.md has the study).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from kdax.models import KDAForCausalLM
+from kdax.models.kascade import calibrate, dense_pass, forward_with
+from kdax.nn import KascadeStep
+from kdax.ops.kascade.checks import budget, percent_tenths, prefill_k_max
+from kdax.ops.kascade.schedule import KascadeSchedule, recall
+
+SINKS = 4
+METHODS = ("dense", "kascade", "kascade_no_remap", "sink_window", "random")
+
+
+def baseline_indices(kind: str, B: int, G: int, T: int, schedule: KascadeSchedule, seed: int = 0) -> np.ndarray:
+    """A content-blind selection with Kascade's budgets: [B, G, NT, k_max] int32, ascending, -1-padded.
+
+    Args:
+        kind: "sink_window" (the first ``SINKS`` keys and the latest before the tile) or "random".
+        B, G, T: rows, KV heads, tokens.
+        schedule: its topk_percent, min_k and tile_size set the budgets.
+        seed: the random selection's seed.
+    """
+    tile, tenths = schedule.tile_size, percent_tenths(schedule.topk_percent)
+    NT = -(-T // tile)
+    k_max = prefill_k_max(T, tile, tenths, schedule.min_k)
+    out = np.full((B, G, NT, k_max), -1, np.int32)
+    rng = np.random.default_rng(seed)
+    for t in range(NT):
+        start = t * tile
+        k = int(budget(start, tenths, schedule.min_k))
+        for b in range(B):
+            for g in range(G):
+                if kind == "sink_window":
+                    sinks = min(SINKS, k)
+                    keys = np.r_[np.arange(sinks), np.arange(start - (k - sinks), start)]
+                else:
+                    keys = rng.choice(start, k, replace=False) if k else np.zeros(0, int)
+                out[b, g, t, :k] = np.sort(keys)
+    return out
+
+
+def _perplexity(logits, ids) -> float:
+    nll = optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], ids[:, 1:])
+    return float(math.exp(float(jnp.mean(nll))))
+
+
+def evaluate(model: KDAForCausalLM, schedule: KascadeSchedule, ids, topk_percent: float, seed: int = 0) -> list[dict]:
+    """Perplexity and per-layer recall of every method at one budget.
+
+    Args:
+        model: the trained model.
+        schedule: a calibrated schedule (its budget is replaced by ``topk_percent``).
+        ids: [B, T] held-out tokens.
+        topk_percent: the budget.
+        seed: the random baseline's seed.
+
+    Returns:
+        One dict per method: method, topk_percent, perplexity, recall (per full-attention layer, the
+        kept share of its dense attention mass, measured on the dense run's attention).
+    """
+    sched = dataclasses.replace(schedule, topk_percent=topk_percent)
+    G = len(next(iter(sched.head_maps.values()), ())) or model.model.layers[sched.layers[0]].attn.num_kv_heads
+    no_remap = dataclasses.replace(sched, head_maps={k: tuple(range(G)) for k in sched.head_maps})
+    B, T = ids.shape
+    layers, probs, selections, _ = dense_pass(model, ids, topk_percent=topk_percent, min_k=sched.min_k,
+                                              tile_size=sched.tile_size)  # fmt: skip
+    where = {layer: i for i, layer in enumerate(layers)}
+    blind = {kind: baseline_indices(kind, B, G, T, sched, seed) for kind in ("sink_window", "random")}
+    rows = []
+    for method in METHODS:
+        if method == "dense":
+            logits, chosen = model(ids), None
+        elif method in ("kascade", "kascade_no_remap"):
+            s = sched if method == "kascade" else no_remap
+            logits = model(ids, kascade=s)
+
+            def chosen(layer, s=s):
+                role, anchor, head_map = s.role(layer)
+                own = selections[where[layer if role == "anchor" else anchor]]
+                return own if role == "anchor" else own[:, list(head_map)]
+        else:
+            idx = jnp.asarray(blind[method])
+            steps = {layer: KascadeStep(sched, "reuse", indices=idx) for layer in sched.layers[1:]}
+            logits = forward_with(model, ids, steps)
+            chosen = lambda layer, idx=blind[method]: idx
+        per_layer = []
+        for layer in layers:
+            if chosen is None or layer == sched.layers[0] or layer not in sched.layers:
+                per_layer.append(1.0)  # dense
+            else:
+                per_layer.append(recall(probs[where[layer]], chosen(layer), sched.tile_size))
+        rows.append({"method": method, "topk_percent": topk_percent, "perplexity": _perplexity(logits, ids),
+                     "recall": [round(r, 4) for r in per_layer]})  # fmt: skip
+    return rows
+
+
+def format_table(rows: list[dict], layers: list[int]) -> str:
+    """The study as a markdown table."""
+    head = "| budget | method | perplexity | " + " | ".join(f"recall L{layer}" for layer in layers) + " |"
+    lines = [head, "|" + "---|" * (3 + len(layers))]
+    for r in rows:
+        budget_txt = "-" if r["method"] == "dense" else f"{r['topk_percent']:g}%"
+        lines.append(f"| {budget_txt} | {r['method']} | {r['perplexity']:.3f} | "
+                     + " | ".join(f"{x:.3f}" for x in r["recall"]) + " |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from kdax.models import from_pretrained
+    from kdax.train import load_corpus
+
+    p = argparse.ArgumentParser(prog="python -m kdax.bench.kascade_quality", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
+    p.add_argument("--checkpoint", required=True, help="the trained model (FLA format)")
+    p.add_argument("--seq-len", type=int, default=2048, help="tokens per row, calibration and evaluation")
+    p.add_argument("--calib-rows", type=int, default=4, help="calibration rows, from the start of the corpus")
+    p.add_argument("--eval-rows", type=int, default=4, help="evaluation rows, from the held-out end of the corpus")
+    p.add_argument("--holdout", type=float, default=0.1, help="the corpus share at its end kept out of training")
+    p.add_argument("--anchors", type=int, default=2, help="anchors of the schedule")
+    p.add_argument("--min-k", type=int, default=32, help="the least keys a tile keeps")
+    p.add_argument("--tile-size", type=int, default=32, help="queries per tile")
+    p.add_argument("--budgets", default="10,20", help="topk_percent values to evaluate")
+    p.add_argument("--schedule-out", default=None, help="write the calibrated schedule here (JSON)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    ns = p.parse_args(argv)
+    tokens = load_corpus(None)
+    held = tokens[tokens.size - int(ns.holdout * tokens.size) :]
+    L = ns.seq_len
+    calib = np.stack([tokens[i * L : (i + 1) * L] for i in range(ns.calib_rows)]).astype(np.int32)
+    if held.size < ns.eval_rows * L:
+        raise SystemExit(f"the held-out text holds {held.size} tokens, fewer than --eval-rows x --seq-len")
+    ev = jnp.asarray(np.stack([held[i * L : (i + 1) * L] for i in range(ns.eval_rows)]), jnp.int32)
+    model = from_pretrained(ns.checkpoint)
+    budgets = [float(b) for b in ns.budgets.split(",")]
+    rows, schedules = [], {}
+    for pct in budgets:
+        print(f"calibrating at {pct:g}% on {ns.calib_rows} x {L} tokens...", file=sys.stderr, flush=True)
+        schedule = calibrate(model, calib, ns.anchors, topk_percent=pct, min_k=ns.min_k, tile_size=ns.tile_size)
+        schedules[pct] = schedule
+        print(f"  anchors {list(schedule.anchors)}; evaluating on {ns.eval_rows} x {L} held-out tokens...",
+              file=sys.stderr, flush=True)  # fmt: skip
+        got = evaluate(model, schedule, ev, pct)
+        rows += [r for r in got if r["method"] != "dense" or not rows]
+    if ns.schedule_out:
+        schedules[budgets[0]].save(ns.schedule_out)
+    layers = list(schedules[budgets[0]].layers)
+    meta = {"jax": jax.__version__, "device": jax.devices()[0].device_kind, "command": " ".join(sys.argv),
+            "schedules": {str(k): json.loads(s.to_json()) for k, s in schedules.items()}}  # fmt: skip
+    print(json.dumps({"meta": meta, "rows": rows}, indent=1) if ns.json else format_table(rows, layers))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
