@@ -51,25 +51,26 @@ def run(B=1, T=4096, L=16384, H=8, G=2, D=128, topk_percent=10, min_k=128, tile_
     opts = {"topk_percent": topk_percent, "min_k": min_k}
     q, k, v = _inputs(B, T, H, G, D, dtype)
     head_map = np.arange(G)[::-1].copy()
-    prefill = {
-        "dense": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True),
-        "anchor (dense output)": lambda q, k, v: kdax.kascade_anchor(q, k, v, **opts, tile_size=tile_size,
-                                                                    dense_output=True),
-        "anchor": lambda q, k, v: kdax.kascade_anchor(q, k, v, **opts, tile_size=tile_size),
-    }  # fmt: skip
     idx, _ = kdax.kascade_anchor(*_inputs(B, T, H, G, D, dtype, seed=1), **opts, tile_size=tile_size)
-    prefill["reuse"] = lambda q, k, v: kdax.kascade_reuse(q, k, v, idx, head_map=head_map, tile_size=tile_size)
+    prefill = {  # every array an argument: a closed-over array would be a constant XLA may fold
+        "dense": lambda q, k, v, idx: jax.nn.dot_product_attention(q, k, v, is_causal=True),
+        "anchor (dense output)": lambda q, k, v, idx: kdax.kascade_anchor(q, k, v, **opts, tile_size=tile_size,
+                                                                         dense_output=True),
+        "anchor": lambda q, k, v, idx: kdax.kascade_anchor(q, k, v, **opts, tile_size=tile_size),
+        "reuse": lambda q, k, v, idx: kdax.kascade_reuse(q, k, v, idx, head_map=head_map, tile_size=tile_size),
+    }  # fmt: skip
     qd, kc, vc = _inputs(B, L, H, G, D, dtype, seed=2)
     qd, lengths = qd[:, -1], jnp.full((B,), L, jnp.int32)
     didx, _ = kdax.kascade_anchor_decode(qd * 0.5, kc, vc, lengths, **opts)
     decode = {
-        "dense": lambda: jax.nn.dot_product_attention(qd[:, None], kc, vc)[:, 0],
-        "anchor (dense output)": lambda: kdax.kascade_anchor_decode(qd, kc, vc, lengths, **opts, dense_output=True),
-        "anchor": lambda: kdax.kascade_anchor_decode(qd, kc, vc, lengths, **opts),
-        "reuse": lambda: kdax.kascade_reuse_decode(qd, kc, vc, lengths, didx, head_map=head_map),
-    }
-    jobs = [("prefill", T, name, fn, (q, k, v)) for name, fn in prefill.items()]
-    jobs += [("decode", L, name, fn, ()) for name, fn in decode.items()]
+        "dense": lambda q, k, v, n, idx: jax.nn.dot_product_attention(q[:, None], k, v)[:, 0],
+        "anchor (dense output)": lambda q, k, v, n, idx: kdax.kascade_anchor_decode(q, k, v, n, **opts,
+                                                                                   dense_output=True),
+        "anchor": lambda q, k, v, n, idx: kdax.kascade_anchor_decode(q, k, v, n, **opts),
+        "reuse": lambda q, k, v, n, idx: kdax.kascade_reuse_decode(q, k, v, n, idx, head_map=head_map),
+    }  # fmt: skip
+    jobs = [("prefill", T, name, fn, (q, k, v, idx)) for name, fn in prefill.items()]
+    jobs += [("decode", L, name, fn, (qd, kc, vc, lengths, didx)) for name, fn in decode.items()]
     bar = tqdm(jobs, desc="kdax bench --kascade", disable=not progress)
     rows, dense_ms = [], {}
     for phase, n, name, fn, args in bar:
@@ -79,8 +80,7 @@ def run(B=1, T=4096, L=16384, H=8, G=2, D=128, topk_percent=10, min_k=128, tile_
         out = f(*args)
         o = out[1] if isinstance(out, tuple) else out
         dense_ms.setdefault(phase, t.median)
-        err = _error(name, o, (q, k, v, idx) if phase == "prefill" else (qd, kc, vc, lengths, didx), head_map,
-                     opts, tile_size)  # fmt: skip
+        err = _error(name, o, args, head_map, opts, tile_size)
         rows.append(Row(phase, n, name, t.median, (t.q25, t.q75), dense_ms[phase] / t.median, err))
     for phase, n in (("prefill", T), ("decode", L)):
         ms = {r.layer: r for r in rows if r.phase == phase}

@@ -6,6 +6,8 @@ Methods (every full-attention layer but the schedule's first, which stays dense)
   kascade_no_remap the same anchors, each reuse head reading the anchor head of its own index
   sink_window      the first 4 keys and the most recent keys before the tile, the same budget k_t
   random           k_t keys drawn uniformly from those before the tile (seeded)
+  oracle           every layer an anchor: each selects from its own exact attention (the most
+                   mass a budget can keep; it costs the anchors' full attention in every layer)
 
 Run: ``python -m kdax.bench.kascade_quality --checkpoint DIR`` (docs/kascade.md has the study).
 """
@@ -30,7 +32,7 @@ from kdax.ops.kascade.checks import budget, percent_tenths, prefill_k_max
 from kdax.ops.kascade.schedule import KascadeSchedule, recall
 
 SINKS = 4
-METHODS = ("dense", "kascade", "kascade_no_remap", "sink_window", "random")
+METHODS = ("dense", "kascade", "kascade_no_remap", "sink_window", "random", "oracle")
 
 
 def baseline_indices(kind: str, B: int, G: int, T: int, schedule: KascadeSchedule, seed: int = 0) -> np.ndarray:
@@ -83,6 +85,7 @@ def evaluate(model: KDAForCausalLM, schedule: KascadeSchedule, ids, topk_percent
     sched = dataclasses.replace(schedule, topk_percent=topk_percent)
     G = len(next(iter(sched.head_maps.values()), ())) or model.model.layers[sched.layers[0]].attn.num_kv_heads
     no_remap = dataclasses.replace(sched, head_maps={k: tuple(range(G)) for k in sched.head_maps})
+    oracle = dataclasses.replace(sched, anchors=sched.layers, head_maps={})
     B, T = ids.shape
     layers, probs, selections, _ = dense_pass(model, ids, topk_percent=topk_percent, min_k=sched.min_k,
                                               tile_size=sched.tile_size)  # fmt: skip
@@ -92,8 +95,8 @@ def evaluate(model: KDAForCausalLM, schedule: KascadeSchedule, ids, topk_percent
     for method in METHODS:
         if method == "dense":
             logits, chosen = model(ids), None
-        elif method in ("kascade", "kascade_no_remap"):
-            s = sched if method == "kascade" else no_remap
+        elif method in ("kascade", "kascade_no_remap", "oracle"):
+            s = {"kascade": sched, "kascade_no_remap": no_remap, "oracle": oracle}[method]
             logits = model(ids, kascade=s)
 
             def chosen(layer, s=s):
