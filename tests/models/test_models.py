@@ -216,7 +216,7 @@ def test_config_round_trips_through_json():
 
 
 def test_presets_build_their_configs():
-    assert set(PRESETS) == {"tiny", "24x2048"} and PRESETS["tiny"] is tiny_config
+    assert set(PRESETS) == {"tiny", "attn8", "24x2048"} and PRESETS["tiny"] is tiny_config
     assert PRESETS["tiny"]().vocab_size == 256 and tiny_config(num_hidden_layers=3).num_hidden_layers == 3
     big = PRESETS["24x2048"]()
     assert (big.num_hidden_layers, big.hidden_size, big.attn["layers"]) == (24, 2048, [3, 7, 11, 15, 19, 23])

@@ -21,8 +21,22 @@ def _recurrent(*args, chunk_size=None, **kwargs):
     return kdax.fused_recurrent_kda(*args, **kwargs)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("case", CASES, ids=str)
+# Cases that differ from others only in shape or in lacking varlen: the Pallas interpreters run
+# them with ``pytest -m slow`` (xla runs every case in CI); their varlen, GVA and gate siblings stay.
+_SHAPE_ONLY = ("basic", "T64", "T1000", "K128", "strong_decay", "gate_rate_20_60")
+_FP32 = [
+    pytest.param(
+        backend,
+        case,
+        id=f"{case}-{backend}",
+        marks=pytest.mark.slow if backend != "xla" and case.name in _SHAPE_ONLY else (),
+    )
+    for case in CASES
+    for backend in BACKENDS
+]
+
+
+@pytest.mark.parametrize(("backend", "case"), _FP32)
 def test_chunk_fp32(backend, case):
     fn = functools.partial(kdax.chunk_kda, backend=backend)
     if backend == "pallas_gpu" and case.chunk_size > 64:  # float32 tiles that large overflow an H100's shared memory
