@@ -83,7 +83,7 @@ def evaluate(model: KDAForCausalLM, schedule: KascadeSchedule, ids, topk_percent
         kept share of its dense attention mass, measured on the dense run's attention).
     """
     sched = dataclasses.replace(schedule, topk_percent=topk_percent)
-    G = len(next(iter(sched.head_maps.values()), ())) or model.model.layers[sched.layers[0]].attn.num_kv_heads
+    G = model.model.layers[sched.layers[0]].attn.num_kv_heads
     no_remap = dataclasses.replace(sched, head_maps={k: tuple(range(G)) for k in sched.head_maps})
     oracle = dataclasses.replace(sched, anchors=sched.layers, head_maps={})
     B, T = ids.shape

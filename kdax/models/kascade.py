@@ -8,16 +8,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kdax.models.kda import KDAForCausalLM, Segments, _arange, _check_ids
-from kdax.nn import Attention
+from kdax.models.kda import KDAForCausalLM, Segments, _arange, _check_ids, full_attention_layers
 from kdax.ops.common.validation import fail
 from kdax.ops.kascade import reference
 from kdax.ops.kascade.schedule import KascadeSchedule, build_schedule, layer_importance, pair_similarity
-
-
-def full_attention_layers(model: KDAForCausalLM) -> list[int]:
-    """The model's layers with softmax attention over every earlier key (no sliding window)."""
-    return [i for i, b in enumerate(model.model.layers) if isinstance(b.attn, Attention) and b.attn.window_size is None]
 
 
 def _check_layers(model: KDAForCausalLM) -> tuple[list[int], int]:
@@ -128,8 +122,7 @@ def calibrate(model: KDAForCausalLM, input_ids, n_anchors: int, *, topk_percent=
     Returns:
         The :class:`kdax.KascadeSchedule`.
     """
-    layers, pairs, importance = jax.device_get(
-        layer_statistics(model, input_ids, topk_percent=topk_percent, min_k=min_k, tile_size=tile_size)
-    )
+    layers, pairs, importance = layer_statistics(model, input_ids, topk_percent=topk_percent, min_k=min_k,
+                                                 tile_size=tile_size)  # fmt: skip
     return build_schedule(layers, pairs, importance, n_anchors, topk_percent=topk_percent, min_k=min_k,
                           tile_size=tile_size)  # fmt: skip

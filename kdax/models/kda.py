@@ -300,9 +300,7 @@ class KDAForCausalLM(nnx.Module):
             return
         if not isinstance(kascade, KascadeSchedule):
             raise ValueError(f"kascade: expected None or a kdax.KascadeSchedule, got {type(kascade).__name__}")
-        full = [
-            i for i, b in enumerate(self.model.layers) if isinstance(b.attn, Attention) and b.attn.window_size is None
-        ]
+        full = full_attention_layers(self)
         if set(kascade.layers) - set(full):
             raise ValueError(f"kascade: expected a schedule over the full-attention layers {full}, got layers "
                              f"{list(kascade.layers)}")  # fmt: skip
@@ -378,6 +376,11 @@ class KDAForCausalLM(nnx.Module):
         seg = Segments(None, cache.lengths[:, None], None)
         h, layers = self.model(tokens[:, None], seg, cache.layers, True, "fused_recurrent", kascade)
         return self._logits(h)[:, 0], ModelCache(layers, cache.lengths + 1)
+
+
+def full_attention_layers(model: KDAForCausalLM) -> list[int]:
+    """The model's layers with softmax attention over every earlier key (no sliding window): Kascade's candidates."""
+    return [i for i, b in enumerate(model.model.layers) if isinstance(b.attn, Attention) and b.attn.window_size is None]
 
 
 @functools.partial(jax.jit, static_argnums=(0, 5, 6))

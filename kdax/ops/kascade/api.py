@@ -11,7 +11,7 @@ import numpy as np
 from kdax.ops.common.dispatch import BACKENDS, OpBackends, register
 from kdax.ops.common.validation import fail
 from kdax.ops.kascade import reference, xla
-from kdax.ops.kascade.checks import check_call, decode_k_max, prefill_k_max
+from kdax.ops.kascade.checks import check_call, decode_k_max, prefill_k_max, row_lengths
 
 CONFIGS = {"xla": xla.Config}  # per-call kernel configs
 _OPS = {
@@ -31,8 +31,9 @@ def _scale(q, scale) -> float:
     return q.shape[-1] ** -0.5 if scale is None else float(scale)
 
 
-def _rows(lengths, B, T):
-    return jnp.full((B,), T, jnp.int32) if lengths is None else jnp.asarray(lengths, jnp.int32)
+def _head_map(head_map, G: int) -> jax.Array:
+    """A checked head map as int32 [G] (the identity for None)."""
+    return jnp.arange(G, dtype=jnp.int32) if head_map is None else jnp.asarray(head_map, jnp.int32)
 
 
 def kascade_anchor(
@@ -73,7 +74,7 @@ def kascade_anchor(
     tenths, _ = check_call(q, k, v, lengths, topk_percent=topk_percent, min_k=min_k, tile_size=tile_size, scale=scale)
     B, T = q.shape[:2]
     backend, config = _OPS["kascade_anchor"].resolve(backend, q.dtype, config)
-    return _anchor(q, k, v, _rows(lengths, B, T), backend=backend, config=config, tenths=tenths, min_k=int(min_k),
+    return _anchor(q, k, v, row_lengths(lengths, B, T), backend=backend, config=config, tenths=tenths, min_k=int(min_k),
                    tile_size=tile_size, scale=_scale(q, scale), dense_output=bool(dense_output))  # fmt: skip
 
 
@@ -121,8 +122,7 @@ def kascade_reuse(
     B, T, _, _ = q.shape
     G = k.shape[2]
     backend, config = _OPS["kascade_reuse"].resolve(backend, q.dtype, config)
-    head_map = jnp.arange(G, dtype=jnp.int32) if head_map is None else jnp.asarray(head_map, jnp.int32)
-    return _reuse(q, k, v, jnp.asarray(indices, jnp.int32), head_map, _rows(lengths, B, T), backend=backend,
+    return _reuse(q, k, v, jnp.asarray(indices, jnp.int32), _head_map(head_map, G), row_lengths(lengths, B, T), backend=backend,
                   config=config, tile_size=tile_size, scale=_scale(q, scale))  # fmt: skip
 
 
@@ -200,9 +200,8 @@ def kascade_reuse_decode(
     _, head_map = check_call(q, k_cache, v_cache, lengths, decode=True, indices=indices, head_map=head_map, scale=scale)
     G = k_cache.shape[2]
     backend, config = _OPS["kascade_reuse_decode"].resolve(backend, q.dtype, config)
-    head_map = jnp.arange(G, dtype=jnp.int32) if head_map is None else jnp.asarray(head_map, jnp.int32)
     return _reuse_decode(q, k_cache, v_cache, jnp.asarray(lengths, jnp.int32), jnp.asarray(indices, jnp.int32),
-                         head_map, backend=backend, config=config, scale=_scale(q, scale))  # fmt: skip
+                         _head_map(head_map, G), backend=backend, config=config, scale=_scale(q, scale))  # fmt: skip
 
 
 @functools.partial(jax.jit, static_argnames=("backend", "config", "scale"))

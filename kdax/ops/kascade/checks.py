@@ -53,6 +53,11 @@ def decode_k_max(L: int, tenths: int, min_k: int) -> int:
     return int(budget(L, tenths, min_k))
 
 
+def row_lengths(lengths, B: int, T: int) -> jax.Array:
+    """``lengths`` as int32 [B], or all T when None (rows without padding)."""
+    return jnp.full((B,), T, jnp.int32) if lengths is None else jnp.asarray(lengths, jnp.int32)
+
+
 def check_options(topk_percent=10, min_k=128, tile_size=32, scale=None) -> int:
     """Check the static options; return :func:`percent_tenths` of ``topk_percent``.
 

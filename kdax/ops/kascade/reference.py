@@ -15,7 +15,7 @@ import numpy as np
 from jax import lax
 
 from kdax.ops.common.arrays import masked_softmax
-from kdax.ops.kascade.checks import budget, check_call, check_options, decode_k_max, prefill_k_max
+from kdax.ops.kascade.checks import budget, check_call, check_options, decode_k_max, prefill_k_max, row_lengths
 
 _HI = lax.Precision.HIGHEST
 
@@ -27,10 +27,6 @@ def _cast(q, k, v, scale):
     G = k.shape[-2]
     q = q.astype(dt) * scale
     return q.reshape(*q.shape[:-2], G, q.shape[-2] // G, q.shape[-1]), k.astype(dt), v.astype(dt)
-
-
-def _row_lengths(lengths, B, T):
-    return jnp.full((B,), T, jnp.int32) if lengths is None else jnp.asarray(lengths, jnp.int32)
 
 
 def _attend(q, k, v, allowed):
@@ -60,7 +56,7 @@ def naive_attention(q, k, v, *, scale=None, lengths=None) -> jax.Array:
     check_call(q, k, v, lengths, scale=scale)
     B, T = q.shape[:2]
     qg, kc, vc = _cast(q, k, v, scale)
-    return _attend(qg, kc, vc, _causal(B, T, _row_lengths(lengths, B, T))).astype(q.dtype)
+    return _attend(qg, kc, vc, _causal(B, T, row_lengths(lengths, B, T))).astype(q.dtype)
 
 
 def pooled_probabilities(q, k, *, tile_size=32, scale=None, lengths=None) -> jax.Array:
@@ -79,7 +75,7 @@ def pooled_probabilities(q, k, *, tile_size=32, scale=None, lengths=None) -> jax
     B, T = q.shape[:2]
     qg, kc, _ = _cast(q, k, k, scale)
     scores = jnp.einsum("btgrd,bsgd->bgrts", qg, kc, precision=_HI)
-    p = masked_softmax(scores, _causal(B, T, _row_lengths(lengths, B, T))).sum(axis=2)  # [B, G, T, T]
+    p = masked_softmax(scores, _causal(B, T, row_lengths(lengths, B, T))).sum(axis=2)  # [B, G, T, T]
     NT = -(-T // tile_size)
     p = jnp.pad(p, ((0, 0), (0, 0), (0, NT * tile_size - T), (0, 0)))
     return p.reshape(B, p.shape[1], NT, tile_size, T).sum(axis=3)
@@ -142,7 +138,7 @@ def sparse_mask(indices, *, T, tile_size, head_map=None, lengths=None) -> jax.Ar
     chosen = _members(indices, T)[:, :, tile]  # [B, G, T, T]
     i, j = jnp.arange(T)[:, None], jnp.arange(T)[None, :]
     diagonal = (j >= tile[:, None] * tile_size) & (j <= i)
-    return ((chosen | diagonal) & _causal(B, T, _row_lengths(lengths, B, T))[:, 0])[:, :, None]
+    return ((chosen | diagonal) & _causal(B, T, row_lengths(lengths, B, T))[:, 0])[:, :, None]
 
 
 def naive_kascade_anchor(q, k, v, *, topk_percent=10, min_k=128, tile_size=32, scale=None, dense_output=False,
@@ -163,7 +159,7 @@ def naive_kascade_anchor(q, k, v, *, topk_percent=10, min_k=128, tile_size=32, s
     """
     check_call(q, k, v, lengths, topk_percent=topk_percent, min_k=min_k, tile_size=tile_size, scale=scale)
     B, T = q.shape[:2]
-    rows = _row_lengths(lengths, B, T)
+    rows = row_lengths(lengths, B, T)
     P = pooled_probabilities(q, k, tile_size=tile_size, scale=scale, lengths=rows)
     indices = select_tiles(P, rows, tile_size=tile_size, topk_percent=topk_percent, min_k=min_k)
     if dense_output:

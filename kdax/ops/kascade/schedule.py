@@ -66,9 +66,10 @@ class KascadeSchedule:
         widths = {len(m) for m in maps.values()}
         if len(widths) > 1 or any(min(m, default=0) < 0 or max(m, default=0) >= len(m) for m in maps.values()):
             fail("head_maps", "maps of one length G with values in [0, G)", maps)
+        object.__setattr__(self, "_hash", hash(self.to_json()))  # once: jit hashes it on every call
 
     def __hash__(self) -> int:  # hashable, so jit can take a schedule as a static argument
-        return hash(self.to_json())
+        return self._hash
 
     def role(self, layer: int) -> tuple[str, int | None, tuple[int, ...] | None]:
         """What ``layer`` runs.
