@@ -29,6 +29,7 @@ def test_counts_scale():
     assert fla_compare.min_bytes(1, 8192, 16, 128, 128) == 8192 * 16 * 2 * (3 * 128 + 2 * 128 + 1)
 
 
+@pytest.mark.slow  # a minute on CPU; run by hand (pytest -m slow) before a GPU session
 def test_kdax_worker_saves_rows_and_the_comparison_table_reads_them(tiny, tmp_path, monkeypatch, capsys):
     kd = fla_compare._kdax_worker([(1, 40)], 1, str(tmp_path / "kd"))
     assert {(r["impl"], r["mode"]) for r in kd["rows"]} == {

@@ -131,6 +131,7 @@ def test_bf16_inputs_store_intermediates_in_bf16():
     assert intra32 == (f32,) * 6
 
 
+@pytest.mark.slow  # interpreted it takes a minute; scripts/gpu_session.sh tests runs it compiled
 def test_chunk128_in_bf16():
     """C = 128 runs with bf16 intermediates (float32 ones are refused: test_chunk.py)."""
     assert_close_to_reference(chunk_kda_gpu, next(c for c in CASES if c.name == "chunk128"), jnp.bfloat16)
