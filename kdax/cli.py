@@ -61,7 +61,9 @@ def _bench(ns: argparse.Namespace) -> int:
         print(f"compiling and timing dense, anchor and reuse layers (T={T}, cache {ns.cache_len})...",
               file=sys.stderr, flush=True)  # fmt: skip
         rows = kascade.run(given.get("B", 1), T, ns.cache_len, H, ns.kv_heads, ns.head_dim, ns.topk_percent,
-                           ns.min_k, ns.tile_size, ns.dtype, ns.repeats, progress=not ns.json)  # fmt: skip
+                           ns.min_k, ns.tile_size, ns.dtype, ns.repeats, progress=not ns.json,
+                           backends=ns.kascade_backends and ns.kascade_backends.split(","),
+                           decode_batch=ns.decode_batch)  # fmt: skip
         print(json.dumps({"meta": meta, "kascade": [dataclasses.asdict(r) for r in rows]}, indent=2) if ns.json else
               f"# {meta['device']}, jax {meta['jax']}, {meta['date']}\n{kascade.format_table(rows)}")  # fmt: skip
         return 0
@@ -173,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--topk-percent", type=float, default=10, help="--kascade: keys kept, percent")
     b.add_argument("--min-k", type=int, default=128, help="--kascade: the least keys a tile keeps")
     b.add_argument("--tile-size", type=int, default=32, help="--kascade: queries per tile")
+    b.add_argument("--decode-batch", type=int, help="--kascade: decode rows (default: --B)")
+    b.add_argument("--kascade-backends", help="--kascade: comma-separated backends (default: xla, the device kernels)")
     t = sub.add_parser("train", help="train the tiny hybrid on byte-level text, then print a sample",
                        formatter_class=_Help)  # fmt: skip
     for f in dataclasses.fields(TrainConfig):

@@ -14,6 +14,11 @@
 #   scripts/gpu_session.sh tune [KERNELS] [BVxBK]  kdax bench --gpu-tune: the block sizes (KERNELS
 #                                                  none, the default), then one or two kernels'
 #                                                  launches per call at the blocks found
+#   scripts/gpu_session.sh kascade [T] [CACHE]     the Kascade kernels compiled: their tests, then
+#                                                  kdax bench --kascade, xla and pallas_gpu against
+#                                                  jax.nn.dot_product_attention (B=1 H=32 G=8 D=128
+#                                                  bf16 prefill at T, default 32768; decode B=64 over
+#                                                  CACHE keys, default 32768)
 # Expects jax with CUDA, torch and triton; FLA's wheels in .wheels/ (installed to /tmp/site).
 # Results and logs go to $OUT (default ./gpu_out) as they are made, so a stage cut short keeps them.
 set -euo pipefail
@@ -49,5 +54,15 @@ case "$stage" in
       > "$OUT/$name.json" 2> >(tee "$OUT/$name.log" >&2)
     python3 -c "import json,sys; from kdax.bench.fla_compare import format_compare; \
 print(format_compare(json.load(open(sys.argv[1]))))" "$OUT/$name.json" | tee "$OUT/$name.md" ;;
-  *) echo "unknown stage $stage (compare, tests, tune)" >&2; exit 2 ;;
+  kascade)
+    python3 -m pytest -v -p no:cacheprovider -p no:benchmark -n 4 --timeout=300 tests/ops/kascade/test_pallas.py \
+      -k pallas_gpu 2>&1 | tee "$OUT/kascade-tests.txt" || true
+    name="kascade-${2:-32768}-${3:-32768}"
+    python3 -m kdax.cli bench --kascade --T "${2:-32768}" --H 32 --kv-heads 8 --head-dim 128 --dtype bfloat16 \
+      --cache-len "${3:-32768}" --decode-batch 64 --kascade-backends xla,pallas_gpu --repeats 10 --json \
+      > "$OUT/$name.json" 2> >(tee "$OUT/$name.log" >&2)
+    python3 -c "import json,sys; from kdax.bench.kascade import Row, format_table; \
+print(format_table([Row(**{**r, 'iqr_ms': tuple(r['iqr_ms'])}) for r in json.load(open(sys.argv[1]))['kascade']]))" \
+      "$OUT/$name.json" | tee "$OUT/$name.md" ;;
+  *) echo "unknown stage $stage (compare, tests, tune, kascade)" >&2; exit 2 ;;
 esac

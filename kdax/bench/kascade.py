@@ -6,6 +6,7 @@ schedule-weighted average of a 32-layer model with 5 anchors."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +15,7 @@ from tqdm import tqdm
 
 import kdax
 from kdax.bench.measure import rel_rms, time_calls
+from kdax.ops.common.dispatch import DEVICE_KERNELS
 from kdax.ops.kascade import reference
 
 LAYERS, ANCHORS = 32, 5  # the model the weighted average stands for (layer 0 a dense-output anchor)
@@ -26,6 +28,7 @@ class Row:
 
     phase: str  # "prefill" or "decode"
     tokens: int  # T (prefill) or the cache length L (decode)
+    backend: str  # the Kascade ops' backend ("-" for dense)
     layer: str  # "dense", "anchor (dense output)", "anchor", "reuse", or "32-layer average"
     median_ms: float
     iqr_ms: tuple[float, float]
@@ -40,54 +43,72 @@ def _inputs(B, T, H, G, D, dtype, seed=0):
     return [jnp.asarray(x, dtype) for x in (q, k, v)]
 
 
+def default_backends() -> tuple[str, ...]:
+    """xla, and the device's Kascade kernels where it has them (a TPU's or a GPU's)."""
+    kernels = DEVICE_KERNELS.get(jax.default_backend())
+    return ("xla",) if kernels is None else ("xla", kernels)
+
+
 def run(B=1, T=4096, L=16384, H=8, G=2, D=128, topk_percent=10, min_k=128, tile_size=32, dtype="float32",
-        repeats=5, progress=True) -> list[Row]:  # fmt: skip
-    """Time each layer kind at prefill length T and decode cache length L.
+        repeats=5, progress=True, backends=None, decode_batch=None) -> list[Row]:  # fmt: skip
+    """Time each layer kind at prefill length T (batch B) and decode cache length L.
+
+    Args:
+        decode_batch: the decode rows (None: B).
+        backends: the Kascade ops' backends to time, each against the same dense rows; None:
+            :func:`default_backends`.
 
     Returns:
-        The rows, each layer kind's and the 32-layer averages, prefill then decode.
+        The rows: dense, then each backend's layer kinds and 32-layer average, prefill then decode.
     """
     dtype = jnp.dtype(dtype)
+    backends = default_backends() if backends is None else tuple(backends)
     opts = {"topk_percent": topk_percent, "min_k": min_k}
     q, k, v = _inputs(B, T, H, G, D, dtype)
     head_map = np.arange(G)[::-1].copy()
     idx, _ = kdax.kascade_anchor(*_inputs(B, T, H, G, D, dtype, seed=1), **opts, tile_size=tile_size)
     prefill = {  # every array an argument: a closed-over array would be a constant XLA may fold
-        "dense": lambda q, k, v, idx: jax.nn.dot_product_attention(q, k, v, is_causal=True),
-        "anchor (dense output)": lambda q, k, v, idx: kdax.kascade_anchor(q, k, v, **opts, tile_size=tile_size,
-                                                                         dense_output=True),
-        "anchor": lambda q, k, v, idx: kdax.kascade_anchor(q, k, v, **opts, tile_size=tile_size),
-        "reuse": lambda q, k, v, idx: kdax.kascade_reuse(q, k, v, idx, head_map=head_map, tile_size=tile_size),
+        "dense": lambda q, k, v, idx, b: jax.nn.dot_product_attention(q, k, v, is_causal=True),
+        "anchor (dense output)": lambda q, k, v, idx, b: kdax.kascade_anchor(q, k, v, **opts, tile_size=tile_size,
+                                                                            dense_output=True, backend=b),
+        "anchor": lambda q, k, v, idx, b: kdax.kascade_anchor(q, k, v, **opts, tile_size=tile_size, backend=b),
+        "reuse": lambda q, k, v, idx, b: kdax.kascade_reuse(q, k, v, idx, head_map=head_map, tile_size=tile_size,
+                                                            backend=b),
     }  # fmt: skip
-    qd, kc, vc = _inputs(B, L, H, G, D, dtype, seed=2)
-    qd, lengths = qd[:, -1], jnp.full((B,), L, jnp.int32)
+    Bd = B if decode_batch is None else decode_batch
+    qd, kc, vc = _inputs(Bd, L, H, G, D, dtype, seed=2)
+    qd, lengths = qd[:, -1], jnp.full((Bd,), L, jnp.int32)
     didx, _ = kdax.kascade_anchor_decode(qd * 0.5, kc, vc, lengths, **opts)
     decode = {
-        "dense": lambda q, k, v, n, idx: jax.nn.dot_product_attention(q[:, None], k, v)[:, 0],
-        "anchor (dense output)": lambda q, k, v, n, idx: kdax.kascade_anchor_decode(q, k, v, n, **opts,
-                                                                                   dense_output=True),
-        "anchor": lambda q, k, v, n, idx: kdax.kascade_anchor_decode(q, k, v, n, **opts),
-        "reuse": lambda q, k, v, n, idx: kdax.kascade_reuse_decode(q, k, v, n, idx, head_map=head_map),
+        "dense": lambda q, k, v, n, idx, b: jax.nn.dot_product_attention(q[:, None], k, v)[:, 0],
+        "anchor (dense output)": lambda q, k, v, n, idx, b: kdax.kascade_anchor_decode(q, k, v, n, **opts,
+                                                                                      dense_output=True, backend=b),
+        "anchor": lambda q, k, v, n, idx, b: kdax.kascade_anchor_decode(q, k, v, n, **opts, backend=b),
+        "reuse": lambda q, k, v, n, idx, b: kdax.kascade_reuse_decode(q, k, v, n, idx, head_map=head_map,
+                                                                      backend=b),
     }  # fmt: skip
-    jobs = [("prefill", T, name, fn, (q, k, v, idx)) for name, fn in prefill.items()]
-    jobs += [("decode", L, name, fn, (qd, kc, vc, lengths, didx)) for name, fn in decode.items()]
+    jobs = []
+    for phase, n, fns, args in (("prefill", T, prefill, (q, k, v, idx)), ("decode", L, decode,
+                                                                         (qd, kc, vc, lengths, didx))):  # fmt: skip
+        jobs.append((phase, n, "-", "dense", fns["dense"], args))
+        jobs += [(phase, n, b, name, fn, args) for b in backends for name, fn in fns.items() if name != "dense"]
     bar = tqdm(jobs, desc="kdax bench --kascade", disable=not progress)
     rows, dense_ms = [], {}
-    for phase, n, name, fn, args in bar:
-        bar.set_postfix_str(f"{phase} {name}: compiling, then {repeats} timed calls")
-        f = jax.jit(fn)
+    for phase, n, backend, name, fn, args in bar:
+        bar.set_postfix_str(f"{phase} {backend} {name}: compiling, then {repeats} timed calls")
+        f = jax.jit(functools.partial(fn, b=backend))
         t = time_calls(lambda f=f, args=args: f(*args), repeats)
         out = f(*args)
         o = out[1] if isinstance(out, tuple) else out
         dense_ms.setdefault(phase, t.median)
         err = _error(name, o, args, head_map, opts, tile_size)
-        rows.append(Row(phase, n, name, t.median, (t.q25, t.q75), dense_ms[phase] / t.median, err))
-    for phase, n in (("prefill", T), ("decode", L)):
-        ms = {r.layer: r for r in rows if r.phase == phase}
-        avg = (ms["anchor (dense output)"].median_ms + (ANCHORS - 1) * ms["anchor"].median_ms
-               + (LAYERS - ANCHORS) * ms["reuse"].median_ms) / LAYERS  # fmt: skip
-        rows.append(Row(phase, n, f"{LAYERS}-layer average ({ANCHORS} anchors)", avg, (avg, avg),
-                        ms["dense"].median_ms / avg, None))  # fmt: skip
+        rows.append(Row(phase, n, backend, name, t.median, (t.q25, t.q75), dense_ms[phase] / t.median, err))
+        if name == "reuse":  # the backend's last layer kind of this phase
+            ms = {r.layer: r for r in rows if r.phase == phase and r.backend == backend}
+            avg = (ms["anchor (dense output)"].median_ms + (ANCHORS - 1) * ms["anchor"].median_ms
+                   + (LAYERS - ANCHORS) * ms["reuse"].median_ms) / LAYERS  # fmt: skip
+            rows.append(Row(phase, n, backend, f"{LAYERS}-layer average ({ANCHORS} anchors)", avg, (avg, avg),
+                            dense_ms[phase] / avg, None))  # fmt: skip
     return rows
 
 
@@ -120,8 +141,9 @@ def _error(name, o, args, head_map, opts, tile_size):
 
 def format_table(rows: list[Row]) -> str:
     """The rows as a markdown table with a legend."""
-    head = ("phase", "tokens", "layer", "median ms (IQR)", "x faster than dense", "rel. RMS error vs float64")
-    lines = [(r.phase, str(r.tokens), r.layer, f"{r.median_ms:.2f} ({r.iqr_ms[0]:.2f}-{r.iqr_ms[1]:.2f})",
+    head = ("phase", "tokens", "backend", "layer", "median ms (IQR)", "x faster than dense",
+            "rel. RMS error vs float64")  # fmt: skip
+    lines = [(r.phase, str(r.tokens), r.backend, r.layer, f"{r.median_ms:.2f} ({r.iqr_ms[0]:.2f}-{r.iqr_ms[1]:.2f})",
               f"{r.vs_dense:.2f}x", "-" if r.rel_err is None else f"{r.rel_err:.2e}") for r in rows]  # fmt: skip
     widths = [max(len(h), *(len(x[i]) for x in lines)) for i, h in enumerate(head)]
     fmt = lambda cols: "| " + " | ".join(c.ljust(w) for c, w in zip(cols, widths)) + " |"

@@ -110,6 +110,7 @@ def test_kdax_kascade_calibrate_writes_a_schedule(model, tmp_path, capsys):
     assert "anchors" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # 25 s of CI's budget; the study's own code path (run by hand)
 def test_quality_study_methods_agree_at_full_budget(model):
     from kdax.bench.kascade_quality import METHODS, baseline_indices, evaluate, format_table
 

@@ -10,19 +10,56 @@ import numpy as np
 
 from kdax.ops.common.dispatch import BACKENDS, OpBackends, register
 from kdax.ops.common.validation import fail
-from kdax.ops.kascade import reference, xla
+from kdax.ops.kascade import pallas_gpu, pallas_tpu, reference, xla
 from kdax.ops.kascade.checks import check_call, decode_k_max, prefill_k_max, row_lengths
 
-CONFIGS = {"xla": xla.Config}  # per-call kernel configs
+CONFIGS = {"xla": xla.Config, "pallas_tpu": pallas_tpu.Config, "pallas_gpu": pallas_gpu.Config}  # per-call configs
+Config = xla.Config | pallas_tpu.Config | pallas_gpu.Config
+# name: (xla's core, pallas_tpu's, pallas_gpu's), each taking the same arguments
+_CORES = {
+    "anchor": (xla.kascade_anchor_xla, pallas_tpu.kascade_anchor_tpu, pallas_gpu.kascade_anchor_gpu),
+    "reuse": (xla.kascade_reuse_xla, pallas_tpu.kascade_reuse_tpu, pallas_gpu.kascade_reuse_gpu),
+    "anchor_decode": (xla.kascade_anchor_decode_xla, pallas_tpu.kascade_anchor_decode_tpu,
+                      pallas_gpu.kascade_anchor_decode_gpu),
+    "reuse_decode": (xla.kascade_reuse_decode_xla, pallas_tpu.kascade_reuse_decode_tpu,
+                     pallas_gpu.kascade_reuse_decode_gpu),
+}  # fmt: skip
+
+
+def _refuse(kernels, dtype, config, asked, **_) -> str | None:
+    """Why these kernels do not take the inputs (None: they do); see OpBackends.refuse."""
+    if kernels == "pallas_gpu" and not asked and not pallas_gpu.VERIFIED_ON_GPU:
+        return "the GPU kernels are not yet verified on a GPU (kascade pallas_gpu.VERIFIED_ON_GPU)"
+    return None
+
+
 _OPS = {
-    name: register(OpBackends(name, ("xla",), CONFIGS))
+    name: register(OpBackends(name, tuple(CONFIGS), CONFIGS, _refuse))
     for name in ("kascade_anchor", "kascade_reuse", "kascade_anchor_decode", "kascade_reuse_decode")
 }
 
 
-def _check_common(backend, dense_output=False):
+def _core(op: str, backend: str):
+    core = _CORES[op][("xla", "pallas_tpu", "pallas_gpu").index(backend)]
+    return core if backend == "xla" else functools.partial(_forward_only, core, f"kascade_{op} ({backend})")
+
+
+def _forward_only(core, name, *args, **static):
+    """``core(*args, **static)``, refusing differentiation with a clear error (the kernels have no backward)."""
+    run = jax.custom_jvp(lambda *a: core(*a, **static))
+
+    @run.defjvp
+    def _(primals, tangents):
+        raise NotImplementedError(f"{name}: the Pallas kernels are forward-only; differentiate with backend='xla'")
+
+    return run(*args)
+
+
+def _check_common(backend, dense_output=False, dtype=None):
     if backend not in BACKENDS:
         fail("backend", f"one of {BACKENDS}", repr(backend))
+    if backend.startswith("pallas") and dtype == jnp.float64:
+        fail("q", f"float32 or bfloat16 inputs with backend={backend!r} (the kernels have no float64)", "float64")
     if not isinstance(dense_output, (bool, np.bool_)):
         fail("dense_output", "a bool", f"{type(dense_output).__name__} {dense_output!r}")
 
@@ -39,7 +76,7 @@ def _head_map(head_map, G: int) -> jax.Array:
 def kascade_anchor(
     q: jax.Array, k: jax.Array, v: jax.Array, *, topk_percent: float = 10, min_k: int = 128, tile_size: int = 32,
     scale: float | None = None, dense_output: bool = False, lengths: jax.Array | None = None, backend: str = "auto",
-    config: xla.Config | None = None,
+    config: Config | None = None,
 ) -> tuple[jax.Array, jax.Array]:  # fmt: skip
     """A Kascade anchor layer (prefill): exact attention picks each query tile's top-k keys.
 
@@ -57,9 +94,11 @@ def kascade_anchor(
         dense_output: return dense causal attention (a schedule's layer 0) instead of the sparse output.
         lengths: [B] ints, valid tokens of right-padded rows (None: all T); outputs past them are 0
             and tiles starting at or past them select nothing.
-        backend: "auto", "xla" or "naive" (the dense reference); :func:`kdax.explain_backend` says
-            what "auto" picks.
-        config: the backend's config (:class:`kdax.ops.kascade.xla.Config`), None for its default.
+        backend: "auto", "xla", "pallas_tpu", "pallas_gpu" (forward-only kernels) or "naive" (the
+            dense reference); :func:`kdax.explain_backend` says what "auto" picks.
+        config: the backend's config (:class:`kdax.ops.kascade.xla.Config`,
+            :class:`kdax.ops.kascade.pallas_tpu.Config`, :class:`kdax.ops.kascade.pallas_gpu.Config`),
+            None for its default.
 
     Returns:
         (indices, o): indices [B, G, ceil(T / tile_size), k_max] int32, each row its selection
@@ -70,7 +109,7 @@ def kascade_anchor(
         ValueError: a bad argument, named, with what was expected and what came.
         NotImplementedError: a backend this op lacks.
     """
-    _check_common(backend, dense_output)
+    _check_common(backend, dense_output, q.dtype)
     tenths, _ = check_call(q, k, v, lengths, topk_percent=topk_percent, min_k=min_k, tile_size=tile_size, scale=scale)
     B, T = q.shape[:2]
     backend, config = _OPS["kascade_anchor"].resolve(backend, q.dtype, config)
@@ -87,14 +126,14 @@ def _anchor(q, k, v, lengths, *, backend, config, tenths, min_k, tile_size, scal
         return reference.naive_kascade_anchor(q, k, v, topk_percent=tenths / 10, min_k=min_k, tile_size=tile_size,
                                               scale=scale, dense_output=dense_output, lengths=lengths)  # fmt: skip
     k_max = prefill_k_max(q.shape[1], tile_size, tenths, min_k)
-    return xla.kascade_anchor_xla(q, k, v, lengths, tenths=tenths, min_k=min_k, k_max=k_max, tile_size=tile_size,
+    return _core("anchor", backend)(q, k, v, lengths, tenths=tenths, min_k=min_k, k_max=k_max, tile_size=tile_size,
                                   scale=scale, dense_output=dense_output, cfg=config)  # fmt: skip
 
 
 def kascade_reuse(
     q: jax.Array, k: jax.Array, v: jax.Array, indices: jax.Array, *, head_map: jax.Array | None = None,
     tile_size: int = 32, scale: float | None = None, lengths: jax.Array | None = None, backend: str = "auto",
-    config: xla.Config | None = None,
+    config: Config | None = None,
 ) -> jax.Array:  # fmt: skip
     """A Kascade reuse layer (prefill): attend an anchor's selection, remapped per KV head.
 
@@ -117,7 +156,7 @@ def kascade_reuse(
         ValueError: a bad argument, named, with what was expected and what came.
         NotImplementedError: a backend this op lacks.
     """
-    _check_common(backend)
+    _check_common(backend, dtype=q.dtype)
     _, head_map = check_call(q, k, v, lengths, indices=indices, head_map=head_map, tile_size=tile_size, scale=scale)
     B, T, _, _ = q.shape
     G = k.shape[2]
@@ -131,13 +170,14 @@ def _reuse(q, k, v, indices, head_map, lengths, *, backend, config, tile_size, s
     if backend == "naive":
         return reference.naive_kascade_reuse(q, k, v, indices, head_map=head_map, tile_size=tile_size, scale=scale,
                                              lengths=lengths)  # fmt: skip
-    return xla.kascade_reuse_xla(q, k, v, lengths, indices[:, head_map], tile_size=tile_size, scale=scale, cfg=config)
+    return _core("reuse", backend)(q, k, v, lengths, _remapped(indices, head_map), tile_size=tile_size, scale=scale,
+                                   cfg=config)  # fmt: skip
 
 
 def kascade_anchor_decode(
     q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengths: jax.Array, *, topk_percent: float = 10,
     min_k: int = 128, scale: float | None = None, dense_output: bool = False, backend: str = "auto",
-    config: xla.Config | None = None,
+    config: Config | None = None,
 ) -> tuple[jax.Array, jax.Array]:  # fmt: skip
     """A Kascade anchor layer, one decode step: exact attention of the new token picks the top-k keys.
 
@@ -159,7 +199,7 @@ def kascade_anchor_decode(
         ValueError: a bad argument, named, with what was expected and what came.
         NotImplementedError: a backend this op lacks.
     """
-    _check_common(backend, dense_output)
+    _check_common(backend, dense_output, q.dtype)
     tenths, _ = check_call(q, k_cache, v_cache, lengths, decode=True, topk_percent=topk_percent, min_k=min_k,
                            scale=scale)  # fmt: skip
     backend, config = _OPS["kascade_anchor_decode"].resolve(backend, q.dtype, config)
@@ -173,14 +213,14 @@ def _anchor_decode(q, k_cache, v_cache, lengths, *, backend, config, tenths, min
         return reference.naive_kascade_anchor_decode(q, k_cache, v_cache, lengths, topk_percent=tenths / 10,
                                                      min_k=min_k, scale=scale, dense_output=dense_output)  # fmt: skip
     k_max = decode_k_max(k_cache.shape[1], tenths, min_k)
-    return xla.kascade_anchor_decode_xla(q, k_cache, v_cache, lengths, tenths=tenths, min_k=min_k, k_max=k_max,
+    return _core("anchor_decode", backend)(q, k_cache, v_cache, lengths, tenths=tenths, min_k=min_k, k_max=k_max,
                                          scale=scale, dense_output=dense_output, cfg=config)  # fmt: skip
 
 
 def kascade_reuse_decode(
     q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengths: jax.Array, indices: jax.Array, *,
     head_map: jax.Array | None = None, scale: float | None = None, backend: str = "auto",
-    config: xla.Config | None = None,
+    config: Config | None = None,
 ) -> jax.Array:  # fmt: skip
     """A Kascade reuse layer, one decode step: attend an anchor's selection only, remapped per KV head.
 
@@ -196,7 +236,7 @@ def kascade_reuse_decode(
         ValueError: a bad argument, named, with what was expected and what came.
         NotImplementedError: a backend this op lacks.
     """
-    _check_common(backend)
+    _check_common(backend, dtype=q.dtype)
     _, head_map = check_call(q, k_cache, v_cache, lengths, decode=True, indices=indices, head_map=head_map, scale=scale)
     G = k_cache.shape[2]
     backend, config = _OPS["kascade_reuse_decode"].resolve(backend, q.dtype, config)
@@ -209,4 +249,10 @@ def _reuse_decode(q, k_cache, v_cache, lengths, indices, head_map, *, backend, c
     if backend == "naive":
         return reference.naive_kascade_reuse_decode(q, k_cache, v_cache, lengths, indices, head_map=head_map,
                                                     scale=scale)  # fmt: skip
-    return xla.kascade_reuse_decode_xla(q, k_cache, v_cache, lengths, indices[:, head_map], scale=scale, cfg=config)
+    return _core("reuse_decode", backend)(q, k_cache, v_cache, lengths, _remapped(indices, head_map), scale=scale,
+                                          cfg=config)  # fmt: skip
+
+
+def _remapped(indices, head_map):
+    """indices [B, G, ...] with KV head g taking the anchor's head_map[g]."""
+    return jnp.take(indices, head_map, axis=1)

@@ -44,7 +44,7 @@ def _acc(dtype):
     return jnp.promote_types(dtype, jnp.float32)
 
 
-def _top(P, k_max, keep):
+def top(P, k_max, keep):
     """The ``keep`` [...] largest of P [..., S] (ties toward the smaller index), ascending, -1-padded to k_max."""
     if k_max == 0:
         return jnp.zeros((*P.shape[:-1], 0), jnp.int32)
@@ -52,6 +52,19 @@ def _top(P, k_max, keep):
     _, order = lax.top_k(P, k_max)
     order = jnp.sort(jnp.where(jnp.arange(k_max) < keep[..., None], order, S), axis=-1)
     return jnp.where(order < S, order, -1).astype(jnp.int32)
+
+
+def select(pooled, starts, lengths, *, tenths, min_k, k_max):
+    """The selection of query tiles from their pooled probabilities.
+
+    pooled [B, G, n, S] (entries at keys j >= the tile's start are ignored); starts [n] the
+    tiles' first positions; lengths [B]. Returns indices [B, G, n, k_max] int32: each tile's
+    budget of largest keys before it, ascending, then -1 (none for tiles at or past a row's length).
+    """
+    S = pooled.shape[-1]
+    pooled = jnp.where(jnp.arange(S)[None, :] < starts[:, None], pooled, -jnp.inf)
+    keep = budget(starts, tenths, min_k)[None] * (starts[None] < lengths[:, None])  # [B, n]
+    return top(pooled, k_max, keep[:, None])
 
 
 def _gather(x, indices):
@@ -124,10 +137,7 @@ def kascade_anchor_xla(q, k, v, lengths, *, tenths, min_k, k_max, tile_size, sca
         valid_q = rows[None] < lengths[:, None, None]  # [B, nb, tile]
         allowed = (keys <= rows[..., None])[None] & valid_q[..., None]  # [B, nb, tile, S]
         p = masked_softmax(s, allowed[:, None, None])  # [B, G, R, nb, tile, S]
-        starts = rows[:, 0]
-        pooled = jnp.where(keys[None, :] < starts[:, None], p.sum(axis=(2, 4)), -jnp.inf)  # [B, G, nb, S]
-        keep = budget(starts, tenths, min_k)[None] * (starts[None] < lengths[:, None])  # [B, nb]
-        idx = _top(pooled, k_max, keep[:, None])
+        idx = select(p.sum(axis=(2, 4)), rows[:, 0], lengths, tenths=tenths, min_k=min_k, k_max=k_max)
         if dense_output:
             o = jnp.einsum("bgrnts,bgsd->bntgrd", p, vt.astype(acc), precision=prec)
         else:
@@ -178,7 +188,7 @@ def kascade_anchor_decode_xla(q, k_cache, v_cache, lengths, *, tenths, min_k, k_
     acc, prec = _acc(q.dtype), _precision(q.dtype)
     s, valid = _decode_scores(q, k_cache, lengths, scale)
     p = masked_softmax(s, valid[:, None, None])
-    idx = _top(jnp.where(valid[:, None], p.sum(axis=2), -jnp.inf), k_max, budget(lengths, tenths, min_k)[:, None])
+    idx = top(jnp.where(valid[:, None], p.sum(axis=2), -jnp.inf), k_max, budget(lengths, tenths, min_k)[:, None])
     if dense_output:
         o = jnp.einsum("bgrs,bsgd->bgrd", p, v_cache.astype(acc), precision=prec)
         return idx, o.reshape(q.shape).astype(q.dtype)

@@ -11,7 +11,8 @@ import pytest
 
 import kdax
 from kdax.bench.measure import rel_rms
-from kdax.ops.kascade import api, reference, xla
+from kdax.ops.common import dispatch
+from kdax.ops.kascade import api, pallas_gpu, reference, xla
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,11 +252,16 @@ def test_references_check_their_inputs_as_the_ops_do():
         reference.naive_kascade_reuse(q, k, v, jnp.zeros((2, 2, 4, 4), jnp.int32), tile_size=20)
 
 
-def test_auto_runs_xla_off_accelerators_and_names_kascade_ops():
+def test_auto_picks_the_devices_kernels_and_names_kascade_ops():
     assert kdax.explain_backend(op="kascade_anchor") == ("xla", "no kernels for this device (cpu)")
     with kdax.use_backend("pallas_gpu"):
-        assert kdax.explain_backend(op="kascade_reuse_decode") == ("xla", "the op has no pallas_gpu kernels")
-    with pytest.raises(NotImplementedError, match="pallas_tpu"):
+        assert kdax.explain_backend(op="kascade_reuse_decode") == ("pallas_gpu", "kdax.use_backend('pallas_gpu')")
+    with dispatch.building_for("tpu"):
+        assert kdax.explain_backend(op="kascade_anchor_decode") == ("pallas_tpu", "the device's kernels")
+        assert kdax.explain_backend(jnp.float64, op="kascade_anchor")[0] == "xla"
+    with dispatch.building_for("gpu"):  # not yet verified on a GPU: asked for, not chosen
+        assert kdax.explain_backend(op="kascade_reuse")[0] == ("pallas_gpu" if pallas_gpu.VERIFIED_ON_GPU else "xla")
+    with pytest.raises(ValueError, match="q: expected float32 or bfloat16 inputs with backend='pallas_tpu'"):
         kdax.kascade_reuse(*inputs(Case("x"))[:3], jnp.zeros((2, 2, 7, 4), jnp.int32), tile_size=16,
                            backend="pallas_tpu")  # fmt: skip
 

@@ -1,0 +1,430 @@
+"""Kascade as Mosaic TPU kernels (``backend="pallas_tpu"``): forward only.
+
+The same four kernels as the GPU backend (docs/kascade_tpu.md), on the packed layout of
+:mod:`kdax.ops.kascade.blocks`; K and V stay in HBM and the kernels copy what they read
+into VMEM by DMA, two blocks in flight:
+
+- ``kascade_attend`` (grid B, G, NT): a query tile attends key blocks, then its own causal
+  block (a VMEM block of the grid). Dense: each block one strided DMA. Sparse: each block's
+  indices copied to SMEM (to drive the copies) and VMEM (for the masks), then one DMA per
+  selected row, ``block_k`` rows a block.
+- ``kascade_scores`` (grid B, G, NT): a tile's pooled probabilities, key block by key block
+  up to the tile (blocks past it are neither read nor computed).
+- ``kascade_decode_scores`` (grid B, G, splits): one token's log2 scores over a split of the
+  cache read in place ``[B, L, G, D]`` (a strided DMA per block) and, for a dense output,
+  the split's partial softmax.
+
+Work loops inside programs rather than over grid steps (each TPU grid step costs about
+0.35 us, more than a [128, 128] x [128, 512] product), so the grids stay at one program per
+query tile or cache split.
+- ``kascade_decode_attend`` (grid B, G, splits): split-K over the selected rows, gathered as
+  in the sparse attend.
+
+Off TPU the kernels run in the Pallas TPU interpreter (for tests; slow).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from kdax.ops.common import dispatch
+from kdax.ops.common.arrays import LOG2E, round_up
+from kdax.ops.kascade import blocks as bl
+
+LANE = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """The pallas_tpu backend's per-call config (``kascade_anchor(..., config=pallas_tpu.Config(...))``).
+
+    Attributes:
+        block_k: keys per step of the attend kernels (a multiple of 8).
+        block_scores: keys per program of the scoring kernel (a multiple of 128).
+        block_decode: keys per step of the decode kernels (a multiple of 128).
+        splits: cache splits per decode row; None: 1 when B * G >= 8, else enough for 8 programs.
+        interpret: run in the Pallas TPU interpreter; None: unless on a TPU (or lowering for one).
+        detect_races: in the interpreter, check the kernels for data races.
+
+    Raises:
+        ValueError: from :meth:`resolved`, naming the field that is out of range.
+    """
+
+    block_k: int = 128
+    block_scores: int = 512
+    block_decode: int = 512
+    splits: int | None = None
+    interpret: bool | None = None
+    detect_races: bool = False
+
+    def resolved(self) -> Config:
+        """This config, its fields checked, with ``interpret`` None replaced by what it means here."""
+        if self.block_k < 8 or self.block_k % 8:
+            raise ValueError(f"config.block_k: expected a multiple of 8, got {self.block_k}")
+        for name in ("block_scores", "block_decode"):
+            if (n := getattr(self, name)) < LANE or n % LANE:
+                raise ValueError(f"config.{name}: expected a multiple of {LANE}, got {n}")
+        if self.splits is not None and (isinstance(self.splits, bool) or self.splits < 1):
+            raise ValueError(f"config.splits: expected None or an int >= 1, got {self.splits!r}")
+        interpret = dispatch.platform() != "tpu" if self.interpret is None else self.interpret
+        return dataclasses.replace(self, interpret=interpret)
+
+
+def _call(kernel, **kwargs):
+    """``pl.pallas_call`` traced with 32-bit Python scalars (Mosaic's index arithmetic is int32; the
+    kernels' arrays have explicit dtypes, so this only keeps ``jax_enable_x64`` out of them)."""
+
+    def run(*args):
+        with jax.enable_x64(False):
+            return pl.pallas_call(kernel, **kwargs)(*args)
+
+    return run
+
+
+def _interpret(cfg: Config):
+    return pltpu.InterpretParams(detect_races=cfg.detect_races) if cfg.interpret else False
+
+
+class _Blocks:
+    """K/V blocks of ``n`` rows copied from HBM into the VMEM buffers kbuf, vbuf [2, n, D] by DMA,
+    two slots so one block is read while the next is in flight (K alone when v_hbm is None).
+
+    ``src(x, j, n)`` is the HBM slice of x [.., rows, D] holding rows j .. j + n - 1 of the head.
+    With ``sel`` (idx_hbm(i) the [1, n] slice of block i's indices, idx_smem [2, n],
+    idx_vmem [2, 1, n]) block i's rows are its selection, one DMA each (index -1 reads row 0);
+    without, rows i * n onward.
+    """
+
+    def __init__(self, k_hbm, v_hbm, src, kbuf, vbuf, sems, n, sel=None):
+        self.k, self.v, self.src, self.kbuf, self.vbuf, self.sems, self.n, self.sel = (
+            k_hbm, v_hbm, src, kbuf, vbuf, sems, n, sel)  # fmt: skip
+
+    def _copies(self, slot, j, r, rows):
+        pairs = ((self.k, self.kbuf), (self.v, self.vbuf))[: 1 if self.v is None else 2]
+        return [pltpu.make_async_copy(self.src(x, j, rows), buf.at[slot, pl.ds(r, rows)], self.sems.at[a, slot])
+                for a, (x, buf) in enumerate(pairs)]  # fmt: skip
+
+    def start(self, i, slot):
+        if self.sel is None:
+            for c in self._copies(slot, i * self.n, 0, self.n):
+                c.start()
+            return
+        idx_hbm, idx_smem, idx_vmem = self.sel
+        for dst, a in ((idx_smem.at[slot], 2), (idx_vmem.at[slot], 3)):
+            src = idx_hbm(i).at[0] if a == 2 else idx_hbm(i)
+            c = pltpu.make_async_copy(src, dst, self.sems.at[a, slot])
+            c.start()
+            c.wait()
+
+        @pl.loop(0, self.n)
+        def _(r):
+            for c in self._copies(slot, jnp.maximum(idx_smem[slot, r], 0), r, 1):
+                c.start()
+
+    def wait(self, slot):
+        if self.sel is None:
+            for c in self._copies(slot, 0, 0, self.n):
+                c.wait()
+            return
+
+        @pl.loop(0, self.n)
+        def _(r):
+            for c in self._copies(slot, 0, 0, 1):
+                c.wait()
+
+    def keys(self, i, slot):
+        """[1, n] the positions of block i's rows (its indices with a selection)."""
+        if self.sel is None:
+            return i * self.n + lax.broadcasted_iota(jnp.int32, (1, self.n), 1)
+        return self.sel[2][slot]
+
+    def scan(self, count, step, state):
+        """Fold ``step(state, i, keys [1, n], kb [n, D], vb [n, D] or None)`` over blocks 0 .. count - 1."""
+
+        @pl.when(count > 0)
+        def _():
+            self.start(0, 0)
+
+        def body(i, state):
+            slot = bl.rem(i, 2)
+
+            @pl.when(i + 1 < count)
+            def _():
+                self.start(i + 1, 1 - slot)
+
+            self.wait(slot)
+            return step(state, i, self.keys(i, slot), self.kbuf[slot], None if self.v is None else self.vbuf[slot])
+
+        return lax.fori_loop(0, count, body, state)
+
+
+def _scratch(n, D, dtype, sparse):
+    shapes = [pltpu.VMEM((2, n, D), dtype), pltpu.VMEM((2, n, D), dtype), pltpu.SemaphoreType.DMA((4, 2))]
+    if sparse:
+        shapes += [pltpu.SMEM((2, n), jnp.int32), pltpu.VMEM((2, 1, n), jnp.int32)]
+    return shapes
+
+
+# ----------------------------------------------------------------------------- prefill kernels
+
+
+def _attend_kernel(lengths_ref, nblk_ref, q_ref, k_hbm, v_hbm, kd_ref, vd_ref, *rest, tile, R, Rp, bk, sparse, scale2,
+                   prec):  # fmt: skip
+    """Grid (B, G, NT). q, o [tile * Rp, D]; k, v [B, G, Tp, D] in HBM; kd, vd [tile, D] the
+    tile's own keys; lse [rows, 1]; with ``sparse`` idx [B, G, NT, 1, Kp] in HBM."""
+    if sparse:
+        idx_hbm, o_ref, lse_ref, kbuf, vbuf, sems, idx_smem, idx_vmem = rest
+    else:
+        o_ref, lse_ref, kbuf, vbuf, sems = rest
+    b, g, t = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    rows = tile * Rp
+    start = t * tile
+    pos, row_ok = bl.row_mask(rows, Rp, R, start, lengths_ref[b])
+    q = q_ref[...]
+
+    def attend(state, ok, kb, vb):
+        s2 = jnp.where(ok & row_ok, bl.dot_nt(q, kb, prec) * scale2, -jnp.inf)
+        return bl.softmax_step(state, s2, vb, prec)
+
+    sel = None
+    if sparse:
+        sel = (lambda i: idx_hbm.at[b, g, t, :, pl.ds(i * bk, bk)], idx_smem, idx_vmem)
+    src = lambda x, j, n: x.at[b, g, pl.ds(j, n)]
+    reads = _Blocks(k_hbm, v_hbm, src, kbuf, vbuf, sems, bk, sel)
+    count = nblk_ref[0, 0] if sparse else bl.cdiv(start, bk)
+    state = reads.scan(count, lambda s, i, keys, kb, vb: attend(s, (keys >= 0) & (keys < start), kb, vb),
+                       bl.start_softmax(rows, q.shape[1]))  # fmt: skip
+    keys = start + lax.broadcasted_iota(jnp.int32, (1, tile), 1)
+    o, lse2 = bl.finish_softmax(attend(state, keys <= pos, kd_ref[...], vd_ref[...]))
+    o_ref[...] = jnp.where(row_ok, o, 0.0).astype(o_ref.dtype)
+    lse_ref[...] = lse2
+
+
+def _scores_kernel(lengths_ref, q_ref, lse_ref, k_hbm, p_ref, kbuf, sems, *, tile, R, Rp, bs, scale2, prec):
+    """Grid (B, G, NT). q [rows, D]; lse [rows, 1]; k [B, G, Tp, D] in HBM; p [Tp / bs, bs]: the
+    tile's pooled probabilities of the keys before it, a row per key block (the rest not written)."""
+    b, g, t = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    start = t * tile
+    _, row_ok = bl.row_mask(tile * Rp, Rp, R, start, lengths_ref[b])
+    q, lse2 = q_ref[...], lse_ref[...]
+
+    def step(state, c, keys, kb, vb):
+        s2 = bl.dot_nt(q, kb, prec) * scale2
+        p_ref[pl.ds(c, 1), :] = bl.pooled(s2, lse2, row_ok & (keys < start)).astype(p_ref.dtype)
+        return state
+
+    reads = _Blocks(k_hbm, None, lambda x, j, n: x.at[b, g, pl.ds(j, n)], kbuf, None, sems, bs)
+    reads.scan(bl.cdiv(start, bs), step, jnp.int32(0))
+
+
+def _attend(qp, kp, vp, lengths, indices, plan: bl.Plan, *, cfg):
+    """The attend kernel over packed inputs; indices None for the dense pass.
+    Returns (o [B, G, Tp * Rp, D], lse2 [B, G, Tp * Rp, 1])."""
+    B, G, _, D = kp.shape
+    NT, rows, bk, tile_size = plan.NT, plan.rows, cfg.block_k, plan.tile_size
+    sparse = indices is not None
+    qspec = pl.BlockSpec((None, None, rows, D), lambda b, g, t, *_: (b, g, t, 0))
+    own = pl.BlockSpec((None, None, tile_size, D), lambda b, g, t, *_: (b, g, t, 0))
+    hbm = pl.BlockSpec(memory_space=pl.ANY)
+    nblk = jnp.zeros((B, G, NT), jnp.int32)
+    args, in_specs = [qp, kp, vp, kp, vp], [qspec, hbm, hbm, own, own]
+    if sparse:
+        nblk = bl.selection_blocks(indices, bk)
+        args.append(bl.pad_selection(indices, round_up(max(indices.shape[-1], 1), bk))[:, :, :, None])
+        in_specs.append(hbm)
+    kernel = functools.partial(_attend_kernel, tile=tile_size, R=plan.R, Rp=plan.Rp, bk=bk, sparse=sparse,
+                               scale2=plan.scale2, prec=bl.precision(qp.dtype))  # fmt: skip
+    # one count per program, [.., 1, 1] blocks: the last two dims of a TPU block are the array's or tiled
+    nblk_spec = pl.BlockSpec((None, None, None, 1, 1), lambda b, g, t, *_: (b, g, t, 0, 0), memory_space=pltpu.SMEM)
+    return _call(
+        kernel, name="kascade_attend",
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1, grid=(B, G, NT), in_specs=[nblk_spec, *in_specs],
+            out_specs=[qspec, pl.BlockSpec((None, None, rows, 1), lambda b, g, t, *_: (b, g, t, 0))],
+            scratch_shapes=_scratch(bk, D, qp.dtype, sparse)),
+        out_shape=[jax.ShapeDtypeStruct(qp.shape, qp.dtype), jax.ShapeDtypeStruct((*qp.shape[:3], 1), jnp.float32)],
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",) * 3), interpret=_interpret(cfg),
+    )(lengths, nblk[..., None, None], *args)  # fmt: skip
+
+
+def _scores(qp, kp, lse2, lengths, plan: bl.Plan, *, cfg):
+    """Pooled probabilities P [B, G, NT, Tp] (in q's dtype; only keys before each tile written)."""
+    B, G, Tp, D = kp.shape
+    NT, rows, bs = plan.NT, plan.rows, cfg.block_scores
+    kernel = functools.partial(_scores_kernel, tile=plan.tile_size, R=plan.R, Rp=plan.Rp, bs=bs, scale2=plan.scale2,
+                               prec=bl.precision(qp.dtype))  # fmt: skip
+    P = _call(
+        kernel, name="kascade_scores",
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1, grid=(B, G, NT),
+            in_specs=[pl.BlockSpec((None, None, rows, D), lambda b, g, t, *_: (b, g, t, 0)),
+                      pl.BlockSpec((None, None, rows, 1), lambda b, g, t, *_: (b, g, t, 0)),
+                      pl.BlockSpec(memory_space=pl.ANY)],
+            out_specs=pl.BlockSpec((None, None, None, Tp // bs, bs), lambda b, g, t, *_: (b, g, t, 0, 0)),
+            scratch_shapes=[pltpu.VMEM((2, bs, D), qp.dtype), pltpu.SemaphoreType.DMA((4, 2))]),
+        out_shape=jax.ShapeDtypeStruct((B, G, NT, Tp // bs, bs), qp.dtype),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",) * 3), interpret=_interpret(cfg),
+    )(lengths, qp, lse2, kp)  # fmt: skip
+    return P.reshape(B, G, NT, Tp)
+
+
+def _plan(q, k, tile_size, scale, cfg) -> bl.Plan:
+    # tile_size >= 16: a tile's rows fill whole sublanes with R rows a token; D needs no padding
+    return bl.Plan.make(q, k, tile_size, scale, Rp=q.shape[2] // k.shape[2], Dp=q.shape[3],
+                        block=max(cfg.block_k, cfg.block_scores))  # fmt: skip
+
+
+def kascade_anchor_tpu(q, k, v, lengths, *, tenths, min_k, k_max, tile_size, scale, dense_output, cfg):
+    """See :func:`kdax.kascade_anchor`. Returns (indices [B, G, NT, k_max] int32, o [B, T, H, D])."""
+    return bl.anchor(functools.partial(_attend, cfg=cfg), functools.partial(_scores, cfg=cfg), q, k, v, lengths,
+                     _plan(q, k, tile_size, scale, cfg), tenths=tenths, min_k=min_k, k_max=k_max,
+                     dense_output=dense_output)  # fmt: skip
+
+
+def kascade_reuse_tpu(q, k, v, lengths, indices, *, tile_size, scale, cfg):
+    """See :func:`kdax.kascade_reuse`. indices [B, G, NT, k] already remapped. Returns o [B, T, H, D]."""
+    return bl.reuse(functools.partial(_attend, cfg=cfg), q, k, v, lengths, indices, _plan(q, k, tile_size, scale, cfg))
+
+
+# ----------------------------------------------------------------------------- decode kernels
+
+
+def _decode_scores_kernel(lengths_ref, q_ref, k_hbm, *rest, R, bd, nl, scale2, prec, with_output):
+    """Grid (B, G, splits). q [Rq, D]; k (and v) [B, Lp, G, D] in HBM; s [Rq, nl, bd]: the
+    split's log2 scores, a row per key block (written below the row's length); with_output the
+    split's partial acc [Rq, D], m, l [Rq, 1]."""
+    if with_output:
+        v_hbm, s_ref, acc_ref, m_ref, l_ref, kbuf, vbuf, sems = rest
+    else:
+        (s_ref, kbuf, sems), v_hbm, vbuf = rest, None, None
+    b, g, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    length = lengths_ref[b]
+    key0 = sp * nl * bd
+    q = q_ref[...]
+    row_ok = lax.broadcasted_iota(jnp.int32, (q.shape[0], 1), 0) < R
+
+    def step(state, i, keys, kb, vb):
+        s2 = jnp.where(row_ok & (key0 + keys < length), bl.dot_nt(q, kb, prec) * scale2, -jnp.inf)
+        for r in range(q.shape[0]):  # scores of block i: a sublane row of each query's [nl, bd]
+            s_ref[r, pl.ds(i, 1), :] = s2[r : r + 1]
+        return bl.softmax_step(state, s2, vb, prec) if with_output else state
+
+    reads = _Blocks(k_hbm, v_hbm, lambda x, j, n: x.at[b, pl.ds(key0 + j, n), g], kbuf, vbuf, sems, bd)
+    count = jnp.clip(bl.cdiv(jnp.maximum(length - key0, 0), bd), 0, nl)
+    state = reads.scan(count, step, bl.start_softmax(*q.shape))
+    if with_output:
+        m, l, acc = state
+        acc_ref[...], m_ref[...], l_ref[...] = acc, m, l
+
+
+def _decode_attend_kernel(lengths_ref, nblk_ref, q_ref, k_hbm, v_hbm, idx_hbm, acc_ref, m_ref, l_ref, kbuf, vbuf,
+                          sems, idx_smem, idx_vmem, *, R, bd, per_split, scale2, prec):  # fmt: skip
+    """Grid (B, G, splits). q [Rq, D]; k, v [B, Lp, G, D] and idx [B, G, 1, Kp] in HBM; out:
+    the split's partial acc [Rq, D], m, l [Rq, 1]."""
+    b, g, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    length = lengths_ref[b]
+    q = q_ref[...]
+    row_ok = lax.broadcasted_iota(jnp.int32, (q.shape[0], 1), 0) < R
+    sel = (lambda i: idx_hbm.at[b, g, :, pl.ds((sp * per_split + i) * bd, bd)], idx_smem, idx_vmem)
+    reads = _Blocks(k_hbm, v_hbm, lambda x, j, n: x.at[b, pl.ds(j, n), g], kbuf, vbuf, sems, bd, sel)
+
+    def step(state, i, keys, kb, vb):
+        s2 = jnp.where(row_ok & (keys >= 0) & (keys < length), bl.dot_nt(q, kb, prec) * scale2, -jnp.inf)
+        return bl.softmax_step(state, s2, vb, prec)
+
+    count = jnp.clip(nblk_ref[b, g] - sp * per_split, 0, per_split)
+    acc_ref[...], m_ref[...], l_ref[...] = _acc_first(reads.scan(count, step, bl.start_softmax(*q.shape)))
+
+
+def _acc_first(state):
+    m, l, acc = state
+    return acc, m, l
+
+
+def _decode_plan(q, k_cache, cfg, keys):
+    """(Rq, splits, key blocks per split) for ``keys`` keys per row."""
+    B, H, _ = q.shape
+    G = k_cache.shape[2]
+    Rq = round_up(H // G, 8)
+    blocks = max(1, -(-keys // cfg.block_decode))
+    S = cfg.splits or max(1, -(-8 // (B * G)))
+    S = min(S, blocks)
+    return Rq, S, -(-blocks // S)
+
+
+def _cache_in_place(x, bd):
+    """The cache [B, L, G, D] as the kernels read it, [B, Lp, G, D]: in place when L is a
+    multiple of the decode block (else a padded copy), so every block lies inside it."""
+    Lp = round_up(x.shape[1], bd)
+    return x if Lp == x.shape[1] else jnp.pad(x, ((0, 0), (0, Lp - x.shape[1]), (0, 0), (0, 0)))
+
+
+def _partials(B, G, S, Rq, D, index_map):
+    shapes = [jax.ShapeDtypeStruct((B, G, S, Rq, d), jnp.float32) for d in (D, 1, 1)]
+    return [pl.BlockSpec((None, None, None, Rq, d), index_map) for d in (D, 1, 1)], shapes
+
+
+def kascade_anchor_decode_tpu(q, k_cache, v_cache, lengths, *, tenths, min_k, k_max, scale, dense_output, cfg):
+    """See :func:`kdax.kascade_anchor_decode`. Returns (indices [B, G, k_max] int32, o [B, H, D])."""
+    B, H, D = q.shape
+    L, G = k_cache.shape[1:3]
+    bd = cfg.block_decode
+    Rq, S, nl = _decode_plan(q, k_cache, cfg, L)
+    hbm = pl.BlockSpec(memory_space=pl.ANY)
+    index = lambda b, g, s, *_: (b, g, s, 0, 0, 0)
+    in_specs = [pl.BlockSpec((None, None, Rq, D), lambda b, g, s, *_: (b, g, 0, 0)), hbm]
+    args = [bl.pack_decode_queries(q, G, Rq, D), _cache_in_place(k_cache, bd)]
+    out_specs = [pl.BlockSpec((None, None, None, Rq, nl, bd), index)]
+    out_shape = [jax.ShapeDtypeStruct((B, G, S, Rq, nl, bd), jnp.float32)]
+    scratch = [pltpu.VMEM((2, bd, D), q.dtype)]
+    if dense_output:
+        in_specs.append(hbm)
+        args.append(_cache_in_place(v_cache, bd))
+        specs, shapes = _partials(B, G, S, Rq, D, lambda b, g, s, *_: (b, g, s, 0, 0))
+        out_specs, out_shape = out_specs + specs, out_shape + shapes
+        scratch.append(pltpu.VMEM((2, bd, D), q.dtype))
+    kernel = functools.partial(_decode_scores_kernel, R=H // G, bd=bd, nl=nl, scale2=scale * LOG2E,
+                               prec=bl.precision(q.dtype), with_output=dense_output)  # fmt: skip
+    s2, *parts = _call(
+        kernel, name="kascade_decode_scores",
+        grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=1, grid=(B, G, S), in_specs=in_specs,
+                                               out_specs=out_specs,
+                                               scratch_shapes=[*scratch, pltpu.SemaphoreType.DMA((4, 2))]),
+        out_shape=out_shape, interpret=_interpret(cfg),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",) * 3),
+    )(lengths, *args)  # fmt: skip
+    s2 = s2.transpose(0, 1, 3, 2, 4, 5).reshape(B, G, Rq, S * nl * bd)
+    idx, _ = bl.decode_selection(s2, lengths, R=H // G, L=L, tenths=tenths, min_k=min_k, k_max=k_max)
+    if dense_output:
+        return idx, bl.decode_output(*parts, q)
+    return idx, kascade_reuse_decode_tpu(q, k_cache, v_cache, lengths, idx, scale=scale, cfg=cfg)
+
+
+def kascade_reuse_decode_tpu(q, k_cache, v_cache, lengths, indices, *, scale, cfg):
+    """See :func:`kdax.kascade_reuse_decode`. indices [B, G, k] already remapped. Returns o [B, H, D]."""
+    B, H, D = q.shape
+    G = k_cache.shape[2]
+    bd = min(cfg.block_k, round_up(max(indices.shape[-1], 1), 8))
+    Rq, S, per_split = _decode_plan(q, k_cache, dataclasses.replace(cfg, block_decode=bd), indices.shape[-1])
+    hbm = pl.BlockSpec(memory_space=pl.ANY)
+    specs, shapes = _partials(B, G, S, Rq, D, lambda b, g, s, *_: (b, g, s, 0, 0))
+    kernel = functools.partial(_decode_attend_kernel, R=H // G, bd=bd, per_split=per_split, scale2=scale * LOG2E,
+                               prec=bl.precision(q.dtype))  # fmt: skip
+    idx = bl.pad_selection(indices, S * per_split * bd)[:, :, None]
+    parts = _call(
+        kernel, name="kascade_decode_attend",
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2, grid=(B, G, S),
+            in_specs=[pl.BlockSpec((None, None, Rq, D), lambda b, g, s, *_: (b, g, 0, 0)), hbm, hbm, hbm],
+            out_specs=specs, scratch_shapes=_scratch(bd, D, q.dtype, True)),
+        out_shape=shapes, interpret=_interpret(cfg),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",) * 3),
+    )(lengths, bl.selection_blocks(indices, bd), bl.pack_decode_queries(q, G, Rq, D), k_cache, v_cache, idx)  # fmt: skip
+    return bl.decode_output(*parts, q)

@@ -1,0 +1,153 @@
+"""The Kascade Pallas kernels of both platforms in the Pallas interpreter against the float64
+definitions (small shapes: CI time), and lowered for their platform on this machine."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kdax
+from kdax.bench.measure import rel_rms
+from kdax.ops.kascade import pallas_gpu, pallas_tpu, reference
+
+# Small blocks, so every loop takes several steps (TPU's lane-sized blocks cover these T at once).
+# Compiled on their device (scripts/gpu_session.sh kascade), in the interpreter elsewhere.
+KERNELS = {
+    "pallas_tpu": pallas_tpu.Config(block_k=8),
+    "pallas_gpu": pallas_gpu.Config(block_k=16, block_scores=16, block_decode=16, splits=2),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    B: int = 2
+    T: int = 40  # not a multiple of the tile
+    H: int = 4
+    G: int = 2
+    D: int = 16
+    tile_size: int = 16
+    lengths: tuple[int, ...] | None = None
+
+    def __str__(self) -> str:
+        return self.name
+
+
+CASES = [Case("gqa_lengths_40_23", lengths=(40, 23)), Case("mha_D60", B=1, T=50, G=4, D=60)]
+OPTIONS = {"topk_percent": 20, "min_k": 4}
+
+
+def inputs(case: Case, dtype, seed=0):
+    """q, k, v rounded to ``dtype`` and the same values in float64 (peaked attention: clear margins)."""
+    r = np.random.default_rng(seed)
+    q = r.standard_normal((case.B, case.T, case.H, case.D)) * 1.5
+    k, v = (r.standard_normal((case.B, case.T, case.G, case.D)) for _ in range(2))
+    low = [jnp.asarray(x, dtype) for x in (q, k, v)]
+    return low, [x.astype(jnp.float64) for x in low]
+
+
+def _lengths(case):
+    return None if case.lengths is None else jnp.asarray(case.lengths, jnp.int32)
+
+
+@pytest.mark.parametrize("backend", KERNELS)
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_prefill_matches_definition_in_fp32(backend, case):
+    """Anchor (sparse and dense output) and reuse with a head map that permutes the KV heads."""
+    (q, k, v), exact = inputs(case, jnp.float32)
+    lengths, opts = _lengths(case), dict(OPTIONS, tile_size=case.tile_size)
+    want_idx, want = reference.naive_kascade_anchor(*exact, **opts, lengths=lengths)
+    head_map = np.arange(case.G)[::-1].copy()
+    want_reuse = reference.naive_kascade_reuse(*exact, want_idx, head_map=head_map, tile_size=case.tile_size,
+                                               lengths=lengths)  # fmt: skip
+    want_dense = reference.naive_attention(*exact, lengths=lengths)
+    cfg = KERNELS[backend]
+    idx, o = kdax.kascade_anchor(q, k, v, **opts, lengths=lengths, backend=backend, config=cfg)
+    np.testing.assert_array_equal(idx, want_idx)
+    assert o.dtype == jnp.float32 and rel_rms(o, want) <= 1e-5
+    if lengths is not None:  # the dense output once per backend (CI time)
+        _, dense = kdax.kascade_anchor(q, k, v, **opts, lengths=lengths, dense_output=True, backend=backend,
+                                       config=cfg)  # fmt: skip
+        assert rel_rms(dense, want_dense) <= 1e-5
+    o = kdax.kascade_reuse(q, k, v, want_idx, head_map=head_map, tile_size=case.tile_size, lengths=lengths,
+                           backend=backend, config=cfg)  # fmt: skip
+    assert rel_rms(o, want_reuse) <= 1e-5
+    if lengths is not None:
+        assert not np.asarray(o)[np.arange(case.T)[None, :] >= np.asarray(lengths)[:, None]].any()
+
+
+@pytest.mark.parametrize("backend", KERNELS)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+def test_decode_matches_definition(backend, dtype):
+    """Anchor (sparse, dense) and reuse decode over rows of different lengths, an empty one too."""
+    case = Case("decode", B=3, T=40, G=2)
+    (q, k, v), exact = inputs(case, dtype)
+    lengths = jnp.asarray([40, 1, 0], jnp.int32)
+    head_map = np.asarray([1, 0])
+    want_idx, want = reference.naive_kascade_anchor_decode(exact[0][:, 9], *exact[1:], lengths, **OPTIONS)
+    _, want_dense = reference.naive_kascade_anchor_decode(exact[0][:, 9], *exact[1:], lengths, **OPTIONS,
+                                                          dense_output=True)  # fmt: skip
+    want_reuse = reference.naive_kascade_reuse_decode(exact[0][:, 9], *exact[1:], lengths, want_idx,
+                                                      head_map=head_map)  # fmt: skip
+    cfg, bar = KERNELS[backend], 1e-5 if dtype == jnp.float32 else 1e-2
+    idx, o = kdax.kascade_anchor_decode(q[:, 9], k, v, lengths, **OPTIONS, backend=backend, config=cfg)
+    np.testing.assert_array_equal(idx, want_idx)
+    assert o.dtype == dtype and rel_rms(o, want) <= bar and not np.asarray(o[2]).any()
+    _, dense = kdax.kascade_anchor_decode(q[:, 9], k, v, lengths, **OPTIONS, dense_output=True, backend=backend,
+                                          config=cfg)  # fmt: skip
+    assert rel_rms(dense, want_dense) <= bar
+    o = kdax.kascade_reuse_decode(q[:, 9], k, v, lengths, want_idx, head_map=head_map, backend=backend, config=cfg)
+    assert rel_rms(o, want_reuse) <= bar
+
+
+@pytest.mark.parametrize("backend", KERNELS)
+def test_prefill_in_bf16_within_bars(backend):
+    """bfloat16 inputs: the reuse output within 1e-2 of float64 (the selection held fixed), and
+    the anchor's selection the float64 one's where the margins are clear of bf16 rounding."""
+    case = Case("bf16", G=1, lengths=(40, 30))
+    (q, k, v), exact = inputs(case, jnp.bfloat16)
+    lengths, opts = _lengths(case), dict(OPTIONS, tile_size=case.tile_size)
+    want_idx, want = reference.naive_kascade_anchor(*exact, **opts, lengths=lengths)
+    idx, o = kdax.kascade_anchor(q, k, v, **opts, lengths=lengths, backend=backend, config=KERNELS[backend])
+    assert o.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(idx, want_idx)
+    assert rel_rms(o, want) <= 1e-2
+
+
+def test_kernels_are_forward_only_with_a_clear_error():
+    case = Case("grad", B=1, T=16)
+    (q, k, v), _ = inputs(case, jnp.float32)
+    idx = -jnp.ones((1, case.G, 1, 4), jnp.int32)
+    loss = lambda q: kdax.kascade_reuse(q, k, v, idx, tile_size=16, backend="pallas_gpu",
+                                        config=KERNELS["pallas_gpu"]).sum()  # fmt: skip
+    with pytest.raises(NotImplementedError, match="forward-only"):
+        jax.grad(loss)(q)
+
+
+def _all_ops(q, k, v, qt, kc, vc, lengths):
+    idx, o = kdax.kascade_anchor(q, k, v)
+    dense = kdax.kascade_anchor(q, k, v, dense_output=True)[1]
+    reuse = kdax.kascade_reuse(q, k, v, idx)
+    d_idx, d = kdax.kascade_anchor_decode(qt, kc, vc, lengths)
+    return o, dense, reuse, d, kdax.kascade_reuse_decode(qt, kc, vc, lengths, d_idx)
+
+
+@pytest.mark.parametrize(("dtype", "D", "G"), [(jnp.bfloat16, 128, 4), (jnp.float32, 64, 1)], ids=["bf16_D128_G4",
+                                                                                             "fp32_D64_G1"])  # fmt: skip
+@pytest.mark.parametrize(("platform", "marker"), [("tpu", "tpu_custom_call"), ("cuda", "__gpu$xla.gpu.triton")])
+def test_every_kernel_lowers_for_its_platform(platform, marker, dtype, D, G):
+    """The four ops under backend="auto" as built for the device (GPU: asked by config, since the
+    kernels are not yet verified there), lowered from this CPU-only machine."""
+    B, T, H, L = 1, 1000, 8, 4096
+    s = lambda *shape: jax.ShapeDtypeStruct(shape, dtype)
+    args = (s(B, T, H, D), s(B, T, G, D), s(B, T, G, D), s(2, H, D), s(2, L, G, D), s(2, L, G, D),
+            jax.ShapeDtypeStruct((2,), jnp.int32))  # fmt: skip
+    scope = kdax.use_backend("pallas_gpu") if platform == "cuda" else kdax.use_backend("auto")
+    with scope:
+        text = kdax.lower(_all_ops, *args, platform=platform).as_text()
+    names = ("kascade_attend", "kascade_scores", "kascade_decode_scores", "kascade_decode_attend")
+    assert text.count(marker) == 9 and all(n in text for n in names)  # anchors 3 + 2, reuse 1, decode 2 + 1
