@@ -5,12 +5,14 @@ from kdax.ops.common.lowering import lower
 from kdax.ops.kascade.api import kascade_anchor, kascade_anchor_decode, kascade_reuse, kascade_reuse_decode
 from kdax.ops.kascade.schedule import KascadeSchedule
 from kdax.ops.kda.api import chunk_kda, fused_recurrent_kda
+from kdax.ops.kda.context_parallel import ContextParallel
 from kdax.ops.kda.gate import beta_activation, kda_gate, l2norm
 from kdax.ops.kda.reference import naive_chunk_kda, naive_recurrent_kda
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "ContextParallel",
     "KascadeSchedule",
     "beta_activation",
     "chunk_kda",

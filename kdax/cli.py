@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 import datetime
 import json
+import os
 import platform
 import sys
 
@@ -36,6 +37,10 @@ def _bench(ns: argparse.Namespace) -> int:
         result["meta"].update(date=meta["date"], command=meta["command"])
         print(json.dumps(result, indent=2) if ns.json else fla_compare.format_compare(result))
         return 0
+    if ns.cp and ns.cp_devices and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+        # before the first device query: fake devices on a CPU host (no effect on accelerators)
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                                   f" --xla_force_host_platform_device_count={ns.cp_devices}").strip()  # fmt: skip
     meta["device"] = f"{jax.devices()[0].device_kind} ({platform.processor() or platform.machine()})"
     if ns.gpu_tune:  # its own default shape (B=1 T=8192 H=16 K=V=128) where none is given
         from kdax.bench import gpu_tune
@@ -66,6 +71,18 @@ def _bench(ns: argparse.Namespace) -> int:
                            decode_batch=ns.decode_batch)  # fmt: skip
         print(json.dumps({"meta": meta, "kascade": [dataclasses.asdict(r) for r in rows]}, indent=2) if ns.json else
               f"# {meta['device']}, jax {meta['jax']}, {meta['date']}\n{kascade.format_table(rows)}")  # fmt: skip
+        return 0
+    if ns.cp:
+        from kdax.bench import cp
+
+        T, H, K, V = given.get("T", 262144), given.get("H", 4), given.get("K", 128), given.get("V", 128)
+        print(f"compiling and timing chunk_kda forward+backward over 1 to {len(jax.devices())} devices (T={T})...",
+              file=sys.stderr, flush=True)  # fmt: skip
+        rows = cp.run(T, H, K, V, ns.chunk_size, ns.repeats, ns.cp_weak_T, progress=not ns.json)
+        meta["devices"] = len(jax.devices())
+        print(json.dumps({"meta": meta, "cp": [dataclasses.asdict(r) for r in rows]}, indent=2) if ns.json else
+              f"# {meta['device']} x {meta['devices']}, jax {meta['jax']}, {meta['date']}\n{cp.format_table(rows)}\n"
+              f"peak memory per device, most devices / one device at T={T}: {cp.peak_ratio(rows):.3f}")  # fmt: skip
         return 0
     if ns.eager:
         from kdax.bench import eager
@@ -175,6 +192,9 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--topk-percent", type=float, default=10, help="--kascade: keys kept, percent")
     b.add_argument("--min-k", type=int, default=128, help="--kascade: the least keys a tile keeps")
     b.add_argument("--tile-size", type=int, default=32, help="--kascade: queries per tile")
+    b.add_argument("--cp", action="store_true", help="context-parallel chunk_kda fwd+bwd: time, memory per device")
+    b.add_argument("--cp-devices", type=int, default=8, help="--cp: devices to fake on a CPU host (0: as they are)")
+    b.add_argument("--cp-weak-T", type=int, help="--cp: tokens per device, weak scaling (default: T / devices)")
     b.add_argument("--decode-batch", type=int, help="--kascade: decode rows (default: --B)")
     b.add_argument("--kascade-backends", help="--kascade: comma-separated backends (default: xla, the device kernels)")
     t = sub.add_parser("train", help="train the tiny hybrid on byte-level text, then print a sample",

@@ -7,8 +7,11 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from kdax.ops.common.dispatch import BACKENDS, OpBackends, register
+from kdax.ops.common.sharding import per_shard
 from kdax.ops.common.validation import fail
 from kdax.ops.kascade import pallas_gpu, pallas_tpu, reference, xla
 from kdax.ops.kascade.checks import check_call, decode_k_max, prefill_k_max, row_lengths
@@ -39,9 +42,24 @@ _OPS = {
 }
 
 
+_BTHD, _BHD, _BG = ("batch", None, "heads", None), ("batch", "heads", None), ("batch", "heads", None, None)
+# per op: the roles of (q, k, v, lengths[, indices]) and of the outputs (see kdax.ops.common.sharding)
+_ROLES = {
+    "anchor": ((_BTHD, _BTHD, _BTHD, ("batch",)), (_BG, _BTHD)),
+    "reuse": ((_BTHD, _BTHD, _BTHD, ("batch",), _BG), _BTHD),
+    "anchor_decode": ((_BHD, _BTHD, _BTHD, ("batch",)), (_BHD, _BHD)),
+    "reuse_decode": ((_BHD, _BTHD, _BTHD, ("batch",), _BHD), _BHD),
+}
+
+
 def _core(op: str, backend: str):
+    """The backend's core of ``op``, run per shard of the batch and head axes (where the inputs' types
+    shard them): ``core(q, k, v, lengths[, indices], **options)``."""
     core = _CORES[op][("xla", "pallas_tpu", "pallas_gpu").index(backend)]
-    return core if backend == "xla" else functools.partial(_forward_only, core, f"kascade_{op} ({backend})")
+    if backend != "xla":
+        core = functools.partial(_forward_only, core, f"kascade_{op} ({backend})")
+    roles, outs = _ROLES[op]
+    return lambda *arrays, **options: per_shard(functools.partial(core, **options), arrays, roles, outs)
 
 
 def _forward_only(core, name, *args, **static):
@@ -66,11 +84,6 @@ def _check_common(backend, dense_output=False, dtype=None):
 
 def _scale(q, scale) -> float:
     return q.shape[-1] ** -0.5 if scale is None else float(scale)
-
-
-def _head_map(head_map, G: int) -> jax.Array:
-    """A checked head map as int32 [G] (the identity for None)."""
-    return jnp.arange(G, dtype=jnp.int32) if head_map is None else jnp.asarray(head_map, jnp.int32)
 
 
 def kascade_anchor(
@@ -159,9 +172,9 @@ def kascade_reuse(
     _check_common(backend, dtype=q.dtype)
     _, head_map = check_call(q, k, v, lengths, indices=indices, head_map=head_map, tile_size=tile_size, scale=scale)
     B, T, _, _ = q.shape
-    G = k.shape[2]
     backend, config = _OPS["kascade_reuse"].resolve(backend, q.dtype, config)
-    return _reuse(q, k, v, jnp.asarray(indices, jnp.int32), _head_map(head_map, G), row_lengths(lengths, B, T), backend=backend,
+    head_map = None if head_map is None else jnp.asarray(head_map, jnp.int32)
+    return _reuse(q, k, v, jnp.asarray(indices, jnp.int32), head_map, row_lengths(lengths, B, T), backend=backend,
                   config=config, tile_size=tile_size, scale=_scale(q, scale))  # fmt: skip
 
 
@@ -170,7 +183,7 @@ def _reuse(q, k, v, indices, head_map, lengths, *, backend, config, tile_size, s
     if backend == "naive":
         return reference.naive_kascade_reuse(q, k, v, indices, head_map=head_map, tile_size=tile_size, scale=scale,
                                              lengths=lengths)  # fmt: skip
-    return _core("reuse", backend)(q, k, v, lengths, _remapped(indices, head_map), tile_size=tile_size, scale=scale,
+    return _core("reuse", backend)(q, k, v, lengths, _remapped(indices, head_map) if head_map is not None else indices, tile_size=tile_size, scale=scale,
                                    cfg=config)  # fmt: skip
 
 
@@ -238,10 +251,10 @@ def kascade_reuse_decode(
     """
     _check_common(backend, dtype=q.dtype)
     _, head_map = check_call(q, k_cache, v_cache, lengths, decode=True, indices=indices, head_map=head_map, scale=scale)
-    G = k_cache.shape[2]
     backend, config = _OPS["kascade_reuse_decode"].resolve(backend, q.dtype, config)
+    head_map = None if head_map is None else jnp.asarray(head_map, jnp.int32)
     return _reuse_decode(q, k_cache, v_cache, jnp.asarray(lengths, jnp.int32), jnp.asarray(indices, jnp.int32),
-                         _head_map(head_map, G), backend=backend, config=config, scale=_scale(q, scale))  # fmt: skip
+                         head_map, backend=backend, config=config, scale=_scale(q, scale))  # fmt: skip
 
 
 @functools.partial(jax.jit, static_argnames=("backend", "config", "scale"))
@@ -249,10 +262,15 @@ def _reuse_decode(q, k_cache, v_cache, lengths, indices, head_map, *, backend, c
     if backend == "naive":
         return reference.naive_kascade_reuse_decode(q, k_cache, v_cache, lengths, indices, head_map=head_map,
                                                     scale=scale)  # fmt: skip
-    return _core("reuse_decode", backend)(q, k_cache, v_cache, lengths, _remapped(indices, head_map), scale=scale,
+    return _core("reuse_decode", backend)(q, k_cache, v_cache, lengths, indices if head_map is None else _remapped(indices, head_map), scale=scale,
                                           cfg=config)  # fmt: skip
 
 
 def _remapped(indices, head_map):
-    """indices [B, G, ...] with KV head g taking the anchor's head_map[g]."""
+    """indices [B, G, ...] with KV head g taking the anchor's head_map[g] (a selection sharded over
+    heads is gathered over them first: the map may take another device's)."""
+    sharding = jax.typeof(indices).sharding
+    if len(sharding.spec) > 1 and sharding.spec[1] is not None:
+        spec = (*sharding.spec[:1], None, *sharding.spec[2:])
+        indices = jax.reshard(indices, NamedSharding(sharding.mesh, P(*spec)))
     return jnp.take(indices, head_map, axis=1)

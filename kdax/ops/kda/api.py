@@ -8,12 +8,15 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from kdax.ops.common.dispatch import BACKENDS, OpBackends, register
+from kdax.ops.common.sharding import per_shard
 from kdax.ops.common.validation import check_array, fail
 from kdax.ops.common.varlen import chunk_layout
-from kdax.ops.kda import pallas_gpu, pallas_tpu, xla
+from kdax.ops.kda import context_parallel, pallas_gpu, pallas_tpu, xla
 from kdax.ops.kda.checks import check_inputs, offsets
+from kdax.ops.kda.context_parallel import ContextParallel
 from kdax.ops.kda.gate import beta_activation, kda_gate, l2norm
 from kdax.ops.kda.recurrent import fused_recurrent_kda_xla
 from kdax.ops.kda.reference import naive_recurrent_kda
@@ -122,6 +125,7 @@ def chunk_kda(
     safe_gate: bool = False, disable_recompute: bool = False, return_intermediate_states: bool = False,
     state_v_first: bool = False, cu_seqlens: jax.Array | Sequence[int] | None = None, chunk_size: int = 64,
     backend: str = "auto", config: xla.Config | pallas_tpu.Config | pallas_gpu.Config | None = None,
+    context_parallel: ContextParallel | None = None,
 ) -> tuple[jax.Array, jax.Array | None] | tuple[jax.Array, jax.Array | None, jax.Array]:  # fmt: skip
     """Chunked Kimi Delta Attention (training and prefill), with FLA's ``chunk_kda`` keywords.
 
@@ -161,6 +165,11 @@ def chunk_kda(
             what "auto" picks).
         config: the backend's kernel config (``kdax.ops.kda.<backend>.Config``), None for its
             default; with backend "auto" a config picks its own backend.
+        context_parallel: a :class:`kdax.ContextParallel` to split the time axis over a device
+            mesh axis (each device runs its slice; one all-gather of HV x K x (K + V) floats per
+            device and row, whatever T): with its mesh, on global arrays; without, inside the
+            caller's ``jax.shard_map`` on each device's slice (docs/scale.md). Same results as
+            one device to float32 rounding, gradients included.
 
     Returns:
         ``(o, final_state)``, and with ``return_intermediate_states`` ``(o, final_state, h)``:
@@ -176,6 +185,15 @@ def chunk_kda(
         NotImplementedError: a backend this op lacks.
     """
     cu_seqlens = offsets(cu_seqlens)
+    if context_parallel is not None:
+        return _context_parallel(context_parallel, q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias,
+                                 output_final_state=output_final_state, chunk_size=chunk_size,
+                                 state_v_first=state_v_first, use_gate_in_kernel=use_gate_in_kernel,
+                                 return_intermediate_states=return_intermediate_states, scale=scale,
+                                 use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, lower_bound=lower_bound,
+                                 use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+                                 allow_neg_eigval=allow_neg_eigval, safe_gate=safe_gate,
+                                 disable_recompute=disable_recompute, backend=backend, config=config)  # fmt: skip
     N = _validate(q, k, v, g, beta, scale, initial_state, use_gate_in_kernel, A_log, dt_bias, lower_bound,
                   use_beta_sigmoid_in_kernel, allow_neg_eigval, cu_seqlens, chunk_size, backend, safe_gate,
                   state_v_first, disable_recompute, return_intermediate_states)  # fmt: skip
@@ -189,6 +207,43 @@ def chunk_kda(
         n_chunks = int(np.sum(-(-np.diff(np.asarray(cu_seqlens)) // chunk_size)))  # FLA's NT: sum of ceil(L_n / C)
         out = (*out[:2], out[2][:, :n_chunks])
     return out
+
+
+def _context_parallel(cp, q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, *, output_final_state,
+                      chunk_size, state_v_first, use_gate_in_kernel, return_intermediate_states, **options):  # fmt: skip
+    """chunk_kda with its time axis over ``cp.axis`` (see :mod:`kdax.ops.kda.context_parallel`)."""
+    context_parallel.check(cp, q.shape[1], chunk_size)
+    if return_intermediate_states and cu_seqlens is not None:
+        fail("return_intermediate_states", "False with cu_seqlens under context_parallel (a sequence's chunks "
+             "restart at each device boundary, so FLA's chunk list does not apply)", "True")  # fmt: skip
+    T = q.shape[1] * (lax.axis_size(cp.axis) if cp.mesh is None else 1)  # the global time axis
+    spec = lambda x: None if x is None else jax.ShapeDtypeStruct((x.shape[0], T, *x.shape[2:]), x.dtype)
+    _validate(*(spec(x) for x in (q, k, v, g, beta)), options["scale"], initial_state, use_gate_in_kernel, A_log,
+              dt_bias, options["lower_bound"], options["use_beta_sigmoid_in_kernel"], options["allow_neg_eigval"],
+              cu_seqlens, chunk_size, options["backend"], options["safe_gate"], state_v_first,
+              options["disable_recompute"], return_intermediate_states)  # fmt: skip
+    if initial_state is not None and state_v_first:
+        initial_state = jnp.swapaxes(initial_state, -1, -2)
+
+    def local(q, k, v, g, beta, params, h0, cu):
+        return chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu,
+                         chunk_size=chunk_size, use_gate_in_kernel=use_gate_in_kernel, A_log=params[0],
+                         dt_bias=params[1], return_intermediate_states=return_intermediate_states, **options)  # fmt: skip
+
+    if cp.mesh is None:
+        out = context_parallel.on_device(local, cp.axis, q, k, v, g, beta, (A_log, dt_bias), initial_state, cu_seqlens,
+                                         return_intermediate_states=return_intermediate_states,
+                                         final_states=output_final_state)  # fmt: skip
+    else:
+        out = context_parallel.sharded(local, cp, q, k, v, g, beta, (A_log, dt_bias), initial_state, cu_seqlens,
+                                       pad_gate=-jnp.inf if use_gate_in_kernel else 0.0, chunk_size=chunk_size,
+                                       return_intermediate_states=return_intermediate_states,
+                                       final_states=output_final_state)  # fmt: skip
+    o, final, *h = out
+    if state_v_first:
+        final = None if final is None else jnp.swapaxes(final, -1, -2)
+        h = [jnp.swapaxes(x, -1, -2) for x in h]
+    return (o, final, *h)
 
 
 def fused_recurrent_kda(
@@ -290,4 +345,25 @@ def _apply(
     return out[0], *(jnp.swapaxes(x, -1, -2) if state_v_first and x is not None else x for x in out[1:])
 
 
-_compiled = jax.jit(_apply, static_argnames=_STATIC)
+def _apply_per_shard(
+    op, backend, config, N, q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, scale, output_final_state,
+    use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound, use_beta_sigmoid_in_kernel, allow_neg_eigval, chunk_size,
+    state_v_first, disable_recompute, return_intermediate_states,
+):  # fmt: skip
+    """:func:`_apply`, per shard of the batch and head axes where the inputs' types shard them."""
+    flags = (output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound, use_beta_sigmoid_in_kernel,
+             allow_neg_eigval, chunk_size, state_v_first, disable_recompute, return_intermediate_states)  # fmt: skip
+    rows = "batch" if cu_seqlens is None else None  # packed sequences: one row, N sequences
+    bthd, bth = ("batch", None, "heads", None), ("batch", None, "heads")
+    roles = (bthd, bthd, bthd, bthd, bth, (rows, "heads", None, None), ("heads",), ("heads",), None)
+    outs = (bthd, (rows, "heads", None, None) if flags[0] else None)
+    outs += (("batch", None, "heads", None, None),) if flags[-1] else ()
+
+    def local(q, k, v, g, beta, h0, A_log, dt_bias, cu):
+        n = q.shape[0] if cu is None else N  # sequences on this shard
+        return _apply(op, backend, config, n, q, k, v, g, beta, h0, A_log, dt_bias, cu, scale, *flags)
+
+    return per_shard(local, (q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens), roles, outs)
+
+
+_compiled = jax.jit(_apply_per_shard, static_argnames=_STATIC)

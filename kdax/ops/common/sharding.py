@@ -1,0 +1,55 @@
+"""Ops on arrays sharded over their batch and head axes (on a mesh of Explicit axes, where the
+sharding is part of the arrays' types): each device runs its own rows and heads under
+``jax.shard_map``, with no communication. Other sharded axes are gathered first (time: use
+``context_parallel`` instead). On Auto axes the types say nothing and XLA partitions the ops."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import jax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+ROLES = ("batch", "heads")  # the axes an op may be split over without communication
+
+
+def per_shard(fn: Callable, arrays: Sequence, roles: Sequence, out_roles):
+    """``fn(*arrays)``, per shard of the batch and head axes where the arrays' types shard them.
+
+    Args:
+        fn: the op on whole or local arrays.
+        arrays: its arguments (None for an absent one).
+        roles: per argument, a tuple naming each of its dims ("batch", "heads" or None), or None
+            for an argument that every device takes whole.
+        out_roles: the outputs' roles, as a pytree prefix of fn's outputs (a tuple of tuples;
+            None for an output that is None).
+
+    Returns:
+        fn's outputs, sharded over the same mesh axes as the inputs' batch and head dims.
+    """
+    axes, mesh = {}, None
+    for x, role in zip(arrays, roles):
+        if x is None or role is None:
+            continue
+        sharding = jax.typeof(x).sharding
+        for dim, name in enumerate(role):
+            axis = sharding.spec[dim] if dim < len(sharding.spec) else None
+            if name in ROLES and axis is not None and name not in axes:
+                axes[name], mesh = axis, sharding.mesh
+    if mesh is None:
+        return fn(*arrays)
+    spec = lambda role: P() if role is None else P(*(axes.get(name) for name in role))
+    present = [i for i, x in enumerate(arrays) if x is not None]
+    local = [jax.reshard(arrays[i], NamedSharding(mesh, spec(roles[i]))) for i in present]
+
+    def run(*xs):
+        full = list(arrays)
+        for i, x in zip(present, xs):
+            full[i] = x
+        return fn(*full)
+
+    out_specs = jax.tree.map(spec, out_roles, is_leaf=lambda r: r is None or isinstance(r, tuple) and
+                             all(isinstance(n, (str, type(None))) for n in r))  # fmt: skip
+    return jax.shard_map(run, mesh=mesh, in_specs=tuple(spec(roles[i]) for i in present), out_specs=out_specs,
+                         check_vma=False)(*local)  # fmt: skip

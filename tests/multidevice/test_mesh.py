@@ -1,0 +1,48 @@
+"""kdax on a mesh of 8 fake CPU devices, in one subprocess (the rest of the suite keeps one device;
+one test, so that pytest-xdist starts the worker once): context-parallel chunk_kda against one
+device, and every op on batch- and head-sharded arrays without communication."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+BAR = 1e-5  # fp32 rel. RMS of outputs, final states and every gradient
+
+
+def test_context_parallel_and_sharded_ops_on_8_devices():
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    run = subprocess.run([sys.executable, "-m", "tests.multidevice.worker"], capture_output=True, text=True, env=env,
+                         timeout=900, check=False)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-4000:]
+    r = json.loads(run.stdout.strip().splitlines()[-1])
+    failures = []
+
+    # (o, final, dq, dk, dv, dg, dbeta, dh0) against one device, GVA, K != V, a burst of strong decay:
+    # two rows of T = 250 (padded to 8 x 32); sequences of 5, 0, 95, 1 and 155 tokens over devices of
+    # 32 tokens with the gate (raw logits), l2norm and beta sigmoid in the kernel
+    for case in ("dense_T250_padded", "varlen_in_kernel_options"):
+        if len(r[case]) != 8 or max(r[case]) > BAR:
+            failures.append(f"{case}: {r[case]}")
+    # inside the caller's shard_map: dense rows (o, final, intermediate states, states [V, K]), then
+    # packed sequences (o, final)
+    if len(r["in_shard_map"]) != 5 or max(r["in_shard_map"]) > BAR:
+        failures.append(f"in_shard_map: {r['in_shard_map']}")
+    # one all-gather of the W pairs (W x HV x K x (K + V) float32), the same at T = 256 and 1024
+    sizes = r["gathered_bytes"]
+    if sizes["T256"] != [8 * 4 * 16 * (16 + 24) * 4] or sizes["T1024"] != sizes["T256"]:
+        failures.append(f"gathered bytes: {sizes}")
+    errors = r["errors"]
+    if "context_parallel.axis" not in errors["axis"] or "'seq'" not in errors["axis"]:
+        failures.append(f"axis not in the mesh: {errors['axis']}")
+    if "cu_seqlens" not in errors["cu_seqlens_B2"]:
+        failures.append(f"B > 1 with cu_seqlens: {errors['cu_seqlens_B2']}")
+    if "multiple of chunk_size=16" not in errors["local_T"]:
+        failures.append(f"local T: {errors['local_T']}")
+    # batch over 2 devices x heads over 4: no collective in the compiled program, the same values
+    for name, got in r["sharded_ops"].items():
+        if got["collectives"] or got["rel_err"] > BAR:
+            failures.append(f"{name} sharded: {got}")
+    assert not failures, "\n".join(failures)
