@@ -9,7 +9,6 @@ import sys
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -93,4 +92,4 @@ def format_table(rows: list[Row]) -> str:
 def peak_ratio(rows: list[Row]) -> float:
     """Peak memory per device of the most devices over one device's, at the strong-scaling T."""
     strong = [r for r in rows if r.scaling == "strong"]
-    return float(np.float64(strong[-1].peak_mib_per_device) / strong[0].peak_mib_per_device)
+    return strong[-1].peak_mib_per_device / strong[0].peak_mib_per_device

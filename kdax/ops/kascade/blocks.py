@@ -17,6 +17,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
 
 from kdax.ops.common.arrays import LOG2E, round_up
 from kdax.ops.kascade.checks import budget
@@ -150,6 +151,14 @@ def decode_output(acc: jax.Array, m: jax.Array, l: jax.Array, q: jax.Array) -> j
     total = jnp.sum(w * l, axis=2)
     o = jnp.sum(w * acc, axis=2) / jnp.where(total > 0, total, 1)  # [B, G, rows, Dp]
     return o[:, :, : H // o.shape[1], :D].reshape(B, H, D).astype(q.dtype)
+
+
+def decode_partials(B: int, G: int, S: int, rows: int, D: int, index_map):
+    """The decode kernels' softmax partials per split, acc [B, G, S, rows, D], m, l [.., 1] float32:
+    (their block specs, one split's of one KV head at ``index_map``; their shapes)."""
+    dims = (D, 1, 1)
+    specs = [pl.BlockSpec((None, None, None, rows, d), index_map) for d in dims]
+    return specs, [jax.ShapeDtypeStruct((B, G, S, rows, d), F32) for d in dims]
 
 
 def pack_decode_queries(q: jax.Array, G: int, Rq: int, Dp: int) -> jax.Array:

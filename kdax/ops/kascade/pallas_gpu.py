@@ -275,9 +275,7 @@ def _cache_in_place(x, Dp, bd):
 
 
 def _partial_specs(B, G, S, Rq, Dp):
-    shapes = [(B, G, S, Rq, Dp), (B, G, S, Rq, 1), (B, G, S, Rq, 1)]
-    specs = [pl.BlockSpec((None, None, None, Rq, d), lambda sp, g, b: (b, g, sp, 0, 0)) for d in (Dp, 1, 1)]
-    return specs, [jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes]
+    return bl.decode_partials(B, G, S, Rq, Dp, lambda sp, g, b: (b, g, sp, 0, 0))
 
 
 def kascade_anchor_decode_gpu(q, k_cache, v_cache, lengths, *, tenths, min_k, k_max, scale, dense_output, cfg):

@@ -340,12 +340,7 @@ def _decode_attend_kernel(lengths_ref, nblk_ref, q_ref, k_hbm, v_hbm, idx_hbm, a
         return bl.softmax_step(state, s2, vb, prec)
 
     count = jnp.clip(nblk_ref[b, g] - sp * per_split, 0, per_split)
-    acc_ref[...], m_ref[...], l_ref[...] = _acc_first(reads.scan(count, step, bl.start_softmax(*q.shape)))
-
-
-def _acc_first(state):
-    m, l, acc = state
-    return acc, m, l
+    m_ref[...], l_ref[...], acc_ref[...] = reads.scan(count, step, bl.start_softmax(*q.shape))
 
 
 def _decode_plan(q, k_cache, cfg, keys):
@@ -366,11 +361,6 @@ def _cache_in_place(x, bd):
     return x if Lp == x.shape[1] else jnp.pad(x, ((0, 0), (0, Lp - x.shape[1]), (0, 0), (0, 0)))
 
 
-def _partials(B, G, S, Rq, D, index_map):
-    shapes = [jax.ShapeDtypeStruct((B, G, S, Rq, d), jnp.float32) for d in (D, 1, 1)]
-    return [pl.BlockSpec((None, None, None, Rq, d), index_map) for d in (D, 1, 1)], shapes
-
-
 def kascade_anchor_decode_tpu(q, k_cache, v_cache, lengths, *, tenths, min_k, k_max, scale, dense_output, cfg):
     """See :func:`kdax.kascade_anchor_decode`. Returns (indices [B, G, k_max] int32, o [B, H, D])."""
     B, H, D = q.shape
@@ -387,7 +377,7 @@ def kascade_anchor_decode_tpu(q, k_cache, v_cache, lengths, *, tenths, min_k, k_
     if dense_output:
         in_specs.append(hbm)
         args.append(_cache_in_place(v_cache, bd))
-        specs, shapes = _partials(B, G, S, Rq, D, lambda b, g, s, *_: (b, g, s, 0, 0))
+        specs, shapes = bl.decode_partials(B, G, S, Rq, D, lambda b, g, s, *_: (b, g, s, 0, 0))
         out_specs, out_shape = out_specs + specs, out_shape + shapes
         scratch.append(pltpu.VMEM((2, bd, D), q.dtype))
     kernel = functools.partial(_decode_scores_kernel, R=H // G, bd=bd, nl=nl, scale2=scale * LOG2E,
@@ -414,7 +404,7 @@ def kascade_reuse_decode_tpu(q, k_cache, v_cache, lengths, indices, *, scale, cf
     bd = min(cfg.block_k, round_up(max(indices.shape[-1], 1), 8))
     Rq, S, per_split = _decode_plan(q, k_cache, dataclasses.replace(cfg, block_decode=bd), indices.shape[-1])
     hbm = pl.BlockSpec(memory_space=pl.ANY)
-    specs, shapes = _partials(B, G, S, Rq, D, lambda b, g, s, *_: (b, g, s, 0, 0))
+    specs, shapes = bl.decode_partials(B, G, S, Rq, D, lambda b, g, s, *_: (b, g, s, 0, 0))
     kernel = functools.partial(_decode_attend_kernel, R=H // G, bd=bd, per_split=per_split, scale2=scale * LOG2E,
                                prec=bl.precision(q.dtype))  # fmt: skip
     idx = bl.pad_selection(indices, S * per_split * bd)[:, :, None]
