@@ -21,6 +21,18 @@ from kdax.models import PRESETS
 from kdax.train import TrainConfig
 
 
+def _initialize(spec: str) -> None:
+    """``jax.distributed.initialize`` for ``kdax train --distributed`` (before anything touches a device)."""
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU hosts' collectives across processes
+    if spec == "auto":
+        jax.distributed.initialize()
+        return
+    parts = spec.split("/")
+    if len(parts) != 3 or not parts[1].isdigit() or not parts[2].isdigit():
+        raise ValueError(f"distributed: expected 'auto' or ADDRESS:PORT/PROCESSES/ID, got {spec!r}")
+    jax.distributed.initialize(parts[0], int(parts[1]), int(parts[2]))
+
+
 def _bench(ns: argparse.Namespace) -> int:
     meta = {
         "date": datetime.date.today().isoformat(),
@@ -208,6 +220,9 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument(
         "--resume", action="store_true", help="continue from the newest checkpoint in --out-dir (same settings)"
     )
+    t.add_argument("--distributed", metavar="auto|ADDRESS:PORT/PROCESSES/ID",
+                   help="several hosts, each running this command: jax.distributed.initialize from the cluster's "
+                        "environment (auto) or with the coordinator's address, the process count and this one's id")  # fmt: skip
     k = sub.add_parser("kascade", help="Kascade sparse attention tools", formatter_class=_Help)
     ksub = k.add_subparsers(dest="kascade_command", required=True)
     c = ksub.add_parser("calibrate", help="choose a Kascade schedule for a checkpoint from calibration text",
@@ -230,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     if ns.command == "kascade":
         return _calibrate(ns)
     if ns.command == "train":
+        if ns.distributed:
+            _initialize(ns.distributed)
         fields = {f.name: getattr(ns, f.name) for f in dataclasses.fields(TrainConfig)}
         train.main(TrainConfig(**fields), ns.corpus, ns.sample_tokens, ns.resume)
         return 0

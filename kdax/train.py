@@ -22,7 +22,8 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from tqdm import tqdm
 
-from kdax.models import PRESETS, KDAForCausalLM, generate, save_pretrained
+from kdax.models import PRESETS, KDAForCausalLM, generate, save_pretrained, sharding
+from kdax.nn import KimiDeltaAttention
 
 
 def load_corpus(path: str | None = None) -> np.ndarray:
@@ -83,6 +84,11 @@ class TrainConfig:
         default=0, metadata={"help": "save the training state every N steps and at the last (0: never)"}
     )
     keep: int = dataclasses.field(default=3, metadata={"help": "training states kept (the newest)"})
+    mesh: str = dataclasses.field(
+        default="",
+        metadata={"help": "a device mesh, e.g. data=2,model=2,context=2: FSDP and rows over data, heads over model, "
+                          "time over context (docs/scale.md); empty: one device"},
+    )  # fmt: skip
     out_dir: str = dataclasses.field(
         default="checkpoints/tiny",
         metadata={"help": "where checkpoints go: state/<step> (orbax, for --resume), model (FLA's format, at the end)"},
@@ -140,9 +146,30 @@ def _optimizer(steps: int, lr: float, warmup: int, weight_decay: float, clip: fl
     return optax.chain(optax.clip_by_global_norm(clip), optax.adamw(schedule, weight_decay=weight_decay))
 
 
-def _batch(tokens: np.ndarray, rng: np.random.Generator, cfg: TrainConfig) -> jax.Array:
+def _batch(tokens: np.ndarray, rng: np.random.Generator, cfg: TrainConfig, mesh=None) -> jax.Array:
+    """[batch_size, seq_len + 1] random windows of ``tokens`` (every process draws the same), rows
+    over the mesh's data axis where there is a mesh."""
     starts = rng.integers(0, tokens.size - cfg.seq_len - 1, cfg.batch_size)
-    return jnp.asarray(np.stack([tokens[s : s + cfg.seq_len + 1] for s in starts]), jnp.int32)
+    batch = np.stack([tokens[s : s + cfg.seq_len + 1] for s in starts]).astype(np.int32)
+    return jnp.asarray(batch) if mesh is None else sharding.global_batch(batch, mesh)
+
+
+def _on_mesh(model: KDAForCausalLM, cfg: TrainConfig):
+    """The mesh of ``cfg.mesh`` with the model laid out on it (None without one)."""
+    if not cfg.mesh:
+        return None
+    mesh = sharding.make_mesh(cfg.mesh)
+    layout = sharding.Layout.of(mesh)
+    if cfg.batch_size % layout.size(layout.data):
+        raise ValueError(f"batch_size: expected a multiple of the data axis's {layout.size(layout.data)} devices, "
+                         f"got {cfg.batch_size}")  # fmt: skip
+    chunks = [b.attn.chunk_size for b in model.model.layers if isinstance(b.attn, KimiDeltaAttention)]
+    tile = layout.size(layout.context) * max(chunks, default=1)
+    if layout.context and cfg.seq_len % tile:
+        raise ValueError(f"seq_len: expected a multiple of {tile} (the context axis's devices x the KDA chunk "
+                         f"size), got {cfg.seq_len}")  # fmt: skip
+    sharding.shard(model, mesh)
+    return mesh
 
 
 def _checkpoints(cfg: TrainConfig, create: bool) -> ocp.CheckpointManager:
@@ -206,7 +233,9 @@ def train(
     With ``cfg.checkpoint_every``, orbax saves the training state (parameters, optimizer state,
     step and the batch generator's state) to ``out_dir/state/<step>`` every that many steps and
     at the last, keeping the newest ``cfg.keep``; at the end ``save_pretrained`` writes the
-    weights in FLA's format to ``out_dir/model``.
+    weights in FLA's format to ``out_dir/model``. With ``cfg.mesh``, the model is laid out on
+    that mesh first (:func:`kdax.models.shard`; the optimizer state follows it) and each batch
+    goes onto it, rows over the data axis.
 
     Args:
         model: the model to train.
@@ -215,20 +244,25 @@ def train(
         progress: show a progress bar.
         resume: continue from the newest complete checkpoint in ``out_dir/state`` (from step 0
             where there is none); the batches and updates after it are those of an
-            uninterrupted run.
+            uninterrupted run, on this run's mesh whatever the checkpoint's was.
 
     Returns:
         The loss of every step this call ran.
 
     Raises:
-        ValueError: the corpus is not longer than ``seq_len + 1`` tokens; ``out_dir`` holds
+        ValueError: the corpus is not longer than ``seq_len + 1`` tokens; ``cfg.mesh`` is
+            malformed, does not match the devices, or does not divide ``batch_size`` (data axis),
+            ``seq_len`` (context axis x chunk size) or the KDA heads (model axis); ``out_dir`` holds
             checkpoints and ``resume`` is off; the checkpoint to resume from was written with
             other settings.
     """
     if tokens.size <= cfg.seq_len + 1:
         raise ValueError(f"corpus: expected more than seq_len + 1 = {cfg.seq_len + 1} tokens, got {tokens.size}")
     tx = _optimizer(cfg.steps, cfg.lr, cfg.warmup, cfg.weight_decay, cfg.clip)
-    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    mesh = _on_mesh(model, cfg)
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)  # its state takes the parameters' shardings
+    if mesh is not None:  # and its step counter goes onto the mesh (committed where a restore puts it)
+        nnx.update(optimizer, sharding.place(nnx.state(optimizer), mesh))
     rng = np.random.default_rng(cfg.seed)
     saving = cfg.checkpoint_every > 0
     losses, start, first = [], None, 0
@@ -240,7 +274,7 @@ def train(
                              "continue them with resume (kdax train --resume) or choose another out_dir")  # fmt: skip
         bar = tqdm(range(first + 1, cfg.steps + 1), initial=first, total=cfg.steps, disable=not progress, desc="train")
         for step in bar:
-            loss = float(train_step(model, optimizer, _batch(tokens, rng, cfg)))
+            loss = float(train_step(model, optimizer, _batch(tokens, rng, cfg, mesh)))
             losses.append(loss)
             if start is None:  # the first step includes compilation
                 start, done = time.perf_counter(), 0

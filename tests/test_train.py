@@ -140,3 +140,14 @@ def test_train_config_errors_name_the_field():
         TrainConfig(holdout=1.0)
     with pytest.raises(ValueError, match="preset"):
         TrainConfig(preset="huge")
+
+
+def test_a_mesh_that_does_not_fit_the_devices_or_a_bad_launch_spec_is_a_value_error():
+    """On one device, a mesh of two is refused before anything runs, saying how to fake devices on a CPU
+    host; ``--distributed`` takes "auto" or ADDRESS:PORT/PROCESSES/ID. (The mesh runs themselves:
+    tests/multidevice.)"""
+    model = KDAForCausalLM(tiny_config(), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="mesh: .* product is the 1 devices .*xla_force_host_platform_device_count=2"):
+        train(model, load_corpus(), TrainConfig(steps=1, mesh="data=2"), progress=False)
+    with pytest.raises(ValueError, match="distributed: expected 'auto' or ADDRESS:PORT/PROCESSES/ID"):
+        main(["train", "--distributed", "localhost:1234/two/0"])

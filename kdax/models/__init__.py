@@ -5,6 +5,7 @@ from kdax.models.config import KDAConfig
 from kdax.models.generation import generate
 from kdax.models.kda import KDAForCausalLM, KDAModel, ModelCache
 from kdax.models.presets import PRESETS, tiny_config
+from kdax.models.sharding import shard
 
 __all__ = [
     "PRESETS",
@@ -15,5 +16,6 @@ __all__ = [
     "from_pretrained",
     "generate",
     "save_pretrained",
+    "shard",
     "tiny_config",
 ]

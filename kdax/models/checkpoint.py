@@ -11,11 +11,13 @@ from __future__ import annotations
 import json
 import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import safetensors
 import safetensors.numpy
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from kdax.models.config import KDAConfig
 from kdax.models.kda import KDAForCausalLM
@@ -50,12 +52,14 @@ def fla_state_dict(model: KDAForCausalLM) -> dict[str, np.ndarray]:
         model: the model.
 
     Returns:
-        {FLA name: float32 NumPy array}, Linear kernels transposed to torch's [out, in].
+        {FLA name: float32 NumPy array}, Linear kernels transposed to torch's [out, in] (arrays
+        spanning several hosts are gathered: every process calls this).
     """
     out = {}
     for path, value in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         name, transpose = _fla_name(path)
-        a = np.asarray(value[...], np.float32)
+        a = value[...]
+        a = np.asarray(a if a.is_fully_addressable else multihost_utils.process_allgather(a, tiled=True), np.float32)
         out[name] = np.ascontiguousarray(a.T) if transpose else a  # safetensors writes the buffer as it lies
     return out
 
@@ -98,14 +102,17 @@ def save_pretrained(model: KDAForCausalLM, directory: str) -> None:
     """Write config.json and model.safetensors (FLA's names, float32) into ``directory``.
 
     Args:
-        model: the model to save.
+        model: the model to save (on several hosts, every process calls this; process 0 writes).
         directory: created if missing; files already there are overwritten.
     """
+    tensors = fla_state_dict(model)
+    if jax.process_index() != 0:
+        return
     os.makedirs(directory, exist_ok=True)
     config = {**model.config.to_dict(), "architectures": ["KDAForCausalLM"]}
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
-    safetensors.numpy.save_file(fla_state_dict(model), os.path.join(directory, "model.safetensors"))
+    safetensors.numpy.save_file(tensors, os.path.join(directory, "model.safetensors"))
 
 
 def _read_weights(directory: str) -> dict[str, np.ndarray]:

@@ -13,6 +13,7 @@ from flax import nnx
 from kdax.models.config import KDAConfig
 from kdax.nn import Attention, GatedMLP, KascadeStep, KimiDeltaAttention, RMSNorm, ShortConvolution
 from kdax.ops.common import dispatch
+from kdax.ops.common.sharding import Layout
 from kdax.ops.kascade.schedule import KascadeSchedule
 
 
@@ -158,6 +159,7 @@ class KDAModel(nnx.Module):
             [KDABlock(config, i, backend=backend, rngs=rngs) for i in range(config.num_hidden_layers)]
         )
         self.norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.layout: Layout | None = None  # set by kdax.models.shard
 
     def __call__(self, input_ids, seg: Segments, caches=None, output_cache=False, mode=None, kascade=None):
         """Embed, run the blocks, normalise.
@@ -174,7 +176,12 @@ class KDAModel(nnx.Module):
             (hidden [B, T, hidden_size], a tuple of per-layer caches, None for a layer that
             returned none).
         """
-        x = self.embeddings(input_ids)
+        L = self.layout if caches is None else None  # decoding: as XLA partitions it
+        if L is None:
+            spread, x = (lambda x: x), self.embeddings(input_ids)
+        else:  # the table gathered before the look-up (FSDP), rows and time spread over the mesh
+            spread = lambda x: L.constrain(x, L.data, L.context, None)
+            x = spread(jnp.take(L.constrain(self.embeddings.embedding[...], None, None), input_ids, axis=0))
         caches = (None,) * len(self.layers) if caches is None else caches
         new, selections = [], {}
         for i, (layer, cache) in enumerate(zip(self.layers, caches)):
@@ -186,6 +193,7 @@ class KDAModel(nnx.Module):
                 elif role == "reuse":
                     step = KascadeStep(kascade, "reuse", indices=selections[anchor], head_map=head_map)
             x, cache, indices = layer(x, seg, cache, output_cache, mode, step)
+            x = spread(x)
             if indices is not None:
                 selections[i] = indices
             new.append(cache)

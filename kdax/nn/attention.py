@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from kdax.ops.common.sharding import Layout
 from kdax.ops.kascade.api import kascade_anchor, kascade_anchor_decode, kascade_reuse, kascade_reuse_decode
 from kdax.ops.kascade.schedule import KascadeSchedule
 
@@ -95,6 +96,7 @@ class Attention(nnx.Module):
         self.k_proj = nnx.Linear(hidden_size, kv_dim, use_bias=qkv_bias, rngs=rngs)
         self.v_proj = nnx.Linear(hidden_size, kv_dim, use_bias=qkv_bias, rngs=rngs)
         self.o_proj = nnx.Linear(hidden_size, hidden_size, use_bias=False, rngs=rngs)
+        self.layout: Layout | None = None  # set by kdax.models.shard
 
     def init_cache(self, batch_size: int, max_length: int, dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
         """Zeroed (k, v) cache for rows of up to ``max_length`` tokens.
@@ -156,6 +158,10 @@ class Attention(nnx.Module):
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
         q, k, v = self.project(x, positions)
+        if self.layout is not None and cache is None and kascade is None:  # every key to every device of a row
+            L = self.layout
+            q = L.constrain(q, L.data, L.context, L.heads(self.num_heads), None)
+            k, v = (L.constrain(x, L.data, None, L.heads(self.num_kv_heads), None) for x in (k, v))
         if kascade is not None:
             return self._kascade(x.dtype, q, k, v, positions, segment_ids, cache, kascade)
         if cache is None:

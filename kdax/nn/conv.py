@@ -60,39 +60,72 @@ class ShortConvolution(nnx.Module):
             ValueError: ``x``'s last dim is not D, or its batch size is not 1 with
                 ``cu_seqlens``; ``cache`` is not [N, D, W].
         """
-        B, T, D = x.shape
+        B, _, D = x.shape
         W = self.kernel_size
         if D != self.hidden_size:
             raise ValueError(f"x: expected last dim {self.hidden_size}, got shape {tuple(x.shape)}")
-        if cu_seqlens is None:
-            cu = jnp.arange(B + 1, dtype=jnp.int32) * T
-        elif B != 1:
+        if cu_seqlens is not None and B != 1:
             raise ValueError(f"x: expected batch size 1 with cu_seqlens, got shape {tuple(x.shape)}")
-        else:
-            cu = jnp.asarray(cu_seqlens, jnp.int32)
-        N = cu.shape[0] - 1
+        N = B if cu_seqlens is None else jnp.shape(cu_seqlens)[0] - 1
         if cache is not None and tuple(cache.shape) != (N, D, W):
             raise ValueError(f"cache: expected shape {(N, D, W)}, got {tuple(cache.shape)}")
-        flat = x.reshape(B * T, D).astype(jnp.float32)
-        past = jnp.zeros((N, W, D), jnp.float32) if cache is None else jnp.swapaxes(cache, 1, 2).astype(jnp.float32)
+        bias = None if self.bias is None else self.bias[...]
+        return short_conv(x, self.weight[...], bias, self.activation, cache, output_final_state, cu_seqlens)
 
-        def at(n, p):  # input at position p of sequence n (p < 0: from the cache)
-            return jnp.where((p >= 0)[..., None], flat[jnp.clip(cu[n] + p, 0, B * T - 1)],
-                             past[n, jnp.clip(W + p, 0, W - 1)])  # fmt: skip
 
-        t = jnp.arange(B * T, dtype=jnp.int32)
-        seq = jnp.searchsorted(cu[1:], t, side="right").astype(jnp.int32)
-        pos = t - cu[seq]
-        w = self.weight[:, 0, :].astype(jnp.float32)  # [D, W]
-        y = sum(w[:, W - 1 - j] * at(seq, pos - j) for j in range(W))
-        if self.bias is not None:
-            y = y + self.bias[...]
-        if self.activation is not None:
-            y = jax.nn.silu(y)
-        final = None
-        if output_final_state:
-            n = jnp.arange(N, dtype=jnp.int32)[:, None]
-            lengths = (cu[1:] - cu[:-1])[:, None]
-            final = jnp.swapaxes(at(n, lengths - W + jnp.arange(W, dtype=jnp.int32)), 1, 2)  # [N, D, W]
-            final = final.astype(x.dtype if cache is None else cache.dtype)
-        return y.reshape(B, T, D).astype(x.dtype), final
+def short_conv(x, weight, bias=None, activation=None, cache=None, output_final_state=False, cu_seqlens=None):
+    """:class:`ShortConvolution`'s computation on checked arguments, with its weights given (so it
+    also runs on a device's slice of the channels inside ``shard_map``).
+
+    Args:
+        x: [B, T, D].
+        weight: [D, 1, W]; bias: [D] or None; activation: None, "silu" or "swish".
+        cache, output_final_state, cu_seqlens: as :meth:`ShortConvolution.__call__`.
+
+    Returns:
+        (y [B, T, D] in x's dtype, the cache [N, D, W] or None).
+    """
+    B, T, D = x.shape
+    W = weight.shape[-1]
+    cu = jnp.arange(B + 1, dtype=jnp.int32) * T if cu_seqlens is None else jnp.asarray(cu_seqlens, jnp.int32)
+    N = cu.shape[0] - 1
+    flat = x.reshape(B * T, D).astype(jnp.float32)
+    past = jnp.zeros((N, W, D), jnp.float32) if cache is None else jnp.swapaxes(cache, 1, 2).astype(jnp.float32)
+
+    def at(n, p):  # input at position p of sequence n (p < 0: from the cache)
+        return jnp.where((p >= 0)[..., None], flat[jnp.clip(cu[n] + p, 0, B * T - 1)],
+                         past[n, jnp.clip(W + p, 0, W - 1)])  # fmt: skip
+
+    t = jnp.arange(B * T, dtype=jnp.int32)
+    seq = jnp.searchsorted(cu[1:], t, side="right").astype(jnp.int32)
+    pos = t - cu[seq]
+    w = weight[:, 0, :].astype(jnp.float32)  # [D, W]
+    y = sum(w[:, W - 1 - j] * at(seq, pos - j) for j in range(W))
+    if bias is not None:
+        y = y + bias
+    if activation is not None:
+        y = jax.nn.silu(y)
+    final = None
+    if output_final_state:
+        n = jnp.arange(N, dtype=jnp.int32)[:, None]
+        lengths = (cu[1:] - cu[:-1])[:, None]
+        final = jnp.swapaxes(at(n, lengths - W + jnp.arange(W, dtype=jnp.int32)), 1, 2)  # [N, D, W]
+        final = final.astype(x.dtype if cache is None else cache.dtype)
+    return y.reshape(B, T, D).astype(x.dtype), final
+
+
+def from_previous_device(x, axis: str, W: int):
+    """Inside ``shard_map`` over ``axis`` (time split into contiguous slices): the last W inputs of
+    the device before, as the cache a row's convolution continues from (zeros on the first device).
+
+    Args:
+        x: [B, Tl, D], this device's slice (Tl >= W).
+        axis: the mesh axis the time axis is split over.
+        W: the kernel size.
+
+    Returns:
+        [B, D, W] in x's dtype.
+    """
+    n = jax.lax.axis_size(axis)
+    tail = jnp.swapaxes(x[:, -W:], 1, 2)
+    return jax.lax.ppermute(tail, axis, [(i, i + 1) for i in range(n - 1)])

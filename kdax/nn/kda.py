@@ -8,11 +8,14 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
-from kdax.nn.conv import ShortConvolution
+from kdax.nn.conv import ShortConvolution, from_previous_device, short_conv
 from kdax.nn.norm import GatedRMSNorm
 from kdax.ops.common.dispatch import PORTABLE, scoped_backend
+from kdax.ops.common.sharding import Layout
 from kdax.ops.kda.api import chunk_kda, fused_recurrent_kda
+from kdax.ops.kda.context_parallel import ContextParallel
 
 MODES = ("chunk", "fused_recurrent")
 RECURRENT_MAX_TOKENS = 64  # FLA's rule: inference on <= 64 new tokens uses the recurrent kernel
@@ -98,6 +101,7 @@ class KimiDeltaAttention(nnx.Module):
         self.use_short_conv, self.conv_size = use_short_conv, conv_size
         self.allow_neg_eigval, self.safe_gate, self.lower_bound = allow_neg_eigval, safe_gate, lower_bound
         self.backend, self.chunk_size, self.deterministic = backend, chunk_size, False
+        self.layout: Layout | None = None  # set by kdax.models.shard
         key_dim, value_dim, gate_dim = num_heads * head_dim, num_v_heads * head_v_dim, num_v_heads * head_dim
         linear = lambda i, o, bias=False: nnx.Linear(i, o, use_bias=bias, rngs=rngs)
         self.q_proj, self.k_proj = linear(hidden_size, key_dim), linear(hidden_size, key_dim)
@@ -172,33 +176,82 @@ class KimiDeltaAttention(nnx.Module):
         mode = self.pick_mode(T) if mode is None else mode
         if mode not in MODES:
             raise ValueError(f"mode: expected None or one of {MODES}, got {mode!r}")
-        if self.use_short_conv:
-            conv_in = (None,) * 3 if cache is None else cache.conv
-            convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
-            outs = [conv(proj(x), c, output_cache, cu_seqlens)
-                    for conv, proj, c in zip(convs, (self.q_proj, self.k_proj, self.v_proj), conv_in)]  # fmt: skip
-            (q, _), (k, _), (v, _) = outs
-            conv_out = tuple(o[1] for o in outs)
-        else:
-            q, k, v = (jax.nn.silu(p(x)) for p in (self.q_proj, self.k_proj, self.v_proj))
-            conv_out = None
         K, HV = self.head_k_dim, self.num_v_heads
-        q, k = q.reshape(B, T, self.num_heads, K), k.reshape(B, T, self.num_heads, K)
-        v = v.reshape(B, T, HV, self.head_v_dim)
-        g = self.f_proj(x).reshape(B, T, HV, K)
-        options = {
-            "A_log": self.A_log[...], "dt_bias": self.dt_bias[...], "lower_bound": self.lower_bound,
-            "initial_state": None if cache is None else cache.recurrent, "output_final_state": output_cache,
-            "use_qk_l2norm_in_kernel": True, "use_gate_in_kernel": True, "use_beta_sigmoid_in_kernel": True,
-            "allow_neg_eigval": self.allow_neg_eigval, "cu_seqlens": cu_seqlens,
-        }  # fmt: skip
-        backend = scoped_backend() if self.backend == "auto" else self.backend
-        if mode == "fused_recurrent" and backend in ("auto", *PORTABLE):
-            o, final = fused_recurrent_kda(q, k, v, g, self.b_proj(x), backend=self.backend, **options)
-        else:  # the chunked form; on a Pallas backend decoding too (no recurrent kernels there)
-            o, final = chunk_kda(
-                q, k, v, g, self.b_proj(x), chunk_size=self.chunk_size, backend=self.backend, **options
-            )
+        options = {"A_log": self.A_log[...], "dt_bias": self.dt_bias[...], "lower_bound": self.lower_bound,
+                   "use_qk_l2norm_in_kernel": True, "use_gate_in_kernel": True, "use_beta_sigmoid_in_kernel": True,
+                   "allow_neg_eigval": self.allow_neg_eigval}  # fmt: skip
+        raw = [proj(x) for proj in (self.q_proj, self.k_proj, self.v_proj)]
+        g, beta = self.f_proj(x), self.b_proj(x)
+        if self.layout is not None and mode == "chunk" and cache is None and cu_seqlens is None and not output_cache:
+            o, final = self._on_mesh(*raw, g, beta, options), None
+        else:
+            if self.use_short_conv:
+                conv_in = (None,) * 3 if cache is None else cache.conv
+                convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
+                outs = [conv(r, c, output_cache, cu_seqlens) for conv, r, c in zip(convs, raw, conv_in)]
+                (q, _), (k, _), (v, _) = outs
+                conv_out = tuple(o[1] for o in outs)
+            else:
+                q, k, v = (jax.nn.silu(r) for r in raw)
+                conv_out = None
+            q, k = q.reshape(B, T, self.num_heads, K), k.reshape(B, T, self.num_heads, K)
+            v = v.reshape(B, T, HV, self.head_v_dim)
+            options.update(initial_state=None if cache is None else cache.recurrent, output_final_state=output_cache,
+                           cu_seqlens=cu_seqlens)  # fmt: skip
+            backend = scoped_backend() if self.backend == "auto" else self.backend
+            g = g.reshape(B, T, HV, K)
+            if mode == "fused_recurrent" and backend in ("auto", *PORTABLE):
+                o, final = fused_recurrent_kda(q, k, v, g, beta, backend=self.backend, **options)
+            else:  # the chunked form; on a Pallas backend decoding too (no recurrent kernels there)
+                o, final = chunk_kda(q, k, v, g, beta, chunk_size=self.chunk_size, backend=self.backend, **options)
         gate = self.g_proj(x).reshape(B, T, HV, self.head_v_dim)
         y = self.o_proj(self.o_norm(o, gate).reshape(B, T, HV * self.head_v_dim))
         return y, (KDACache(final, conv_out) if output_cache else None)
+
+    def _on_mesh(self, q, k, v, g, beta, options):
+        """The chunked form on this layer's :class:`Layout`, under ``jax.shard_map``: each device
+        convolves and runs ``chunk_kda`` on its rows (data axis), heads (model axis) and time slice
+        (context axis: the convolutions take the previous device's last inputs, the op is context
+        parallel). Nothing else crosses devices.
+
+        Args:
+            q, k, v: [B, T, H * K], [B, T, H * K], [B, T, HV * V], the projections before the convolutions.
+            g: [B, T, HV * K]; beta: [B, T, HV], raw gate and beta logits.
+            options: the in-kernel options of :func:`kdax.chunk_kda` (A_log and dt_bias global).
+
+        Returns:
+            o [B, T, HV, V].
+
+        Raises:
+            ValueError: B is not a multiple of the data axis's devices, or T of the context axis's
+                devices times ``chunk_size``.
+        """
+        L, (B, T) = self.layout, q.shape[:2]
+        if B % L.size(L.data):
+            raise ValueError(f"x: expected a batch size that is a multiple of the {L.size(L.data)} devices of mesh "
+                             f"axis {L.data!r}, got {B}")  # fmt: skip
+        if L.context and T % (L.size(L.context) * self.chunk_size):
+            raise ValueError(f"x: expected a length that is a multiple of {L.size(L.context) * self.chunk_size} (the "
+                             f"{L.size(L.context)} devices of mesh axis {L.context!r} x chunk_size), got {T}")  # fmt: skip
+        convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d) if self.use_short_conv else ()
+        weights = [(c.weight[...], None if c.bias is None else c.bias[...]) for c in convs]
+        A_log, dt_bias = options.pop("A_log"), options.pop("dt_bias")
+        K = self.head_k_dim
+
+        def local(q, k, v, g, beta, weights, A_log, dt_bias):
+            xs = (q, k, v)
+            if convs:
+                xs = [short_conv(x, w, b, c.activation, from_previous_device(x, L.context, c.kernel_size)
+                                 if L.context else None)[0] for x, (w, b), c in zip(xs, weights, convs)]  # fmt: skip
+            else:
+                xs = [jax.nn.silu(x) for x in xs]
+            Bl, Tl = q.shape[:2]
+            q, k, v = (x.reshape(Bl, Tl, -1, d) for x, d in zip(xs, (K, K, self.head_v_dim)))
+            cp = ContextParallel(L.context) if L.context else None
+            return chunk_kda(q, k, v, g.reshape(Bl, Tl, -1, K), beta, A_log=A_log, dt_bias=dt_bias, context_parallel=cp,
+                             chunk_size=self.chunk_size, backend=self.backend, **options)[0]  # fmt: skip
+
+        rows, heads = P(L.data, L.context, L.model), P(L.model)
+        return jax.shard_map(local, mesh=L.mesh, in_specs=(rows,) * 5 + (heads, heads, heads),
+                             out_specs=P(L.data, L.context, L.model, None), check_vma=False)(
+            q, k, v, g, beta, weights, A_log, dt_bias)  # fmt: skip

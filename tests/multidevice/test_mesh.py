@@ -1,6 +1,7 @@
 """kdax on a mesh of 8 fake CPU devices, in one subprocess (the rest of the suite keeps one device;
 one test, so that pytest-xdist starts the worker once): context-parallel chunk_kda against one
-device, and every op on batch- and head-sharded arrays without communication."""
+device, every op on batch- and head-sharded arrays without communication, and the model's sharded
+training step and checkpoints against one device."""
 
 from __future__ import annotations
 
@@ -45,4 +46,20 @@ def test_context_parallel_and_sharded_ops_on_8_devices():
     for name, got in r["sharded_ops"].items():
         if got["collectives"] or got["rel_err"] > BAR:
             failures.append(f"{name} sharded: {got}")
+    # the tiny hybrid on data=2 x model=2 x context=2 against one device: loss and every gradient; four
+    # AdamW steps; resumed at step 2 from the sharded checkpoint onto data=4 x model=2
+    m = r["model"]
+    if m["loss_err"] > BAR or m["grad_err"] > 1e-4:
+        failures.append(f"model loss / gradients on the mesh: {m['loss_err']}, {m['grad_err']}")
+    for run, losses in (("mesh", m["mesh"]), ("resumed", m["resumed"])):
+        want = m["one_device"][-len(losses) :]
+        if len(losses) != {"mesh": 4, "resumed": 2}[run] or max(abs(a / b - 1) for a, b in zip(losses, want)) > BAR:
+            failures.append(f"{run} losses {losses} vs one device {m['one_device']}")
+    if m["restored_meshes"] != [str({"data": 4, "model": 2})]:
+        failures.append(f"restored onto meshes {m['restored_meshes']}")
+    for case, words in (("mesh_size", "product is the 8 devices"), ("mesh_axis", "axes among"),
+                        ("heads", "num_heads=4"), ("explicit", "Auto axes"),
+                        ("batch_size", "batch_size"), ("seq_len", "multiple of 256")):  # fmt: skip
+        if words not in m[case]:
+            failures.append(f"{case}: {m[case]}")
     assert not failures, "\n".join(failures)

@@ -1,10 +1,14 @@
 """Run on 8 fake CPU devices by tests/multidevice/test_mesh.py (XLA_FLAGS set there): context-parallel
-chunk_kda against one device, and the ops on batch- and head-sharded arrays, printed as one JSON object."""
+chunk_kda against one device, the ops on batch- and head-sharded arrays, and the tiny model trained on a
+mesh, printed as one JSON object."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +17,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import kdax
+from kdax import train
 from kdax.bench.measure import rel_rms
+from kdax.models import KDAForCausalLM, sharding, tiny_config
 
 C = 16  # chunk size: 2 chunks a device at T = 256
 MESH = jax.make_mesh((8,), ("context",))
@@ -75,9 +81,20 @@ def gathered_bytes(T):
     return sorted(sizes)
 
 
+def messages(cases):
+    """{name: the ValueError that calling the case raised, or 'no error'}."""
+    out = {}
+    for name, call in cases.items():
+        try:
+            call()
+            out[name] = "no error"
+        except ValueError as e:
+            out[name] = str(e)
+    return out
+
+
 def errors():
     """Each bad input's ValueError message (or 'no error')."""
-    out = {}
     q, k, v, g, beta, _ = inputs(2, 256)
     cases = {
         "axis": lambda: kdax.chunk_kda(q, k, v, g, beta, context_parallel=kdax.ContextParallel("seq", MESH)),
@@ -88,13 +105,7 @@ def errors():
             mesh=MESH, in_specs=(P(None, "context"),) * 5, out_specs=P(None, "context"), check_vma=False,
         )(*(jax.device_put(x[:, :200], NamedSharding(MESH, P(None, "context"))) for x in (q, k, v, g, beta))),
     }  # fmt: skip
-    for name, call in cases.items():
-        try:
-            call()
-            out[name] = "no error"
-        except ValueError as e:
-            out[name] = str(e)
-    return out
+    return messages(cases)
 
 
 def sharded_ops():
@@ -134,6 +145,46 @@ def sharded_ops():
     return out
 
 
+def model_on_mesh():
+    """The tiny hybrid (4 heads, T = 128, B = 4): its loss and gradients on a data=2,model=2,context=2
+    mesh against one device; 4 AdamW steps on one device, on that mesh with checkpoints every 2 steps,
+    and resumed from step 2 onto a data=4,model=2 mesh; the bad meshes' and configs' errors."""
+    from flax import nnx
+
+    tokens = train.load_corpus()
+    fresh = lambda seed=0: KDAForCausalLM(tiny_config(), rngs=nnx.Rngs(seed))
+    mesh = sharding.make_mesh("data=2,model=2,context=2")
+    batch = np.random.default_rng(0).integers(0, 256, (4, 129)).astype(np.int32)
+    grad = nnx.jit(nnx.value_and_grad(train.loss_fn))
+    (l1, g1), (l8, g8) = grad(fresh(), jnp.asarray(batch)), grad(sharding.shard(fresh(), mesh),
+                                                                 sharding.global_batch(batch, mesh))  # fmt: skip
+    pairs = zip(nnx.to_flat_state(g1), nnx.to_flat_state(g8))
+    out = {"loss_err": abs(float(l8) / float(l1) - 1),
+           "grad_err": max(rel_rms(b.get_value(), a.get_value()) for (_, a), (_, b) in pairs)}  # fmt: skip
+    cfg = {"steps": 4, "batch_size": 4, "seq_len": 128, "warmup": 1}
+    with tempfile.TemporaryDirectory() as d:
+        out["one_device"] = train.train(fresh(), tokens, train.TrainConfig(**cfg), progress=False)
+        on_mesh = train.TrainConfig(**cfg, mesh="data=2,model=2,context=2", checkpoint_every=2, out_dir=d)
+        out["mesh"] = train.train(fresh(), tokens, on_mesh, progress=False)
+        shutil.rmtree(os.path.join(d, "state", "4"))  # resume from step 2, on another mesh, other initial weights
+        model = fresh(1)
+        other = train.TrainConfig(**cfg, mesh="data=4,model=2", checkpoint_every=2, out_dir=d)
+        out["resumed"] = train.train(model, tokens, other, progress=False, resume=True)
+    arrays = [v.get_value() for _, v in nnx.to_flat_state(nnx.state(model, nnx.Param))]
+    out["restored_meshes"] = sorted({str(dict(a.sharding.mesh.shape)) for a in arrays})
+    cases = {
+        "mesh_size": lambda: sharding.make_mesh("data=2,model=2"),
+        "mesh_axis": lambda: sharding.make_mesh("data=2,seq=4"),
+        "heads": lambda: sharding.shard(fresh(), sharding.make_mesh("model=8")),
+        "explicit": lambda: sharding.shard(fresh(), jax.make_mesh((8,), ("data",), (jax.sharding.AxisType.Explicit,))),
+        "batch_size": lambda: train.train(fresh(), tokens, train.TrainConfig(**{**cfg, "batch_size": 3},
+                                                                            mesh="data=2,model=4"), progress=False),
+        "seq_len": lambda: train.train(fresh(), tokens, train.TrainConfig(**{**cfg, "seq_len": 100},
+                                                                         mesh="data=2,context=4"), progress=False),
+    }  # fmt: skip
+    return out | messages(cases)
+
+
 def main():
     results = {
         "dense_T250_padded": compare(inputs(2, 250)),
@@ -146,6 +197,7 @@ def main():
         "gathered_bytes": {"T256": gathered_bytes(256), "T1024": gathered_bytes(1024)},
         "errors": errors(),
         "sharded_ops": sharded_ops(),
+        "model": model_on_mesh(),
     }  # fmt: skip
     print(json.dumps(results))
 

@@ -1,16 +1,19 @@
 """Ops on arrays sharded over their batch and head axes (on a mesh of Explicit axes, where the
 sharding is part of the arrays' types): each device runs its own rows and heads under
 ``jax.shard_map``, with no communication. Other sharded axes are gathered first (time: use
-``context_parallel`` instead). On Auto axes the types say nothing and XLA partitions the ops."""
+``context_parallel`` instead). On Auto axes the types say nothing and XLA partitions the ops.
+Also the :class:`Layout` that a sharded model's layers read (:func:`kdax.models.shard`)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 
 import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+MESH_AXES = ("data", "model", "context")  # a sharded model's mesh axes: batch, heads, time (docs/scale.md)
 ROLES = ("batch", "heads")  # the axes an op may be split over without communication
 
 
@@ -53,3 +56,38 @@ def per_shard(fn: Callable, arrays: Sequence, roles: Sequence, out_roles):
                              all(isinstance(n, (str, type(None))) for n in r))  # fmt: skip
     return jax.shard_map(run, mesh=mesh, in_specs=tuple(spec(roles[i]) for i in present), out_specs=out_specs,
                          check_vma=False)(*local)  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where a sharded model's activations lie (:func:`kdax.models.shard`): rows over ``data``,
+    heads over ``model``, time over ``context``. Each is the mesh axis of that name, or None where
+    the mesh lacks it or it has one device.
+
+    Attributes:
+        mesh: the device mesh (its axes named among "data", "model", "context").
+        data, model, context: the axes' names or None.
+    """
+
+    mesh: jax.sharding.Mesh
+    data: str | None
+    model: str | None
+    context: str | None
+
+    @classmethod
+    def of(cls, mesh: jax.sharding.Mesh) -> Layout:
+        """The layout of ``mesh`` (axes of other names are refused by :func:`kdax.models.shard`)."""
+        role = lambda name: name if name in mesh.axis_names and mesh.shape[name] > 1 else None
+        return cls(mesh, *(role(n) for n in MESH_AXES))
+
+    def size(self, axis: str | None) -> int:
+        """Devices along ``axis`` (1 for None)."""
+        return 1 if axis is None else self.mesh.shape[axis]
+
+    def heads(self, n: int) -> str | None:
+        """The model axis where it divides ``n`` heads (each device a whole number of them), else None."""
+        return self.model if n % self.size(self.model) == 0 else None
+
+    def constrain(self, x: jax.Array, *spec) -> jax.Array:
+        """``x`` laid out as ``PartitionSpec(*spec)`` on the mesh (a constraint for XLA's partitioner)."""
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, P(*spec)))

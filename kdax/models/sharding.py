@@ -1,0 +1,162 @@
+"""A model on a device mesh (docs/scale.md): parameters FSDP over a ``data`` axis and tensor
+parallel over heads on a ``model`` axis, rows over ``data``, time over ``context`` (KDA layers
+context parallel, attention layers gathering keys and values over it).
+
+Meshes have Auto axes: the parameters' shardings are placed, the activations constrained, and
+XLA's partitioner inserts the FSDP gathers and tensor-parallel reductions; the KDA layers run
+their own ``shard_map`` (the convolutions and the op need a layout XLA cannot infer)."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from kdax.models.kda import KDAForCausalLM, KDAModel
+from kdax.nn import Attention, GatedMLP, KimiDeltaAttention
+from kdax.ops.common.sharding import MESH_AXES, Layout
+
+
+def make_mesh(spec: str) -> jax.sharding.Mesh:
+    """A mesh of Auto axes from ``"data=2,model=2,context=2"`` (``kdax train --mesh``).
+
+    Args:
+        spec: comma-separated ``axis=size``, axes among "data", "model", "context", the sizes'
+            product the number of devices.
+
+    Returns:
+        The mesh over ``jax.devices()``.
+
+    Raises:
+        ValueError: naming ``mesh``, for a malformed spec, an unknown or repeated axis, or sizes
+            whose product is not the device count.
+    """
+    sizes = {}
+    for part in spec.split(","):
+        name, _, size = part.partition("=")
+        name = name.strip()
+        if name not in MESH_AXES or name in sizes or not size.strip().isdigit() or int(size) < 1:
+            raise ValueError(f"mesh: expected comma-separated axis=size with axes among {MESH_AXES} (each once, "
+                             f"sizes positive), got {spec!r}")  # fmt: skip
+        sizes[name] = int(size)
+    n, have = math.prod(sizes.values()), jax.device_count()
+    if n != have:
+        hint = f" (on a CPU host, XLA_FLAGS=--xla_force_host_platform_device_count={n} fakes {n})" if n > have else ""
+        raise ValueError(
+            f"mesh: expected axis sizes whose product is the {have} devices here, got {spec!r} = {n}{hint}"
+        )
+    return jax.make_mesh(tuple(sizes.values()), tuple(sizes), axis_types=(AxisType.Auto,) * len(sizes))
+
+
+def _rules(module: nnx.Module, L: Layout) -> dict[tuple, tuple]:
+    """{parameter path within ``module``: its axes} for the layers that have sharded parameters."""
+    D, M = L.data, L.model
+    column = lambda m: {("kernel",): (D, m), ("bias",): (m,)}  # output features split (by heads where m)
+    under = lambda name, rules: {(name, *path): axes for path, axes in rules.items()}
+    if isinstance(module, KimiDeltaAttention):
+        for what, n in (("num_heads", module.num_heads), ("num_v_heads", module.num_v_heads)):
+            if n % L.size(M):
+                raise ValueError(f"mesh: expected a model axis dividing every KDA layer's heads, got {L.size(M)} "
+                                 f"devices for {what}={n}")  # fmt: skip
+        rules = {("A_log",): (M,), ("dt_bias",): (M,)}
+        for name in ("q_proj", "k_proj", "v_proj", "b_proj"):
+            rules |= under(name, column(M))
+        for name in ("q_conv1d", "k_conv1d", "v_conv1d"):
+            rules |= {(name, "weight"): (M, None, None), (name, "bias"): (M,)}
+        for name in ("f_proj", "g_proj"):  # low rank: hidden -> head_v_dim (FSDP only) -> heads
+            rules[(name, "layers", 0, "kernel")] = (D, None)
+            rules |= under(name, under("layers", under(1, column(M))))
+        return rules | {("o_proj", "kernel"): (M, D)}
+    if isinstance(module, Attention):
+        mq, mkv = L.heads(module.num_heads), L.heads(module.num_kv_heads)
+        rules = under("q_proj", column(mq)) | under("k_proj", column(mkv)) | under("v_proj", column(mkv))
+        return rules | {("o_proj", "kernel"): (mq, D)}
+    if isinstance(module, GatedMLP):
+        m = L.heads(module.intermediate_size)
+        return {("gate_proj", "kernel"): (D, m), ("up_proj", "kernel"): (D, m), ("down_proj", "kernel"): (m, D)}
+    if isinstance(module, KDAForCausalLM):
+        return {("model", "embeddings", "embedding"): (None, D), ("lm_head", "kernel"): (D, L.heads(module.config.vocab_size))}  # fmt: skip
+    return {}
+
+
+def partition_specs(model: KDAForCausalLM, mesh: jax.sharding.Mesh) -> dict[tuple, P]:
+    """Each parameter's layout on ``mesh``: linears FSDP over "data" on their input features (or
+    output, for those that end a block) and split over "model" by heads (KDA and attention
+    projections, the MLP's hidden features, the vocabulary); convolutions, A_log and dt_bias by
+    heads; embeddings FSDP; norms replicated. A dim that an axis does not divide stays whole.
+
+    Args:
+        model: the model.
+        mesh: axes named among "data", "model", "context".
+
+    Returns:
+        {parameter path: PartitionSpec}.
+
+    Raises:
+        ValueError: naming ``mesh``, for an axis of another name, or a model axis that does not
+            divide a KDA layer's heads.
+    """
+    if set(mesh.axis_names) - set(MESH_AXES):
+        raise ValueError(f"mesh: expected axes named among {MESH_AXES}, got {tuple(mesh.axis_names)}")
+    L = Layout.of(mesh)
+    rules = {}
+    for path, module in nnx.iter_graph(model):
+        if isinstance(module, nnx.Module):
+            rules |= {(*path, *p): axes for p, axes in _rules(module, L).items()}
+    specs = {}
+    for path, value in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        axes = rules.get(tuple(path), ())
+        specs[tuple(path)] = P(*(a if a and n % L.size(a) == 0 else None for a, n in zip(axes, value.shape)))
+    return specs
+
+
+def shard(model: KDAForCausalLM, mesh: jax.sharding.Mesh) -> KDAForCausalLM:
+    """Lay the model out on ``mesh`` in place (see :func:`partition_specs`): its parameters move to
+    their shardings (recorded as each Param's ``out_sharding``, which ``nnx.Optimizer`` copies to
+    its state), and its layers run on the mesh: ``model(ids)`` takes rows over "data" and time
+    over "context" (B a multiple of the data axis, T of the context axis times the KDA chunk
+    size), the KDA layers context parallel. Caches, ``attention_mask``, ``cu_seqlens`` and Kascade
+    run the single-device code, partitioned by XLA.
+
+    Args:
+        model: the model (any parameters' placement).
+        mesh: Auto axes named among "data", "model", "context" (:func:`make_mesh`).
+
+    Returns:
+        The model.
+
+    Raises:
+        ValueError: see :func:`partition_specs`; ``mesh`` with an Explicit or Manual axis.
+    """
+    if any(t != AxisType.Auto for t in mesh.axis_types):
+        raise ValueError(f"mesh: expected Auto axes (kdax.models.make_mesh), got {mesh.axis_types}")
+    specs = partition_specs(model, mesh)
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        var.set_metadata(out_sharding=tuple(specs[tuple(path)]), mesh=mesh)
+    layout = Layout.of(mesh)
+    for _, module in nnx.iter_graph(model):
+        if isinstance(module, KimiDeltaAttention | Attention | KDAModel):
+            module.layout = layout
+    nnx.update(model, place(nnx.state(model, nnx.Param), mesh))
+    return model
+
+
+def place(tree, mesh: jax.sharding.Mesh):
+    """Arrays of an nnx state (e.g. an optimizer's) onto ``mesh`` by their Variables' ``out_sharding``
+    (replicated without one)."""
+    return jax.device_put(tree, jax.tree.map(lambda s: NamedSharding(mesh, s), nnx.get_partition_spec(tree)))
+
+
+def batch_sharding(mesh: jax.sharding.Mesh) -> NamedSharding:
+    """Token batches [B, T]: rows over "data" (time is split inside the model, where T fits the context axis)."""
+    return NamedSharding(mesh, P(Layout.of(mesh).data))
+
+
+def global_batch(batch: np.ndarray, mesh: jax.sharding.Mesh) -> jax.Array:
+    """A host array that every process holds whole, as one array over ``mesh`` (each process
+    places its own devices' rows: the multi-host form of ``device_put``)."""
+    return jax.make_array_from_callback(batch.shape, batch_sharding(mesh), lambda index: batch[index])
