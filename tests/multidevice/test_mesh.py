@@ -51,6 +51,9 @@ def test_context_parallel_and_sharded_ops_on_8_devices():
     m = r["model"]
     if m["loss_err"] > BAR or m["grad_err"] > 1e-4:
         failures.append(f"model loss / gradients on the mesh: {m['loss_err']}, {m['grad_err']}")
+    # a padded batch (attention_mask) and packed sequences: XLA partitions the one-device code
+    if m["mask_err"] > BAR or m["packed_err"] > BAR:
+        failures.append(f"masked / packed logits on the mesh: {m['mask_err']}, {m['packed_err']}")
     for run, losses in (("mesh", m["mesh"]), ("resumed", m["resumed"])):
         want = m["one_device"][-len(losses) :]
         if len(losses) != {"mesh": 4, "resumed": 2}[run] or max(abs(a / b - 1) for a, b in zip(losses, want)) > BAR:

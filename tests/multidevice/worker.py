@@ -148,7 +148,8 @@ def sharded_ops():
 def model_on_mesh():
     """The tiny hybrid (4 heads, T = 128, B = 4): its loss and gradients on a data=2,model=2,context=2
     mesh against one device; 4 AdamW steps on one device, on that mesh with checkpoints every 2 steps,
-    and resumed from step 2 onto a data=4,model=2 mesh; the bad meshes' and configs' errors."""
+    and resumed from step 2 onto a data=4,model=2 mesh; logits of a padded batch and of packed
+    sequences on the mesh; the bad meshes' and configs' errors."""
     from flax import nnx
 
     tokens = train.load_corpus()
@@ -161,6 +162,13 @@ def model_on_mesh():
     pairs = zip(nnx.to_flat_state(g1), nnx.to_flat_state(g8))
     out = {"loss_err": abs(float(l8) / float(l1) - 1),
            "grad_err": max(rel_rms(b.get_value(), a.get_value()) for (_, a), (_, b) in pairs)}  # fmt: skip
+    # the paths that run the one-device code on the sharded weights: a padded batch, packed sequences
+    one, on_mesh = fresh(), sharding.shard(fresh(), mesh)
+    ids = jnp.asarray(batch[:, :100])
+    mask = jnp.asarray(np.arange(100)[None] < np.array([100, 50, 1, 77])[:, None])
+    cu = jnp.array([0, 30, 31, 100])
+    out["mask_err"] = rel_rms(on_mesh(ids, attention_mask=mask), one(ids, attention_mask=mask))
+    out["packed_err"] = rel_rms(on_mesh(ids[:1], cu_seqlens=cu), one(ids[:1], cu_seqlens=cu))
     cfg = {"steps": 4, "batch_size": 4, "seq_len": 128, "warmup": 1}
     with tempfile.TemporaryDirectory() as d:
         out["one_device"] = train.train(fresh(), tokens, train.TrainConfig(**cfg), progress=False)
