@@ -23,8 +23,9 @@ def test_context_parallel_and_sharded_ops_on_8_devices():
 
     # (o, final, dq, dk, dv, dg, dbeta, dh0) against one device, GVA, K != V, a burst of strong decay:
     # two rows of T = 250 (padded to 8 x 32); sequences of 5, 0, 95, 1 and 155 tokens over devices of
-    # 32 tokens with the gate (raw logits), l2norm and beta sigmoid in the kernel
-    for case in ("dense_T250_padded", "varlen_in_kernel_options"):
+    # 32 tokens with the gate (raw logits), l2norm and beta sigmoid in the kernel; the Pallas GPU kernels
+    # (interpreted) as the local op on both sides, T = 128 over devices of 16 tokens
+    for case in ("dense_T250_padded", "varlen_in_kernel_options", "pallas_gpu"):
         if len(r[case]) != 8 or max(r[case]) > BAR:
             failures.append(f"{case}: {r[case]}")
     # inside the caller's shard_map: dense rows (o, final, intermediate states, states [V, K]), then

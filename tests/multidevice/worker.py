@@ -201,6 +201,8 @@ def main():
             A_log=jnp.linspace(-1.0, 1.0, 4), dt_bias=jnp.linspace(-2.0, 2.0, 64), use_qk_l2norm_in_kernel=True,
             use_beta_sigmoid_in_kernel=True,
         ),
+        # the GPU kernels (Pallas interpreter) as the local op: small, the interpreter is slow
+        "pallas_gpu": compare(inputs(1, 128, H=1, HV=2, K=16, V=16), backend="pallas_gpu"),
         "in_shard_map": in_shard_map(),
         "gathered_bytes": {"T256": gathered_bytes(256), "T1024": gathered_bytes(1024)},
         "errors": errors(),
