@@ -272,7 +272,8 @@ def train(
         elif saving and manager.latest_step() is not None:
             raise ValueError(f"out_dir: {cfg.out_dir!r} holds checkpoints up to step {manager.latest_step()}; "
                              "continue them with resume (kdax train --resume) or choose another out_dir")  # fmt: skip
-        bar = tqdm(range(first + 1, cfg.steps + 1), initial=first, total=cfg.steps, disable=not progress, desc="train")
+        shown = progress and jax.process_index() == 0  # one bar for a run over several hosts
+        bar = tqdm(range(first + 1, cfg.steps + 1), initial=first, total=cfg.steps, disable=not shown, desc="train")
         for step in bar:
             loss = float(train_step(model, optimizer, _batch(tokens, rng, cfg, mesh)))
             losses.append(loss)
@@ -304,12 +305,13 @@ def main(cfg: TrainConfig, corpus: str | None = None, sample_tokens: int = 200, 
     tokens = tokens[: tokens.size - int(cfg.holdout * tokens.size)]
     model = KDAForCausalLM(PRESETS[cfg.preset](), rngs=nnx.Rngs(cfg.seed))
     entropy = unigram_entropy(tokens)
-    print(f"corpus {tokens.size:,} bytes, unigram entropy {entropy:.3f} nats; model {model.num_parameters():,} params")
+    say = print if jax.process_index() == 0 else lambda *_: None  # every host runs this; one speaks
+    say(f"corpus {tokens.size:,} bytes, unigram entropy {entropy:.3f} nats; model {model.num_parameters():,} params")
     losses = train(model, tokens, cfg, resume=resume)
     if losses:
-        print(f"loss: first {losses[0]:.3f}, mean of last 20 steps {np.mean(losses[-20:]):.3f} nats")
+        say(f"loss: first {losses[0]:.3f}, mean of last 20 steps {np.mean(losses[-20:]):.3f} nats")
     if sample_tokens:
         prompt = jnp.asarray(tokens[None, :64], jnp.int32)
         out = generate(model, prompt, sample_tokens)
-        print(bytes(np.asarray(out[0], np.uint8)).decode("utf-8", errors="replace"))
+        say(bytes(np.asarray(out[0], np.uint8)).decode("utf-8", errors="replace"))
     return model
