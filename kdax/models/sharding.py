@@ -151,12 +151,9 @@ def place(tree, mesh: jax.sharding.Mesh):
     return jax.device_put(tree, jax.tree.map(lambda s: NamedSharding(mesh, s), nnx.get_partition_spec(tree)))
 
 
-def batch_sharding(mesh: jax.sharding.Mesh) -> NamedSharding:
-    """Token batches [B, T]: rows over "data" (time is split inside the model, where T fits the context axis)."""
-    return NamedSharding(mesh, P(Layout.of(mesh).data))
-
-
 def global_batch(batch: np.ndarray, mesh: jax.sharding.Mesh) -> jax.Array:
-    """A host array that every process holds whole, as one array over ``mesh`` (each process
-    places its own devices' rows: the multi-host form of ``device_put``)."""
-    return jax.make_array_from_callback(batch.shape, batch_sharding(mesh), lambda index: batch[index])
+    """A host batch [B, T] that every process holds whole, as one array over ``mesh`` with rows over
+    "data" (time is split inside the model); each process places its own devices' rows, the
+    multi-host form of ``device_put``."""
+    rows = NamedSharding(mesh, P(Layout.of(mesh).data))
+    return jax.make_array_from_callback(batch.shape, rows, lambda index: batch[index])

@@ -173,7 +173,6 @@ def kascade_reuse(
     _, head_map = check_call(q, k, v, lengths, indices=indices, head_map=head_map, tile_size=tile_size, scale=scale)
     B, T, _, _ = q.shape
     backend, config = _OPS["kascade_reuse"].resolve(backend, q.dtype, config)
-    head_map = None if head_map is None else jnp.asarray(head_map, jnp.int32)
     return _reuse(q, k, v, jnp.asarray(indices, jnp.int32), head_map, row_lengths(lengths, B, T), backend=backend,
                   config=config, tile_size=tile_size, scale=_scale(q, scale))  # fmt: skip
 
@@ -183,7 +182,7 @@ def _reuse(q, k, v, indices, head_map, lengths, *, backend, config, tile_size, s
     if backend == "naive":
         return reference.naive_kascade_reuse(q, k, v, indices, head_map=head_map, tile_size=tile_size, scale=scale,
                                              lengths=lengths)  # fmt: skip
-    return _core("reuse", backend)(q, k, v, lengths, _remapped(indices, head_map) if head_map is not None else indices, tile_size=tile_size, scale=scale,
+    return _core("reuse", backend)(q, k, v, lengths, _remapped(indices, head_map), tile_size=tile_size, scale=scale,
                                    cfg=config)  # fmt: skip
 
 
@@ -252,7 +251,6 @@ def kascade_reuse_decode(
     _check_common(backend, dtype=q.dtype)
     _, head_map = check_call(q, k_cache, v_cache, lengths, decode=True, indices=indices, head_map=head_map, scale=scale)
     backend, config = _OPS["kascade_reuse_decode"].resolve(backend, q.dtype, config)
-    head_map = None if head_map is None else jnp.asarray(head_map, jnp.int32)
     return _reuse_decode(q, k_cache, v_cache, jnp.asarray(lengths, jnp.int32), jnp.asarray(indices, jnp.int32),
                          head_map, backend=backend, config=config, scale=_scale(q, scale))  # fmt: skip
 
@@ -262,13 +260,15 @@ def _reuse_decode(q, k_cache, v_cache, lengths, indices, head_map, *, backend, c
     if backend == "naive":
         return reference.naive_kascade_reuse_decode(q, k_cache, v_cache, lengths, indices, head_map=head_map,
                                                     scale=scale)  # fmt: skip
-    return _core("reuse_decode", backend)(q, k_cache, v_cache, lengths, indices if head_map is None else _remapped(indices, head_map), scale=scale,
+    return _core("reuse_decode", backend)(q, k_cache, v_cache, lengths, _remapped(indices, head_map), scale=scale,
                                           cfg=config)  # fmt: skip
 
 
 def _remapped(indices, head_map):
-    """indices [B, G, ...] with KV head g taking the anchor's head_map[g] (a selection sharded over
-    heads is gathered over them first: the map may take another device's)."""
+    """indices [B, G, ...] with KV head g taking the anchor's head_map[g] (None: as they are; a
+    selection sharded over heads is gathered over them first: the map may take another device's)."""
+    if head_map is None:
+        return indices
     sharding = jax.typeof(indices).sharding
     if len(sharding.spec) > 1 and sharding.spec[1] is not None:
         spec = (*sharding.spec[:1], None, *sharding.spec[2:])

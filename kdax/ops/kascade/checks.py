@@ -147,7 +147,7 @@ def check_head_map(head_map, G: int):
         arr = np.asarray(head_map)
         if arr.size and (arr.min() < 0 or arr.max() >= G):
             fail("head_map", f"values in [0, {G}) (KV heads of the anchor)", f"{arr.tolist()}")
-    return head_map
+    return jnp.asarray(head_map, jnp.int32)
 
 
 def _traced(x) -> bool:
