@@ -24,7 +24,9 @@ num_stages) the kernels get (``pallas_gpu.LAUNCH`` fitted to the tiles), and the
 inspected with the ``cuobjdump`` that ships with it. The Triton inside XLA (what runs on a
 GPU) is a different build, so counts can differ a little; shared memory over the 227 KiB
 an H100 block may use means the kernel cannot launch. Exit status 1 when a kernel is over
-that limit.
+that limit, and with ``--check`` when one spills more than the compile budget
+(:data:`SPILL_BUDGET`: 128 B a thread with bf16 inputs, 512 B with float32). The closing
+lines also give the warp-instructions each pass issues, beside FLA's at the default shape.
 """
 
 from __future__ import annotations
@@ -55,9 +57,15 @@ from kdax.ops.kda.api import chunk_kda
 SMEM_LIMIT = 227 * 1024  # bytes of shared memory one H100 block may use
 ISSUE_PER_S = 132 * 4 * 1.75e9  # warp-instructions an H100 issues a second at most: 132 SMs, 4 a cycle each
 BYTES_PER_S = 3.35e12  # an H100 SXM's HBM bandwidth
-FORWARD = ("intra", "state", "output")  # the forward's kernels, in order
-KERNELS = {"kda_intra": "intra", "kda_state": "state", "kda_output": "output", "kda_state_cotangent": "dstate",
-           "kda_values": "values", "kda_keys": "keys", "kda_levels": "levels"}  # fmt: skip
+FORWARD = ("diag", "intra", "state", "output")  # the forward's kernels, in order
+# The compile budget (--check): spill bytes a thread any kernel may have, by input dtype (float32 inputs
+# run three-pass TF32 products, which need more registers).
+SPILL_BUDGET = {"bfloat16": 128, "float32": 512}
+# Warp-instructions FLA 0.6.0's Triton chunk_kda issues per pass at B=1 T=8192 H=16 K=V=128 bf16 with the
+# in-op options, compiled for sm_90a the same way (its first autotune configs; ../shared/tools/compare_sass.py).
+FLA_ISSUED = {"forward": 203e6, "backward": 521e6}
+KERNELS = {"kda_diag": "diag", "kda_intra": "intra", "kda_recompute": "recompute", "kda_state": "state", "kda_output": "output", "kda_state_cotangent": "dstate",
+           "kda_values": "values", "kda_keys": "keys", "kda_diag_grads": "diag_grads", "kda_levels": "levels"}  # fmt: skip
 
 
 def triton_modules(T: int, dtype, cfg: pallas_gpu.Config, fla_options: bool = False, K: int = 128, V: int = 128,
@@ -110,8 +118,8 @@ def loop_trips(T: int, K: int, V: int, chunk_size: int, cfg: pallas_gpu.Config) 
     (LLVM unrolls some: the intra kernel's last walk, the values kernel's walk over key blocks)."""
     Kp, Vp = pallas_gpu._pow2(K), pallas_gpu._pow2(V)
     keys, values, chunks = Kp // min(cfg.block_k, Kp), Vp // min(cfg.block_v, Vp), -(-T // chunk_size)
-    return {"intra": (keys,), "state": (chunks,), "output": (), "dstate": (chunks,), "values": (values, keys),
-            "keys": (keys, values), "levels": ()}  # fmt: skip
+    return {"diag": (keys,), "intra": (keys,), "recompute": (keys,), "state": (chunks,), "output": (), "dstate": (chunks,), "values": (values, keys),
+            "keys": (keys, values), "diag_grads": (keys,), "levels": ()}  # fmt: skip
 
 
 MMA_LAYOUT = re.compile(
@@ -203,6 +211,11 @@ def main(argv=None) -> int:
     p.add_argument("--fla-options", action="store_true", help="gate, L2 norm and beta sigmoid in the op, as vs FLA")
     p.add_argument("--launch", nargs="*", default=[], metavar="KERNEL=WARPS,STAGES", help="override pallas_gpu.LAUNCH")
     p.add_argument("--kernels", nargs="*", default=list(pallas_gpu.LAUNCH), help="launch-table names")
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help=f"exit 1 when a kernel spills more than the budget a thread {SPILL_BUDGET} (by --dtype)",
+    )
     a = p.parse_args(argv)
     given = {name: tuple(int(x) for x in ws.split(",")) for name, ws in (item.split("=") for item in a.launch)}
     cfg = pallas_gpu.Config(block_v=a.block_v, block_k=a.block_k, precision=a.precision, launch=tuple(given.items()),
@@ -216,7 +229,7 @@ def main(argv=None) -> int:
                "dots", "replicated", "warp-instrs", "loops", "issued", "issue us", "MB", "bytes us"]  # fmt: skip
     print("| " + " | ".join(columns) + " |")
     print("|" + "---|" * len(columns))
-    over, floors = [], collections.defaultdict(float)
+    over, spills, floors, issued = [], [], collections.defaultdict(float), collections.defaultdict(float)
     with tempfile.TemporaryDirectory() as workdir:
         trips = loop_trips(a.T, a.K, a.V, a.chunk_size, cfg)
         modules = triton_modules(a.T, jnp.dtype(a.dtype), cfg, a.fla_options, a.K, a.V, a.chunk_size)
@@ -227,6 +240,7 @@ def main(argv=None) -> int:
             r = compile_report(name, ttir, launch, workdir, trips[name])
             issue_us, bytes_us = programs * r["issued"] / ISSUE_PER_S * 1e6, nbytes / BYTES_PER_S * 1e6
             floors["backward" if backward else "forward"] += max(issue_us, bytes_us)
+            issued["backward" if backward else "forward"] += programs * r["issued"]
             label = f"{name}, backward" if backward and name in FORWARD else name
             print(f"| {label} | {r['warps']} | {r['stages']} | {r['regs']} | {r['spill']} | {r['smem'] / 1024:.0f} | "
                   f"{r['HGMMA']} | {r['HMMA']} | {r['FFMA']} | {r['MUFU']} | {r['LDL']} | {r['STL']} | {r['dots']} | "
@@ -234,11 +248,17 @@ def main(argv=None) -> int:
                   f"{nbytes / 1e6:.0f} | {bytes_us:.0f} |", flush=True)  # fmt: skip
             if r["smem"] > SMEM_LIMIT:
                 over.append(name)
+            if r["spill"] > SPILL_BUDGET[a.dtype]:
+                spills.append(f"{label} ({r['spill']} B)")
     for part, us in floors.items():
-        print(f"{part}: {us:.0f} us, larger floors of the kernels shown (no state-loop latency, no XLA passes)")
+        print(f"{part}: {us:.0f} us, larger floors of the kernels shown (no state-loop latency, no XLA passes); "
+              f"{issued[part] / 1e6:.1f} M warp-instructions issued (FLA: {FLA_ISSUED[part] / 1e6:.0f} M at "
+              f"T=8192 bf16 with its in-op options)")  # fmt: skip
+    if spills:
+        print(f"over the spill budget of {SPILL_BUDGET[a.dtype]} B a thread: {', '.join(spills)}")
     if over:
         print(f"over the {SMEM_LIMIT // 1024} KiB shared-memory limit (cannot launch): {', '.join(over)}")
-    return 1 if over else 0
+    return 1 if over or (a.check and spills) else 0
 
 
 if __name__ == "__main__":

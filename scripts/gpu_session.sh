@@ -4,6 +4,9 @@
 #   scripts/gpu_session.sh compare [BxT,...]       kdax bench --gpu-compare-fla, FLA in its own process;
 #                                                  default 1x8192 (the acceptance shape), then e.g.
 #                                                  1x2048,1x32768 and 8x2048,8x8192,8x32768
+#   scripts/gpu_session.sh report                  the compile budget (scripts/gpu_compile_report.py
+#                                                  --fla-options --check, bf16, then float32): spills
+#                                                  and issued warp-instructions beside FLA's
 #   scripts/gpu_session.sh tests [FILE|TEST ...]   pallas_gpu compiled for real: every shared case,
 #                                                  fp32 and bf16, the cases CI leaves to the slow
 #                                                  marker included, on 16 pytest workers (67 tests
@@ -42,6 +45,10 @@ case "$stage" in
                                          tests/ops/kda/test_fla_parity.py -k "pallas_gpu or gpu")
     KDAX_FAILURE_LOG="$OUT/failures.txt" python3 -m pytest -v -p no:cacheprovider -p no:benchmark -n 16 \
       -m "not tpu" --durations=20 --timeout=480 "${targets[@]}" 2>&1 | tee "$OUT/tests.txt" ;;
+  report)
+    for dtype in bfloat16 float32; do
+      python3 scripts/gpu_compile_report.py --fla-options --check --dtype $dtype 2>&1 | tee "$OUT/report-$dtype.md" || true
+    done ;;
   tune)
     name="tune-${2:-none}"
     python3 -m kdax.cli bench --gpu-tune --repeats 10 --tune-kernels "${2:-none}" ${3:+--tune-blocks "$3"} \
@@ -64,5 +71,5 @@ print(format_compare(json.load(open(sys.argv[1]))))" "$OUT/$name.json" | tee "$O
     python3 -c "import json,sys; from kdax.bench.kascade import Row, format_table; \
 print(format_table([Row(**{**r, 'iqr_ms': tuple(r['iqr_ms'])}) for r in json.load(open(sys.argv[1]))['kascade']]))" \
       "$OUT/$name.json" | tee "$OUT/$name.md" ;;
-  *) echo "unknown stage $stage (compare, tests, tune, kascade)" >&2; exit 2 ;;
+  *) echo "unknown stage $stage (compare, report, tests, tune, kascade)" >&2; exit 2 ;;
 esac

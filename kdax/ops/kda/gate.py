@@ -64,7 +64,7 @@ def softplus_exp2(x: jax.Array) -> jax.Array:
     polynomial for ``log1p(t) / t``: within 3e-7 relative of the exact value for x >= -20 (a
     float32 ``jax.nn.softplus`` is within 2.3e-7), and in a Pallas-Triton kernel about 14
     instructions an element, where ``jax.nn.softplus`` lowers to libdevice's ``expf`` and
-    ``log1pf``, about 44 (docs/kda_gpu.md, "The gate's softplus").
+    ``log1pf``, about 44 (docs/kda_gpu.md, "Gate, L2 norm and layout in the kernels").
 
     Args:
         x: a float array (float32 for the accuracy above).

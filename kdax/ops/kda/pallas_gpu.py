@@ -34,7 +34,7 @@ from kdax.ops.common import dispatch
 from kdax.ops.common.arrays import LOG2E, pad_last
 from kdax.ops.common.varlen import ChunkLayout
 from kdax.ops.kda.gate import L2NORM_EPS, l2norm, log_decay, softplus_exp2
-from kdax.ops.kda.tiles import StateProducts, Tiles, chunk_states, gated, last_row
+from kdax.ops.kda.tiles import StateProducts, Tiles, chunk_states, last_row
 
 # Whether the compiled kernels have passed the shared cases' error bars on a GPU
 # (`scripts/gpu_session.sh tests`, recorded in BENCHMARKS.md). Until then backend="auto" runs
@@ -90,18 +90,20 @@ class Config:
         return dataclasses.replace(self, interpret=interpret)
 
 
-# (num_warps, num_stages) per kernel at C = 64, K = V = 128. Starting values from the
-# compiled code, not yet timed on a GPU (docs/kda_gpu.md, "Warps per program", lists the
-# sweep that is to replace them): intra at 2 warps and levels at 1, since more warps repeat
-# their 16 x 16 products (1 warp would spill the intra kernel past L1); values and keys at
-# 4, one warp group for their 64-row products.
+# (num_warps, num_stages) per kernel at C = 64, K = V = 128, from the compiled code (docs/kda_gpu.md,
+# "Shared memory and the launch table"), not yet timed on a GPU: the 16-row kernels at 1 warp (more
+# warps would each compute the same 16 x 16 products), intra at 2 (1 spills), values and keys at 4,
+# one warp group for their 64-row products.
 LAUNCH = {
+    "diag": (1, 1),
     "intra": (2, 1),
+    "recompute": (1, 1),
     "state": (4, 2),
     "output": (4, 2),
     "dstate": (4, 2),
     "values": (4, 1),
     "keys": (4, 1),
+    "diag_grads": (1, 1),
     "levels": (1, 1),
 }
 
@@ -136,12 +138,15 @@ def shared_memory(kernel: str, C: int, Kp: int, BV: int, itemsize: int, stages: 
     t, c = C * Kp * itemsize, C * C
     f32 = itemsize == 4
     return {
+        "diag": 4096,
+        "recompute": c * (6 if f32 else 2) + 2048,
         "intra": (c * 5 + 64 * Kp if f32 else c * 5 // 4 + 32 * Kp) + 2048,
         "state": 4 * t + 4096 if stages > 1 else t + c * itemsize // 2,
         "output": max(t, c * itemsize) + BV * max(Kp, C) * 2,
         "dstate": 5 * t + 2 * c * itemsize if stages > 1 else t + c * itemsize // 2,
         "values": c * (20 if f32 else 7) + 4096,
         "keys": c * (10 if f32 else 6) + 8192,
+        "diag_grads": (36 if f32 else 10) * 1024,
         "levels": (c if f32 else c // 2) + 2048,
     }[kernel]
 
@@ -277,77 +282,132 @@ class _BlockGates:
         return self.suffix[j] + self.span(j + 1, i)
 
 
-def _intra_kernel(tiles, gate, qk, BK, interpret, q_ref, k_ref, v_ref, g_ref, gp_ref, b_ref, aqk_ref, w_ref, u_ref,
-                  qg_ref, kd_ref, dec_ref, *pair_refs):  # fmt: skip
-    """Grid (B, HV, chunks). Writes Aqk [C, C], w, q_g, k_d [C, K], u [C, V], decay [1, K],
-    and for the backward (two more refs) Kkk and T [C, C].
+def _diag_kernel(tiles, gate, qk, BK, q_ref, k_ref, g_ref, gp_ref, b_ref, aqk_ref, kkk_ref, t_ref, *scale_ref):
+    """Grid (B, HV, row blocks of S): the diagonal S x S blocks of Aqk and Kkk by the dyadic
+    levels (``Tiles.pairs``, summed over key blocks of BK) and T_ii = (I + beta Kkk_ii)^-1, so
+    that the intra kernel's key walk carries only the off-diagonal products (docs/kda_gpu.md).
+    With ``qk.l2norm`` also the factors of the rows of q and k [S, 2] (scale / ||q||, 1 / ||k||)."""
+    f32, S, n_kb = jnp.float32, aqk_ref.shape[0], q_ref.shape[1] // BK
+    q_scale, k_scale = qk.scale, 1.0
+    if qk.l2norm:
 
-    Works on row blocks of SUB: Aqk and Kkk only where they are not zero, a diagonal block
-    by the dyadic levels (``Tiles.pairs``), block (i, j < i) by one product around the
+        def squares(kb, acc):
+            return tuple(a + jnp.sum(_cols32(r, kb, BK) ** 2, axis=1, keepdims=True) for a, r in zip(acc, (q_ref, k_ref)))  # fmt: skip
+
+        ss_q, ss_k = lax.fori_loop(0, n_kb, squares, (jnp.zeros((S, 1), f32),) * 2)
+        q_scale, k_scale = qk.scale * lax.rsqrt(ss_q + L2NORM_EPS), lax.rsqrt(ss_k + L2NORM_EPS)
+        scale_ref[0][:, pl.ds(0, 1)], scale_ref[0][:, pl.ds(1, 1)] = q_scale, k_scale
+
+    def pairs(kb, acc):
+        cols = pl.ds(kb * BK, BK)
+        g = gate(_cols(g_ref, kb, BK), gp_ref, cols) * LOG2E
+        A, Kk = tiles.pairs(_cols32(q_ref, kb, BK) * q_scale, _cols32(k_ref, kb, BK) * k_scale, g)
+        return acc[0] + A, acc[1] + Kk
+
+    zero = jnp.zeros((S, S), f32)
+    Aqk, Kkk = lax.fori_loop(0, n_kb, pairs, (zero, zero))
+    _put(aqk_ref, ..., Aqk)
+    kkk_ref[...] = Kkk
+    t_ref[...] = tiles.unit_lower_inverse(b_ref[...].astype(f32) * Kkk)
+
+
+def _solve(tiles, Aqk, Kkk, aqkd_ref, kkkd_ref, td_ref, b_ref, aqk_ref, *pair_refs):
+    """The intra kernel's [C, C] blocks from the off-diagonal sums Aqk, Kkk {(i, j > i): [S, S]} and
+    the diag kernel's blocks: stores Aqk (and with ``pair_refs`` Kkk and T) and returns T's blocks
+    {(i, j <= i)}, T_ij = -T_ii sum_{j <= m < i} beta_i Kkk_im T_mj (float32)."""
+    S = aqkd_ref.shape[1]
+    nb, zero = aqkd_ref.shape[0] // S, jnp.zeros((S, S), jnp.float32)
+
+    def store(ref, blocks):
+        for i in range(nb):
+            for j in range(nb):
+                _put(ref, (pl.ds(i * S, S), pl.ds(j * S, S)), blocks[i, j] if j <= i else zero)
+
+    for i in range(nb):  # Aqk stored first, so that its tiles are dead before T's are made
+        Aqk[i, i] = _rows(aqkd_ref, i, S)
+    store(aqk_ref, Aqk)
+    T, wide = {}, tiles.wide
+    for i in range(nb):
+        Kkk[i, i], T[i, i], beta = _rows(kkkd_ref, i, S), _rows(td_ref, i, S), _rows(b_ref, i, S)
+        for j in range(i):
+            T[i, j] = -wide.dot(T[i, i], sum(wide.dot(beta * Kkk[i, m], T[m, j]) for m in range(j, i)))
+    for ref, blocks in zip(pair_refs, (Kkk, T)):
+        store(ref, blocks)
+    return T
+
+
+def _intra_kernel(tiles, gate, qk, BK, BV, interpret, solve, q_ref, k_ref, v_ref, g_ref, gp_ref, b_ref, *refs):
+    """Grid (B, HV, chunks). With ``solve``, reads the diag kernel's outputs: the diagonal
+    blocks of Aqk, Kkk and T [C, S] and with ``qk.l2norm`` the factors of the rows of q and k
+    [C, 2]; writes Aqk [C, C], w, q_g, k_d [C, K], u [C, V], decay [1, K], and for the backward
+    (two more refs) Kkk and T [C, C]. Without (the backward's recompute), reads T [C, C] as
+    the forward wrote it and writes w, u, q_g, k_d and decay only.
+
+    Works on row blocks of SUB: block (i, j < i) of Aqk and Kkk by one product around the
     reference row just before block i (both factors <= 1); T by block forward substitution.
-    Walks the key columns in blocks of BK twice: summing the pair blocks and writing q_g,
-    k_d, decay and, in w's place, beta k_g (in w's dtype, which the bulk matmuls round to);
-    then w = T (beta k_g) (a third walk first for the row norms when ``qk.l2norm``)."""
-    C, f32 = aqk_ref.shape[0], jnp.float32
+    Walks the key columns in blocks of BK twice: summing the off-diagonal blocks and writing
+    q_g, k_d, decay and, in w's place, beta k_g (in w's dtype, which the bulk matmuls round
+    to); then w = T (beta k_g); and the value columns in blocks of BV for u = T (beta v)."""
+    diag_refs, refs = (refs[:3], refs[3:]) if solve else ((), refs)
+    scale_ref, refs = refs[: qk.l2norm], refs[qk.l2norm :]
+    t_ref, refs = (None, refs) if solve else (refs[0], refs[1:])
+    aqk_ref, (w_ref, u_ref, qg_ref, kd_ref, dec_ref, *pair_refs) = (refs[0], refs[1:]) if solve else (None, refs)
+    C, f32 = w_ref.shape[0], jnp.float32
     S = min(SUB, C)
     nb = C // S
-    lower = [(i, j) for i in range(nb) for j in range(i + 1)]
+    lower = [(i, j) for i in range(nb) for j in range(i)] if solve else []
 
     def rows(ref, i, kb=None):  # row block i (key columns of block kb) of a [C, D] ref, float32
         return _rows(ref, i, S, slice(None) if kb is None else pl.ds(kb * BK, BK))
 
-    def gates(kb):
-        return _BlockGates(tiles, lambda i: gate(rows(g_ref, i, kb), gp_ref, pl.ds(kb * BK, BK)), nb)
+    def qk_rows(i, kb):  # row block i of q and k as the math sees them (normalised, q scaled)
+        q, k = rows(q_ref, i, kb), rows(k_ref, i, kb)
+        if not qk.l2norm:
+            return q * qk.scale, k
+        return q * _rows(scale_ref[0], i, S, pl.ds(0, 1)), k * _rows(scale_ref[0], i, S, pl.ds(1, 1))
 
     n_kb = q_ref.shape[1] // BK
-    q_scale, k_scale = [qk.scale] * nb, [1.0] * nb  # of the rows of each row block: [S, 1] or scalars
-    if qk.l2norm:
 
-        def squares(kb, acc):
-            return tuple(a + jnp.sum(x * x, axis=1, keepdims=True)
-                         for a, x in zip(acc, [rows(r, i, kb) for r in (q_ref, k_ref) for i in range(nb)]))  # fmt: skip
-
-        ss = lax.fori_loop(0, n_kb, squares, (jnp.zeros((S, 1), f32),) * (2 * nb))
-        q_scale = [qk.scale * lax.rsqrt(x + L2NORM_EPS) for x in ss[:nb]]
-        k_scale = [lax.rsqrt(x + L2NORM_EPS) for x in ss[nb:]]
-
-    def qk_rows(i, kb):  # row block i of q and k as the math sees them (normalised, q scaled), float32
-        return rows(q_ref, i, kb) * q_scale[i], rows(k_ref, i, kb) * k_scale[i]
-
-    beta = [rows(b_ref, i) for i in range(nb)]
-
-    def pairs(kb, acc):
+    def pairs(kb, acc):  # one row block at a time, so that few [S, BK] tiles are live beside the accumulators
         cols = pl.ds(kb * BK, BK)
-        gb = gates(kb)
-        q, k = zip(*[qk_rows(i, kb) for i in range(nb)])
-        blocks = {}
+        acc, k_r, totals = list(acc), [], []  # k_r: k 2^(steps after the row to its block's end); block totals
         for i in range(nb):
-            blocks[i, i] = tiles.pairs(q[i], k[i], gb.g[i])
-            e_q = jnp.exp2(gb.prefix[i])  # 2^(G - G_r), r the row before block i
-            for j in range(i):
-                k_u = k[j] * jnp.exp2(gb.between(j, i))
-                blocks[i, j] = tiles.dot_t(q[i] * e_q, k_u), tiles.dot_t(k[i] * e_q, k_u)
-            q_g, k_g, k_d, decay = gated(q[i], k[i], gb.G(i), gb.rest(i), gb.span(0, nb))
-            for ref, x in zip((w_ref, qg_ref, kd_ref), (beta[i] * k_g, q_g, k_d)):
-                _put(ref, (pl.ds(i * S, S), cols), x)
-        _put(dec_ref, (slice(None), cols), decay)
-        return tuple(a + b for a, b in zip(acc, (x for ij in lower for x in blocks[ij])))
+            q, k = qk_rows(i, kb)
+            g = gate(rows(g_ref, i, kb), gp_ref, cols) * LOG2E  # per-step log2 gate
+            prefix = tiles.cumsum(g)
+            e_q = jnp.exp2(prefix)  # 2^(G - G_r), r the row before block i
+            q_e, k_e = q * e_q, k * e_q
+            for j in range(i if solve else 0):  # (q_i e_q)(k_j 2^(G_r - G_j))^T: k_r[j] times its blocks' spans
+                k_u = k_r[j] * jnp.exp2(sum(totals[j + 1 : i], 0.0))
+                n = lower.index((i, j))
+                acc[2 * n] += tiles.dot_t(q_e, k_u)
+                acc[2 * n + 1] += tiles.dot_t(k_e, k_u)
+            e_r = jnp.exp2(sum(totals, 0.0))  # 2^(G_r) of the chunk's start: q_g = q 2^G, k_g
+            _put(qg_ref, (pl.ds(i * S, S), cols), q_e * e_r)
+            _put(w_ref, (pl.ds(i * S, S), cols), rows(b_ref, i) * k_e * e_r)
+            k_r.append(k * jnp.exp2(tiles.suffix_sums(g, inclusive=False)))
+            totals.append(last_row(prefix))
+        for i in range(nb):  # k_d = k 2^(G_C - G)
+            _put(kd_ref, (pl.ds(i * S, S), cols), k_r[i] * jnp.exp2(sum(totals[i + 1 :], 0.0)))
+        _put(dec_ref, (slice(None), cols), jnp.exp2(sum(totals)))
+        return tuple(acc)
 
     zero = jnp.zeros((S, S), f32)
     acc = lax.fori_loop(0, n_kb, pairs, (zero,) * (2 * len(lower)))
-    Aqk, Kkk = dict(zip(lower, acc[0::2])), dict(zip(lower, acc[1::2]))
-    T, wide = {}, tiles.wide
-    for i in range(nb):  # T_ii = (I + beta_i Kkk_ii)^-1, T_ij = -T_ii sum_{j <= m < i} beta_i Kkk_im T_mj
-        T[i, i] = tiles.unit_lower_inverse(beta[i] * Kkk[i, i])
-        for j in range(i):
-            T[i, j] = -wide.dot(T[i, i], sum(wide.dot(beta[i] * Kkk[i, m], T[m, j]) for m in range(j, i)))
+    if solve:
+        T = _solve(tiles, dict(zip(lower, acc[0::2])), dict(zip(lower, acc[1::2])), *diag_refs, b_ref, aqk_ref,
+                   *pair_refs)  # fmt: skip
+    else:
+        T = {(i, j): t_ref[pl.ds(i * S, S), pl.ds(j * S, S)].astype(f32) for i in range(nb) for j in range(i + 1)}
 
-    bv = [beta[j] * rows(v_ref, j) for j in range(nb)]
-    for i in range(nb):
-        _put(u_ref, (pl.ds(i * S, S), slice(None)), sum(tiles.dot(T[i, j], bv[j]) for j in range(i + 1)))
-        for ref, blocks in zip((aqk_ref, *pair_refs), (Aqk, Kkk, T)):
-            for j in range(nb):
-                _put(ref, (pl.ds(i * S, S), pl.ds(j * S, S)), blocks[i, j] if j <= i else zero)
+    def values(vb, carry):  # u = T (beta v), BV value columns at a time (few live tiles)
+        cols = pl.ds(vb * BV, BV)
+        bv = [rows(b_ref, j) * _rows(v_ref, j, S, cols) for j in range(nb)]
+        for i in range(nb):
+            _put(u_ref, (pl.ds(i * S, S), cols), sum(tiles.dot(T[i, j], bv[j]) for j in range(i + 1)))
+        return carry
+
+    lax.fori_loop(0, v_ref.shape[1] // BV, values, 0)
 
     def barrier():  # every thread's global loads and stores so far before any thread's next ones (GPU only)
         if not interpret:
@@ -478,12 +538,31 @@ def _keys_kernel(tiles, gate, BK, BV, q_ref, k_ref, g_ref, gp_ref, b_ref, kkk_re
     dkkk_ref[...], db_ref[...] = tiles.grads_pairs(beta, kkk_ref[...], dAkk, dbeta)
 
 
+def _diag_grads_kernel(tiles, gate, BK, q_ref, k_ref, g_ref, gp_ref, daqk_ref, dkkk_ref, dq_ref, dk_ref, dg_ref, dq_out,
+                       dk_out, dg_out):  # fmt: skip
+    """Grid (B, HV, row blocks of S): adds the diagonal S x S blocks' share of dq, dk and dg
+    (``Tiles.grads_levels`` on the block's rows, each pair's gate term over the steps it spans)
+    to the keys kernel's partials in place (the outputs alias them), key blocks of BK at a time."""
+    dAqk, dKkk = daqk_ref[...], dkkk_ref[...]
+
+    def keys(kb, carry):
+        cols = pl.ds(kb * BK, BK)
+        g = gate(_cols(g_ref, kb, BK), gp_ref, cols) * LOG2E
+        dq, dk, dg = tiles.grads_levels(_cols32(q_ref, kb, BK), _cols32(k_ref, kb, BK), g, dAqk, dKkk)
+        for ref, out, x in ((dq_ref, dq_out, dq), (dk_ref, dk_out, dk), (dg_ref, dg_out, dg)):
+            out[:, cols] = ref[:, cols] + x
+        return carry
+
+    lax.fori_loop(0, q_ref.shape[1] // BK, keys, 0)
+
+
 def _levels_kernel(tiles, gate, q_ref, k_ref, g_ref, gp_ref, daqk_ref, dkkk_ref, dq_ref, dk_ref, dg_ref, dq_out,
                    dk_out, dg_out):  # fmt: skip
-    """Grid (B, HV, chunks, K-blocks): add the share of the pair products Aqk and Kkk to dq, dk
-    and dg, on the intra kernel's row blocks (a diagonal block by ``Tiles.grads_levels``, an
-    off-diagonal one through its two factors). One row block at a time, last first, loading
-    the others' rows as needed (few live tiles). Each pair (i, j) enters dg at the steps its
+    """Grid (B, HV, chunks, K-blocks): add the share of the off-diagonal blocks of the pair
+    products Aqk and Kkk to dq, dk and dg (the diagonal blocks' share is in them already:
+    :func:`_diag_grads_kernel`), on the intra kernel's row blocks, each through its two
+    factors. One row block at a time, last first, loading the others' rows as needed (few
+    live tiles). Each pair (i, j) enters dg at the steps its
     decay spans, j < t <= i: in block m, the row terms of its pairs (m, j < m) summed over rows
     >= t, the column terms of its pairs (i > m, m) over rows < t, and in full every pair that
     straddles the block (i > m > j), so that no pair's terms cancel. Float32 operands
@@ -499,8 +578,8 @@ def _levels_kernel(tiles, gate, q_ref, k_ref, g_ref, gp_ref, daqk_ref, dkkk_ref,
     straddling = [0.0] * nb  # per block j: column sums of the row terms of the pairs (i, j) of blocks i done so far
     for m in reversed(range(nb)):
         q_m, k_m = _rows(q_ref, m, S), _rows(k_ref, m, S)
-        dq, dk, dg = tiles.grads_levels(q_m, k_m, gb.g[m], pair(daqk_ref, m, m), pair(dkkk_ref, m, m))
-        dg = dg + sum(straddling[:m], 0.0)  # pairs (i > m, j < m), all done before block m
+        dq = dk = 0.0
+        dg = sum(straddling[:m], 0.0)  # pairs (i > m, j < m), all done before block m
         e_q, row_terms, col_terms = jnp.exp2(gb.prefix[m]), 0.0, 0.0
         for j in range(m):  # blocks (m, j) = (x_m e_q)(k_j e_k)^T, e_q = 2^(G_m - G_r), e_k = 2^(G_r - G_j): x_m's side
             k_u = _rows(k_ref, j, S) * jnp.exp2(gb.between(j, m))
@@ -601,25 +680,42 @@ def _gate_spec(Kp: int):  # per-head gate parameters [HV, 2, Kp] on grid (b, h, 
     return pl.BlockSpec((None, 2, Kp), lambda b, h, c: (h, 0, 0))
 
 
-def _run_intra(q, k, v, g, gp, beta, C, groups, tiles, cfg, gate, qk, backward=False):
-    """Intra-chunk kernel: Aqk [B, HV, L, C], w [.., Kp], u [.., Vp], q_g, k_d [.., Kp], decay [B, HV, NC, Kp],
-    and with ``backward`` also Kkk (float32), T [B, HV, L, C]; the [C, D] ones in :func:`_stored` dtype;
-    q and k as :class:`_QK` ``qk`` says."""
+def _run_intra(q, k, v, g, gp, beta, C, groups, tiles, cfg, gate, qk, backward=False, T=None):
+    """The diag and intra kernels: Aqk [B, HV, L, C], w [.., Kp], u [.., Vp], q_g, k_d [.., Kp], decay
+    [B, HV, NC, Kp], and with ``backward`` also Kkk (float32), T [B, HV, L, C]; the [C, D] ones in
+    :func:`_stored` dtype; q and k as :class:`_QK` ``qk`` says. Given the forward's T, the intra
+    kernel alone recomputes w, u, q_g, k_d and decay (the backward's ``kda_recompute``)."""
     B, L, HV, Vp = v.shape
     Kp, NC, f32, sd = k.shape[-1], L // C, jnp.float32, _stored(tiles)
-    spec, tok = functools.partial(_per_chunk, C), functools.partial(_tokens, C)
+    spec, tok, S = functools.partial(_per_chunk, C), functools.partial(_tokens, C), min(SUB, C)
     widths = (C, Kp, Vp, Kp, Kp) + ((C, C) if backward else ())
     dtypes = (sd,) * 5 + ((f32, sd) if backward else ())
     tiled = [jax.ShapeDtypeStruct((B, HV, L, d), t) for d, t in zip(widths, dtypes)]
+    if T is None:
+        extra, name = pl.pallas_call(
+            functools.partial(_diag_kernel, tiles, gate, qk, cfg.block_k),
+            name="kda_diag",
+            grid=(B, HV, L // S),
+            in_specs=[_tokens(S, Kp, groups)] * 2 + [_tokens(S, Kp), _gate_spec(Kp), _tokens(S, 1)],
+            out_specs=[_per_chunk(S, S)] * 3 + [_per_chunk(S, 2)] * qk.l2norm,
+            out_shape=[jax.ShapeDtypeStruct((B, HV, L, d), t) for d, t in ((S, sd), (S, f32), (S, f32), (2, f32))][
+                : 3 + qk.l2norm
+            ],
+            compiler_params=_params(cfg, "diag"), interpret=_interpret(cfg),
+        )(q, k, g, gp, beta), "intra"  # fmt: skip
+        extra_specs = [spec(S)] * 3 + [spec(2)] * qk.l2norm
+    else:  # no Aqk (nor Kkk, T) out
+        extra, extra_specs, name, widths, tiled = [T], [spec(C)], "recompute", widths[1:5], tiled[1:5]
+    outs = 5 if T is None else 4  # then decay
     return pl.pallas_call(
-        functools.partial(_intra_kernel, tiles, gate, qk, cfg.block_k, _interpret(cfg)),
-        name="kda_intra",
+        functools.partial(_intra_kernel, tiles, gate, qk, cfg.block_k, cfg.block_v, _interpret(cfg), T is None),
+        name=f"kda_{name}",
         grid=(B, HV, NC),
-        in_specs=[tok(Kp, groups), tok(Kp, groups), tok(Vp), tok(Kp), _gate_spec(Kp), tok(1)],
-        out_specs=[spec(d) for d in widths[:5]] + [_per_chunk_row(Kp)] + [spec(d) for d in widths[5:]],
-        out_shape=tiled[:5] + [jax.ShapeDtypeStruct((B, HV, NC, Kp), f32)] + tiled[5:],
-        compiler_params=_params(cfg, "intra"), interpret=_interpret(cfg),
-    )(q, k, v, g, gp, beta)  # fmt: skip
+        in_specs=[tok(Kp, groups), tok(Kp, groups), tok(Vp), tok(Kp), _gate_spec(Kp), tok(1)] + extra_specs,
+        out_specs=[spec(d) for d in widths[:outs]] + [_per_chunk_row(Kp)] + [spec(d) for d in widths[outs:]],
+        out_shape=tiled[:outs] + [jax.ShapeDtypeStruct((B, HV, NC, Kp), f32)] + tiled[outs:],
+        compiler_params=_params(cfg, name), interpret=_interpret(cfg),
+    )(q, k, v, g, gp, beta, *extra)  # fmt: skip
 
 
 def _forward(q, k, v, g, gp, beta, h0t, ranges, C, groups, tiles, cfg, gate, qk, keep):
@@ -628,12 +724,12 @@ def _forward(q, k, v, g, gp, beta, h0t, ranges, C, groups, tiles, cfg, gate, qk,
     logits, :class:`_Gate`) and its parameters gp [HV, 2, Kp]; beta [B, L, HV, 1] (float32);
     h0t [B, N, HV, Vp, Kp];
     ranges (start, end) int32 [N] chunk range of each sequence. Returns o [B, L, HV, Vp] (v's dtype),
-    final [B, N, HV, Vp, Kp], S_in [B, HV, NC, Vp, Kp] (stored dtype), and with ``keep`` what the
-    backward would recompute: the intra kernel's outputs (:func:`_run_intra` with ``backward``) and
-    v_new, else None."""
+    final [B, N, HV, Vp, Kp], S_in [B, HV, NC, Vp, Kp] (stored dtype), and what ``keep`` says the
+    backward is to get: None (nothing), "pairs" (Aqk, Kkk and T, from which it recomputes the rest)
+    or "all" (the intra kernel's outputs, :func:`_run_intra` with ``backward``, and v_new)."""
     B, L, HV, Vp = v.shape
     Kp, NC, N, BV, f32, sd = k.shape[-1], L // C, h0t.shape[1], cfg.block_v, jnp.float32, _stored(tiles)
-    intra = _run_intra(q, k, v, g, gp, beta, C, groups, tiles, cfg, gate, qk, backward=keep)
+    intra = _run_intra(q, k, v, g, gp, beta, C, groups, tiles, cfg, gate, qk, backward=keep is not None)
     aqk, w, u, q_g, k_d, dec = intra[:6]
     seq, state = _seq_range(N), _seq_state(BV, Kp)
     v_new, s_in, final = pl.pallas_call(
@@ -660,18 +756,19 @@ def _forward(q, k, v, g, gp, beta, h0t, ranges, C, groups, tiles, cfg, gate, qk,
         out_shape=jax.ShapeDtypeStruct((B, L, HV, Vp), v.dtype),
         compiler_params=_params(cfg, "output"), interpret=_interpret(cfg),
     )(aqk, q_g, v_new, s_in)  # fmt: skip
-    return o, final, s_in, ((*intra, v_new) if keep else None)
+    return o, final, s_in, {None: None, "pairs": intra[:1] + intra[6:], "all": (*intra, v_new)}[keep]
 
 
 def _backward(q, k, v, g, gp, beta, ranges, S_in, kept, do, dfinal_t, dS_in, C, groups, tiles, cfg, gate):
     """Cotangents of q, k (prepared: :meth:`_QK.prepare`), v, the decay (float32), beta and h0t
-    (dq, dk summed over each group's value heads). kept: what :func:`_forward` kept, or None
-    (recomputed then); dS_in: cotangent of S_in, or None."""
+    (dq, dk summed over each group's value heads). kept: what :func:`_forward` kept ("pairs": w,
+    u, q_g, k_d and decay are recomputed from T; "all"); dS_in: cotangent of S_in, or None."""
     B, L, HV, Vp = v.shape
     H, Kp, NC, N, BV = k.shape[2], k.shape[-1], L // C, dfinal_t.shape[1], cfg.block_v
     f32, sd = jnp.float32, _stored(tiles)
-    if kept is None:
-        aqk, w, u, q_g, k_d, dec, kkk, T = _run_intra(q, k, v, g, gp, beta, C, groups, tiles, cfg, gate, _QK(), True)
+    if len(kept) == 3:
+        aqk, kkk, T = kept
+        w, u, q_g, k_d, dec = _run_intra(q, k, v, g, gp, beta, C, groups, tiles, cfg, gate, _QK(), T=T)
         v_new_in = []  # the values kernel computes v_new
     else:
         *intra, v_new = kept
@@ -695,7 +792,7 @@ def _backward(q, k, v, g, gp, beta, ranges, S_in, kept, do, dfinal_t, dS_in, C, 
     BK = cfg.block_k
     n_out = 2 - len(v_new_in)  # v_new (unless kept) and dv_new
     *v_new_out, dv_new, dv, daqk, dakk_u, dbeta_v, d = pl.pallas_call(
-        functools.partial(_values_kernel, tiles, BK, BV, kept is not None),
+        functools.partial(_values_kernel, tiles, BK, BV, bool(v_new_in)),
         name="kda_values",
         grid=(B, HV, NC),
         in_specs=[spec(C), spec(C), spec(Kp), spec(Kp), spec(Vp), tok(Vp), tok(1), st, tok(Vp), st]
@@ -720,6 +817,19 @@ def _backward(q, k, v, g, gp, beta, ranges, S_in, kept, do, dfinal_t, dS_in, C, 
     cols = pl.BlockSpec((None, None, C, BK), lambda b, h, c, kb: (b, h, c, kb))
     pair = pl.BlockSpec((None, None, C, C), lambda b, h, c, kb: (b, h, c, 0))
     gp_cols = pl.BlockSpec((None, 2, BK), lambda b, h, c, kb: (h, 0, kb))
+    S = min(SUB, C)
+    rows = _per_chunk(S, Kp)
+    diag = pl.BlockSpec((None, None, S, S), lambda b, h, r: (b, h, r, lax.rem(r, jnp.int32(C // S))))
+    dq, dk, dG = pl.pallas_call(
+        functools.partial(_diag_grads_kernel, tiles, gate, BK),
+        name="kda_diag_grads",
+        grid=(B, HV, L // S),
+        in_specs=[_tokens(S, Kp, groups)] * 2 + [_tokens(S, Kp), _gate_spec(Kp), diag, diag, rows, rows, rows],
+        out_specs=[rows] * 3,
+        out_shape=[jax.ShapeDtypeStruct((B, HV, L, Kp), f32)] * 3,
+        input_output_aliases={6: 0, 7: 1, 8: 2},
+        compiler_params=_params(cfg, "diag_grads"), interpret=_interpret(cfg),
+    )(q, k, g, gp, daqk, dkkk, dq, dk, dG)  # fmt: skip
     dqk = q.dtype if groups == 1 else f32  # summed over the group in XLA otherwise
     dq, dk, dg = pl.pallas_call(
         functools.partial(_levels_kernel, tiles, gate),
@@ -736,12 +846,13 @@ def _backward(q, k, v, g, gp, beta, ranges, S_in, kept, do, dfinal_t, dS_in, C, 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11, 12, 13, 14, 15))
 def _core(q, k, v, g, gp, beta, h0t, ranges, C, groups, tiles, cfg, gate, qk, keep, states):
-    o, final, S_in, _ = _forward(q, k, v, g, gp, beta, h0t, ranges, C, groups, tiles, cfg, gate, qk, keep=False)
+    o, final, S_in, _ = _forward(q, k, v, g, gp, beta, h0t, ranges, C, groups, tiles, cfg, gate, qk, keep=None)
     return o, final, (S_in if states else None)
 
 
 def _core_fwd(q, k, v, g, gp, beta, h0t, ranges, C, groups, tiles, cfg, gate, qk, keep, states):
-    o, final, S_in, kept = _forward(q, k, v, g, gp, beta, h0t, ranges, C, groups, tiles, cfg, gate, qk, keep)
+    o, final, S_in, kept = _forward(q, k, v, g, gp, beta, h0t, ranges, C, groups, tiles, cfg, gate, qk,
+                                    "all" if keep else "pairs")  # fmt: skip
     return (o, final, (S_in if states else None)), (q, k, v, g, gp, beta, ranges, S_in, kept)
 
 
