@@ -115,7 +115,10 @@ def triton_modules(T: int, dtype, cfg: pallas_gpu.Config, fla_options: bool = Fa
 
 def loop_trips(T: int, K: int, V: int, chunk_size: int, cfg: pallas_gpu.Config) -> dict[str, tuple[int, ...]]:
     """Trips of each kernel's loops by depth, outermost first, as pallas_gpu writes them at B = 1
-    (LLVM unrolls some: the intra kernel's last walk, the values kernel's walk over key blocks)."""
+    (LLVM unrolls some: the intra kernel's last walk, the values kernel's walk over key blocks). The
+    intra and recompute kernels' walk over value blocks (Vp / block_v trips) is counted at the key
+    walks' trips, which it shares a depth with: at K = V = 128, 8 for 4, so their "issued" is an
+    upper bound (by at most 4 x that loop's instructions x the warps a program)."""
     Kp, Vp = pallas_gpu._pow2(K), pallas_gpu._pow2(V)
     keys, values, chunks = Kp // min(cfg.block_k, Kp), Vp // min(cfg.block_v, Vp), -(-T // chunk_size)
     return {"diag": (keys,), "intra": (keys,), "recompute": (keys,), "state": (chunks,), "output": (), "dstate": (chunks,), "values": (values, keys),

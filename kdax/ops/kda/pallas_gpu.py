@@ -5,15 +5,16 @@ The same full-tile chunk math as the TPU kernels (:mod:`kdax.ops.kda.tiles`, sta
 gradients are token-major ``[B, slots, heads, D]`` as the caller has them; the intermediates the
 kernels pass each other head-major ``[B, HV, slots, D]``:
 
-forward   intra (B, HV, chunks) -> state (B, N, HV, V-blocks) -> output (B, HV, chunks, V-blocks)
-backward  intra again -> state cotangent (B, N, HV, V-blocks) -> values (B, HV, chunks)
-          -> keys (B, HV, chunks) -> levels (B, HV, chunks, K-blocks)
+forward   diag (B, HV, row blocks) -> intra (B, HV, chunks) -> state (B, N, HV, V-blocks)
+          -> output (B, HV, chunks, V-blocks)
+backward  recompute (B, HV, chunks) -> state cotangent (B, N, HV, V-blocks) -> values (B, HV, chunks)
+          -> keys (B, HV, chunks) -> diag grads (B, HV, row blocks) -> levels (B, HV, chunks, K-blocks)
 
 The two sequential kernels give one program to each (sequence, head, V-block), which
 walks that sequence's chunks with ``lax.fori_loop``, the state in registers. The others
 work on blocks of key columns (``Config.block_k``; values and keys also of value columns,
-``Config.block_v``), and the intra and levels kernels on
-row blocks of ``SUB`` (the nonzero blocks of the triangular [C, C] products only), so that
+``Config.block_v``), and the diag, intra and levels kernels on row blocks of ``SUB`` (the
+diagonal blocks apart, the off-diagonal ones, nothing above the diagonal), so that
 few tiles are live at once (registers, shared memory: scripts/gpu_compile_report.py). K and V are
 padded to powers of two >= 16 (Triton's tile rule). Off GPU the kernels run in the
 Pallas interpreter (for tests; slow).
@@ -257,26 +258,19 @@ def _rows(ref, i, S, cols=slice(None)):  # row block i of S rows (columns cols) 
 
 
 class _BlockGates:
-    """The log2 gates of a chunk's nb row blocks, from the natural-log per-step gates
-    ``g_rows(i)`` [S, D] of each: every decay exponent the kernels need is a sum of steps built
-    from per-block sums (never a difference of cumulative gates, whose rounding, eps |G|, would
-    reach the decay factors; docs/kda_xla.md)."""
+    """The log2 gates of a chunk's nb row blocks (for the levels kernel), from the natural-log
+    per-step gates ``g_rows(i)`` [S, D] of each: every decay exponent it needs is a sum of steps
+    built from per-block sums (never a difference of cumulative gates, whose rounding, eps |G|,
+    would reach the decay factors; docs/kda_xla.md)."""
 
     def __init__(self, tiles: Tiles, g_rows, nb: int):
         self.g = [g_rows(i) * LOG2E for i in range(nb)]  # per-step, [S, D]
         self.prefix = [tiles.cumsum(x) for x in self.g]  # steps from the block's first row to row i
         self.suffix = [tiles.suffix_sums(x, inclusive=False) for x in self.g]  # steps after row i in the block
         self.total = [last_row(x) for x in self.prefix]  # [1, D]
-        self.nb = nb
 
     def span(self, a: int, b: int):  # steps of blocks a..b-1, [1, D] (0 when empty)
         return sum(self.total[a:b], 0.0)
-
-    def G(self, i: int):  # cumulative gate of block i's rows, [S, D]
-        return self.span(0, i) + self.prefix[i]
-
-    def rest(self, i: int):  # G_C - G on block i's rows: the steps after each row to the chunk's end
-        return self.suffix[i] + self.span(i + 1, self.nb)
 
     def between(self, j: int, i: int):  # G_r - G on block j's rows, r the last row of block i - 1 (j < i)
         return self.suffix[j] + self.span(j + 1, i)
@@ -348,10 +342,11 @@ def _intra_kernel(tiles, gate, qk, BK, BV, interpret, solve, q_ref, k_ref, v_ref
     Walks the key columns in blocks of BK twice: summing the off-diagonal blocks and writing
     q_g, k_d, decay and, in w's place, beta k_g (in w's dtype, which the bulk matmuls round
     to); then w = T (beta k_g); and the value columns in blocks of BV for u = T (beta v)."""
-    diag_refs, refs = (refs[:3], refs[3:]) if solve else ((), refs)
-    scale_ref, refs = refs[: qk.l2norm], refs[qk.l2norm :]
-    t_ref, refs = (None, refs) if solve else (refs[0], refs[1:])
-    aqk_ref, (w_ref, u_ref, qg_ref, kd_ref, dec_ref, *pair_refs) = (refs[0], refs[1:]) if solve else (None, refs)
+    n_in = 3 + qk.l2norm if solve else 1  # the diagonal blocks (and the row factors), or the forward's T
+    ins, outs = refs[:n_in], refs[n_in:]
+    aqk_ref, outs = (outs[0], outs[1:]) if solve else (None, outs)
+    w_ref, u_ref, qg_ref, kd_ref, dec_ref, *pair_refs = outs
+    scale_ref = ins[3:]
     C, f32 = w_ref.shape[0], jnp.float32
     S = min(SUB, C)
     nb = C // S
@@ -395,10 +390,10 @@ def _intra_kernel(tiles, gate, qk, BK, BV, interpret, solve, q_ref, k_ref, v_ref
     zero = jnp.zeros((S, S), f32)
     acc = lax.fori_loop(0, n_kb, pairs, (zero,) * (2 * len(lower)))
     if solve:
-        T = _solve(tiles, dict(zip(lower, acc[0::2])), dict(zip(lower, acc[1::2])), *diag_refs, b_ref, aqk_ref,
+        T = _solve(tiles, dict(zip(lower, acc[0::2])), dict(zip(lower, acc[1::2])), *ins[:3], b_ref, aqk_ref,
                    *pair_refs)  # fmt: skip
     else:
-        T = {(i, j): t_ref[pl.ds(i * S, S), pl.ds(j * S, S)].astype(f32) for i in range(nb) for j in range(i + 1)}
+        T = {(i, j): ins[0][pl.ds(i * S, S), pl.ds(j * S, S)].astype(f32) for i in range(nb) for j in range(i + 1)}
 
     def values(vb, carry):  # u = T (beta v), BV value columns at a time (few live tiles)
         cols = pl.ds(vb * BV, BV)
@@ -688,34 +683,33 @@ def _run_intra(q, k, v, g, gp, beta, C, groups, tiles, cfg, gate, qk, backward=F
     B, L, HV, Vp = v.shape
     Kp, NC, f32, sd = k.shape[-1], L // C, jnp.float32, _stored(tiles)
     spec, tok, S = functools.partial(_per_chunk, C), functools.partial(_tokens, C), min(SUB, C)
-    widths = (C, Kp, Vp, Kp, Kp) + ((C, C) if backward else ())
-    dtypes = (sd,) * 5 + ((f32, sd) if backward else ())
-    tiled = [jax.ShapeDtypeStruct((B, HV, L, d), t) for d, t in zip(widths, dtypes)]
+    tiled = lambda d, t: jax.ShapeDtypeStruct((B, HV, L, d), t)
+    head = [(C, sd)] if T is None else []  # Aqk (the recompute writes none)
+    head += [(Kp, sd), (Vp, sd), (Kp, sd), (Kp, sd)]  # w, u, q_g, k_d; then decay
+    tail = [(C, f32), (C, sd)] if backward else []  # Kkk, T
     if T is None:
-        extra, name = pl.pallas_call(
+        ins = pl.pallas_call(
             functools.partial(_diag_kernel, tiles, gate, qk, cfg.block_k),
             name="kda_diag",
             grid=(B, HV, L // S),
             in_specs=[_tokens(S, Kp, groups)] * 2 + [_tokens(S, Kp), _gate_spec(Kp), _tokens(S, 1)],
             out_specs=[_per_chunk(S, S)] * 3 + [_per_chunk(S, 2)] * qk.l2norm,
-            out_shape=[jax.ShapeDtypeStruct((B, HV, L, d), t) for d, t in ((S, sd), (S, f32), (S, f32), (2, f32))][
-                : 3 + qk.l2norm
-            ],
+            out_shape=[tiled(S, sd), tiled(S, f32), tiled(S, f32)] + [tiled(2, f32)] * qk.l2norm,
             compiler_params=_params(cfg, "diag"), interpret=_interpret(cfg),
-        )(q, k, g, gp, beta), "intra"  # fmt: skip
-        extra_specs = [spec(S)] * 3 + [spec(2)] * qk.l2norm
-    else:  # no Aqk (nor Kkk, T) out
-        extra, extra_specs, name, widths, tiled = [T], [spec(C)], "recompute", widths[1:5], tiled[1:5]
-    outs = 5 if T is None else 4  # then decay
+        )(q, k, g, gp, beta)  # fmt: skip
+        name, in_specs = "intra", [spec(S)] * 3 + [spec(2)] * qk.l2norm
+    else:
+        ins, name, in_specs = [T], "recompute", [spec(C)]
     return pl.pallas_call(
         functools.partial(_intra_kernel, tiles, gate, qk, cfg.block_k, cfg.block_v, _interpret(cfg), T is None),
         name=f"kda_{name}",
         grid=(B, HV, NC),
-        in_specs=[tok(Kp, groups), tok(Kp, groups), tok(Vp), tok(Kp), _gate_spec(Kp), tok(1)] + extra_specs,
-        out_specs=[spec(d) for d in widths[:outs]] + [_per_chunk_row(Kp)] + [spec(d) for d in widths[outs:]],
-        out_shape=tiled[:outs] + [jax.ShapeDtypeStruct((B, HV, NC, Kp), f32)] + tiled[outs:],
+        in_specs=[tok(Kp, groups), tok(Kp, groups), tok(Vp), tok(Kp), _gate_spec(Kp), tok(1)] + in_specs,
+        out_specs=[spec(d) for d, _ in head] + [_per_chunk_row(Kp)] + [spec(d) for d, _ in tail],
+        out_shape=[tiled(*x) for x in head] + [jax.ShapeDtypeStruct((B, HV, NC, Kp), f32)]
+        + [tiled(*x) for x in tail],
         compiler_params=_params(cfg, name), interpret=_interpret(cfg),
-    )(q, k, v, g, gp, beta, *extra)  # fmt: skip
+    )(q, k, v, g, gp, beta, *ins)  # fmt: skip
 
 
 def _forward(q, k, v, g, gp, beta, h0t, ranges, C, groups, tiles, cfg, gate, qk, keep):
