@@ -428,11 +428,16 @@ def test_smaller_gpus_get_one_stage_or_xla(monkeypatch):
         kdax.chunk_kda(*args, **kwargs, backend="pallas_gpu", config=pallas_gpu.Config(interpret=True))
 
 
+# Kernels still over the compile budget, with the spill (B a thread) they may not exceed until they
+# are under it: an entry comes out when its kernel is within budget (docs/kda_gpu.md).
+_OVER_BUDGET = {"keys": 800, "diag_grads": 160}
+
+
 @pytest.mark.slow  # compiles every kernel for sm_90a with the triton package: about a minute
-@pytest.mark.xfail(strict=True, reason="keys (800 B) and diag grads (160 B) spill past the budget (docs/kda_gpu.md)")
 def test_compile_budget():
-    """scripts/gpu_compile_report.py --check: every kernel at most 128 B of spill a thread with
-    bf16 inputs and the in-op options (strict: once it holds, this marker must go)."""
+    """scripts/gpu_compile_report.py --check with bf16 inputs and the in-op options: every kernel
+    compiles and spills at most 128 B a thread, but those of _OVER_BUDGET, which may not spill more
+    than they do now; --check fails exactly when one is over the budget."""
     pytest.importorskip("triton")
     import subprocess
     import sys
@@ -440,4 +445,8 @@ def test_compile_budget():
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     run = subprocess.run([sys.executable, "scripts/gpu_compile_report.py", "--fla-options", "--check"], cwd=root, check=False,
                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": root}, timeout=600)  # fmt: skip
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    rows = [line.split("|")[1:-1] for line in run.stdout.splitlines() if line.startswith("| ") and "kernel" not in line]
+    spill = {name.strip(): int(cells[3]) for name, *cells in rows}
+    assert set(spill) == set(pallas_gpu.LAUNCH), run.stdout[-2000:] + run.stderr[-2000:]
+    assert all(b <= _OVER_BUDGET.get(name, 128) for name, b in spill.items()), spill
+    assert run.returncode == (1 if _OVER_BUDGET else 0), run.stdout[-2000:]
