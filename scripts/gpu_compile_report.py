@@ -209,7 +209,7 @@ def main(argv=None) -> int:
     p.add_argument("--chunk-size", type=int, default=64)
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--precision", default=pallas_gpu.Config.precision, choices=("auto", *pallas_gpu.PRECISIONS))
-    p.add_argument("--block-v", type=int, default=pallas_gpu.Config.block_v)
+    p.add_argument("--block-v", type=int, default=pallas_gpu.Config.block_v, help="default: by dtype")
     p.add_argument("--block-k", type=int, default=pallas_gpu.Config.block_k)
     p.add_argument("--fla-options", action="store_true", help="gate, L2 norm and beta sigmoid in the op, as vs FLA")
     p.add_argument("--launch", nargs="*", default=[], metavar="KERNEL=WARPS,STAGES", help="override pallas_gpu.LAUNCH")
@@ -223,10 +223,11 @@ def main(argv=None) -> int:
     given = {name: tuple(int(x) for x in ws.split(",")) for name, ws in (item.split("=") for item in a.launch)}
     cfg = pallas_gpu.Config(block_v=a.block_v, block_k=a.block_k, precision=a.precision, launch=tuple(given.items()),
                             interpret=False)  # fmt: skip
+    cfg = pallas_gpu._blocks(cfg, pallas_gpu._tiles(cfg, jnp.dtype(a.dtype)), a.K, a.V)  # block_v as the kernels get it
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     print(
         f"sm_90a, triton {triton.__version__}, jax {jax.__version__}, B=1 T={a.T} H=16 K={a.K} V={a.V} C={a.chunk_size} {a.dtype}, "
-        f"precision={a.precision} block_v={a.block_v} block_k={a.block_k} fla_options={a.fla_options}"
+        f"precision={a.precision} block_v={cfg.block_v} block_k={cfg.block_k} fla_options={a.fla_options}"
     )
     columns = ["kernel", "warps", "stages", "regs", "spill B", "smem KiB", "HGMMA", "HMMA", "FFMA", "MUFU", "LDL", "STL",
                "dots", "replicated", "warp-instrs", "loops", "issued", "issue us", "MB", "bytes us"]  # fmt: skip

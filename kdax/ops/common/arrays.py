@@ -35,6 +35,22 @@ def round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
+def round_tf32(x: jax.Array) -> jax.Array:
+    """Round float32 to TF32 (10 explicit mantissa bits), to nearest even, by bit operations
+    (they lower in Pallas kernels too). Finite values within 2^-12 of float32's largest round
+    to inf.
+
+    Args:
+        x: floats, taken as float32.
+
+    Returns:
+        float32, x's TF32 value: ``x - round_tf32(x)`` is exact and TF32 keeps its leading 11 bits.
+    """
+    bits = jax.lax.bitcast_convert_type(jnp.asarray(x, jnp.float32), jnp.uint32)
+    bits = (bits + jnp.uint32(0xFFF) + ((bits >> 13) & 1)) & jnp.uint32(0xFFFFE000)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
 def masked_softmax(scores: jax.Array, allowed: jax.Array) -> jax.Array:
     """Softmax over the last axis among the ``allowed`` entries.
 

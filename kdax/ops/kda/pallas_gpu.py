@@ -35,7 +35,7 @@ from kdax.ops.common import dispatch
 from kdax.ops.common.arrays import LOG2E, pad_last
 from kdax.ops.common.varlen import ChunkLayout
 from kdax.ops.kda.gate import L2NORM_EPS, l2norm, log_decay, softplus_exp2
-from kdax.ops.kda.tiles import StateProducts, Tiles, chunk_states, last_row
+from kdax.ops.kda.tiles import TF32X2, StateProducts, Tiles, chunk_states, last_row
 
 # Whether the compiled kernels have passed the shared cases' error bars on a GPU
 # (`scripts/gpu_session.sh tests`, recorded in BENCHMARKS.md). Until then backend="auto" runs
@@ -56,7 +56,9 @@ class Config:
     """The pallas_gpu backend's per-call config (``chunk_kda(..., config=pallas_gpu.Config(...))``).
 
     Attributes:
-        block_v: V block of the state, output, state-cotangent, values and keys kernels.
+        block_v: V block of the state, output, state-cotangent, values and keys kernels; None:
+            32 with bfloat16 intermediates, 16 with float32 ones (whose three-pass TF32 products
+            spill the state cotangent's loop at 32: docs/kda_gpu.md).
         block_k: K block of the intra, values, keys and levels kernels (both powers of two >= 16).
         precision: of the matmuls, "ieee" (float32 on the FMA units), "tf32x3" (float32 as
             three TF32 tensor-core products), "tf32", "bf16" (bulk matmuls on bfloat16 operands
@@ -72,7 +74,7 @@ class Config:
         ValueError: from :meth:`resolved`, naming the field that is out of range.
     """
 
-    block_v: int = 32
+    block_v: int | None = None
     block_k: int = 16
     precision: str = "auto"
     launch: tuple[tuple[str, tuple[int, int]], ...] = ()
@@ -83,7 +85,7 @@ class Config:
         if self.precision not in ("auto", *PRECISIONS):
             raise ValueError(f"config.precision: expected 'auto' or one of {tuple(PRECISIONS)}, got {self.precision!r}")
         for name in ("block_v", "block_k"):
-            if (n := getattr(self, name)) < 16 or n & (n - 1):
+            if (n := getattr(self, name)) is not None and (n < 16 or n & (n - 1)):
                 raise ValueError(f"config.{name}: expected a power of two >= 16, got {n}")
         if unknown := set(dict(self.launch)) - set(LAUNCH):
             raise ValueError(f"config.launch: expected kernels among {tuple(LAUNCH)}, got {sorted(unknown)}")
@@ -168,8 +170,9 @@ def _too_large(cfg: Config, tiles: Tiles, C: int, K: int, V: int) -> str | None:
     """Why the kernels do not fit this GPU's shared memory at these sizes (None: they do). A
     launch the config names is taken as it is (the compiler says if it does not fit)."""
     Kp, itemsize = _pow2(K), jnp.dtype(_stored(tiles)).itemsize
-    BV = min(cfg.block_v, _pow2(V))
-    launch = dict(_fit_launch(dataclasses.replace(cfg, block_v=BV), C, Kp, itemsize).launch)
+    cfg = _blocks(cfg, tiles, K, V)
+    BV = cfg.block_v
+    launch = dict(_fit_launch(cfg, C, Kp, itemsize).launch)
     limit, gpu = shared_memory_limit()
     named = dict(cfg.launch)
     for name in (n for n in LAUNCH if n not in named):
@@ -177,6 +180,11 @@ def _too_large(cfg: Config, tiles: Tiles, C: int, K: int, V: int) -> str | None:
         if need > limit:
             return f"its {name} kernel needs about {-(-need // 1024)} KiB of shared memory a block, {gpu} allows {limit // 1024}"
     return None
+
+
+def _blocks(cfg: Config, tiles: Tiles, K: int, V: int) -> Config:  # block_v and block_k as the kernels take them
+    block_v = cfg.block_v or (32 if tiles.operands else 16)
+    return dataclasses.replace(cfg, block_v=min(block_v, _pow2(V)), block_k=min(cfg.block_k, _pow2(K)))
 
 
 def _params(cfg: Config, kernel: str) -> pltriton.CompilerParams:
@@ -425,19 +433,25 @@ def _chunk(ref, c, C):  # rows of chunk c of a [slots, D] ref
     return ref[pl.ds(c * C, C), :]
 
 
+def _decay_row(dec_ref, c):  # [1, K] row c of the chunks' decays [NC, K], c clamped to the chunks (float32)
+    return dec_ref[pl.ds(jnp.clip(c, 0, dec_ref.shape[0] - 1), 1), :]
+
+
 def _state_kernel(tiles, C, start_ref, end_ref, w_ref, u_ref, kd_ref, dec_ref, h0_ref, vn_ref, sin_ref, fin_ref):
     """Grid (B, N, HV, V-blocks): walk sequence n's chunks; per chunk store S_in and
     v_new = u - w S, then S <- S decay + v_new^T k_d. Refs span the whole slot axis."""
-    n = pl.program_id(1)
+    n, start = pl.program_id(1), start_ref[pl.program_id(1)]
 
-    def step(c, St):
+    def step(c, carry):
+        St, decay = carry
+        decay_next = _decay_row(dec_ref, c + 1)  # a step ahead: its load is not on the chain of S
         w, k_d = _chunk(w_ref, c, C), _chunk(kd_ref, c, C)
         _put(sin_ref, c, St)
         v_new = _chunk(u_ref, c, C) - tiles.dot_t(w, St)
         _put(vn_ref, (pl.ds(c * C, C), slice(None)), v_new)
-        return St * dec_ref[pl.ds(c, 1), :] + tiles.t_dot(v_new, k_d)
+        return St * decay + tiles.t_dot(v_new, k_d), decay_next
 
-    fin_ref[...] = lax.fori_loop(start_ref[n], end_ref[n], step, h0_ref[...])
+    fin_ref[...] = lax.fori_loop(start, end_ref[n], step, (h0_ref[...], _decay_row(dec_ref, start)))[0]
 
 
 def _output_kernel(tiles, aqk_ref, qg_ref, vn_ref, sin_ref, o_ref):
@@ -453,19 +467,17 @@ def _dstate_kernel(tiles, C, start_ref, end_ref, aqk_ref, qg_ref, kd_ref, w_ref,
     n = pl.program_id(1)
     start, end = start_ref[n], end_ref[n]
 
-    def step(i, dSt):
+    def step(i, carry):
+        dSt, decay = carry
         c = end - 1 - i
+        decay_next = _decay_row(dec_ref, c - 1)  # a step ahead, as in the state kernel
         _put(dso_ref, c, dSt)
         do = _chunk(do_ref, c, C)
         dv_new = tiles.t_dot(_chunk(aqk_ref, c, C), do) + tiles.dot_t(_chunk(kd_ref, c, C), dSt)
-        dS_in = (
-            tiles.t_dot(do, _chunk(qg_ref, c, C))
-            + dSt * dec_ref[pl.ds(c, 1), :]
-            - tiles.t_dot(dv_new, _chunk(w_ref, c, C))
-        )
-        return dS_in + dh_ref[0][c].astype(jnp.float32) if dh_ref else dS_in
+        dS_in = tiles.t_dot(do, _chunk(qg_ref, c, C)) + dSt * decay - tiles.t_dot(dv_new, _chunk(w_ref, c, C))
+        return (dS_in + dh_ref[0][c].astype(jnp.float32) if dh_ref else dS_in), decay_next
 
-    dh0_ref[...] = lax.fori_loop(0, end - start, step, df_ref[...])
+    dh0_ref[...] = lax.fori_loop(0, end - start, step, (df_ref[...], _decay_row(dec_ref, end - 1)))[0]
 
 
 def _values_kernel(tiles, BK, BV, kept, aqk_ref, t_ref, w_ref, kd_ref, u_ref, v_ref, b_ref, sin_ref, do_ref, dso_ref,
@@ -524,7 +536,7 @@ def _keys_kernel(tiles, gate, BK, BV, q_ref, k_ref, g_ref, gp_ref, b_ref, kkk_re
         zero = jnp.zeros((C, BK), f32)
         P = lax.fori_loop(0, do_ref.shape[1] // BV, values, StateProducts(zero, zero, zero, jnp.zeros((1, BK), f32)))
         g = gate(_cols(g_ref, kb, BK), gp_ref, cols) * LOG2E
-        G, R = tiles.cumsum(g), tiles.suffix_sums(g, inclusive=False)
+        G, R = tiles.cumsum(g), tiles.suffix_sums(g) - g  # the 0/1 matrix gate_terms takes: one in registers
         Kg = tiles.grads_keys(_cols32(q_ref, kb, BK), _cols32(k_ref, kb, BK), beta, G, R, T, _cols(w_ref, kb, BK), P, d)
         dq_ref[:, cols], dk_ref[:, cols], dg_ref[:, cols] = Kg.dq, Kg.dk, tiles.gate_terms(Kg)
         return acc[0] + Kg.dAkk_w, acc[1] + Kg.dbeta
@@ -613,7 +625,7 @@ def _tiles(cfg: Config, input_dtype) -> Tiles:
     if name == "auto":
         name = "bf16" if input_dtype == jnp.bfloat16 else "tf32x3"  # bf16 would lose float16's 3 extra bits
     precision, operands = PRECISIONS[name]
-    sums = lax.DotAlgorithmPreset.TF32_TF32_F32_X3  # the 0/1 sums on the tensor cores (docs/kda_gpu.md)
+    sums = TF32X2  # the 0/1 sums on the tensor cores (docs/kda_gpu.md)
     if _interpret(cfg):  # no such algorithm on CPU; float32 there is exact anyway
         precision = lax.Precision.HIGHEST if isinstance(precision, lax.DotAlgorithmPreset) else precision
         sums = lax.Precision.HIGHEST
@@ -924,7 +936,7 @@ def chunk_kda_pallas_gpu(q, k, v, g, beta, h0, layout: ChunkLayout, input_dtype=
                          f"{layout.chunk_size}, K={K}, V={V} does not fit: {why}; use a smaller chunk_size, bfloat16 "
                          f"inputs or backend='xla'")  # fmt: skip
     Kp, Vp = _pow2(K), _pow2(V)
-    cfg = dataclasses.replace(cfg, block_v=min(cfg.block_v, Vp), block_k=min(cfg.block_k, Kp))
+    cfg = _blocks(cfg, tiles, K, V)
     sd = _stored(tiles)
     cfg = _fit_launch(cfg, layout.chunk_size, Kp, jnp.dtype(sd).itemsize)
     qt, kt = (pad_last(layout.pack(x.astype(sd)), Kp) for x in (q, k))

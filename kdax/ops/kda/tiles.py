@@ -19,11 +19,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kdax.ops.common.arrays import pad_last
+from kdax.ops.common.arrays import pad_last, round_tf32
 from kdax.ops.common.triangular import dyadic_levels
 from kdax.ops.common.varlen import ChunkLayout
 
 _HIGHEST = lax.Precision.HIGHEST
+TF32X2 = "tf32x2"  # Tiles.sums: two TF32 products, of the 0/1 matrix with x's TF32 value and with the rest
 
 
 def _iota(shape, axis):
@@ -133,16 +134,22 @@ class Tiles:
     where lane reductions and scans lower poorly) or as reductions and scans (GPU, where a
     matmul needs every dimension >= 16). sums: the precision of the 0/1 sums that must
     keep float32 accuracy: HIGHEST (IEEE float32; on a GPU that runs on the FMA units), or
-    on a GPU TF32_TF32_F32_X3, whose three tensor-core products keep about 22 of float32's
-    24 bits (the 0/1 operand is exact in TF32)."""
+    on a GPU :data:`TF32X2`: the summed operand split into its TF32 value and the rest, each
+    multiplied by the 0/1 matrix (exact in TF32) on the tensor cores, which keeps about 22 of
+    float32's 24 bits; TF32_TF32_F32_X3 adds a third product that is zero (the 0/1 matrix's
+    low part) and the registers its operands take."""
 
     precision: lax.Precision | lax.DotAlgorithmPreset = _HIGHEST
     matmul_reductions: bool = True
     operands: jnp.dtype | None = None
-    sums: lax.Precision | lax.DotAlgorithmPreset = _HIGHEST
+    sums: lax.Precision | lax.DotAlgorithmPreset | str = _HIGHEST
 
     def _sum(self, mask, x):  # (0/1 matrix of the bool mask [C, C]) @ x at the precision of ``sums``
-        return _mm(_ones_where(mask), x, ((1,), (0,)), self.sums)
+        ones, dims = _ones_where(mask), ((1,), (0,))
+        if self.sums != TF32X2:
+            return _mm(ones, x, dims, self.sums)
+        head = round_tf32(x)
+        return _mm(ones, head, dims, lax.Precision.DEFAULT) + _mm(ones, x - head, dims, lax.Precision.DEFAULT)
 
     def prefix_sums(self, x, inclusive: bool = True):  # [C, D]: row i sums rows 0..i (0..i-1)
         C = x.shape[0]
@@ -183,8 +190,10 @@ class Tiles:
 
     def gate_terms(self, Kg: KeyGrads) -> jax.Array:
         """[C, BK]: the share of dg of the state-side terms, each summed over the steps it decays
-        by: q 2^G and k 2^G over steps 0..i, k 2^(G_C - G) over i+1..C-1, 2^G_C over every step."""
-        return self.suffix_sums(Kg.dG_start) + self.prefix_sums(Kg.dG_rest, inclusive=False) + Kg.dG_end
+        by: q 2^G and k 2^G over steps 0..i, k 2^(G_C - G) over i+1..C-1, 2^G_C over every step.
+        The second as the inclusive cumsum less the row (its terms grow down the chunk, so the
+        rounding is of the row's size), which spares a GPU kernel a second 0/1 matrix."""
+        return self.suffix_sums(Kg.dG_start) + (self.cumsum(Kg.dG_rest) - Kg.dG_rest) + Kg.dG_end
 
     @property
     def wide(self) -> Tiles:  # the same matmuls with float32 operands
