@@ -119,7 +119,7 @@ def loop_trips(T: int, K: int, V: int, chunk_size: int, cfg: pallas_gpu.Config) 
     intra and recompute kernels' walk over value blocks (Vp / block_v trips) is counted at the key
     walks' trips, which it shares a depth with: at K = V = 128, 8 for 4, so their "issued" is an
     upper bound (by at most 4 x that loop's instructions x the warps a program)."""
-    Kp, Vp = pallas_gpu._pow2(K), pallas_gpu._pow2(V)
+    Kp, Vp = pallas_gpu.pow2(K), pallas_gpu.pow2(V)
     keys, values, chunks = Kp // min(cfg.block_k, Kp), Vp // min(cfg.block_v, Vp), -(-T // chunk_size)
     return {"diag": (keys,), "intra": (keys,), "recompute": (keys,), "state": (chunks,), "output": (), "dstate": (chunks,), "values": (values, keys),
             "keys": (keys, values), "diag_grads": (keys,), "levels": ()}  # fmt: skip
@@ -223,7 +223,8 @@ def main(argv=None) -> int:
     given = {name: tuple(int(x) for x in ws.split(",")) for name, ws in (item.split("=") for item in a.launch)}
     cfg = pallas_gpu.Config(block_v=a.block_v, block_k=a.block_k, precision=a.precision, launch=tuple(given.items()),
                             interpret=False)  # fmt: skip
-    cfg = pallas_gpu._blocks(cfg, pallas_gpu._tiles(cfg, jnp.dtype(a.dtype)), a.K, a.V)  # block_v as the kernels get it
+    # block_v and block_k as the kernels get them
+    cfg = pallas_gpu.blocks(cfg, pallas_gpu.tiles_for(cfg, jnp.dtype(a.dtype)), a.K, a.V)
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     print(
         f"sm_90a, triton {triton.__version__}, jax {jax.__version__}, B=1 T={a.T} H=16 K={a.K} V={a.V} C={a.chunk_size} {a.dtype}, "

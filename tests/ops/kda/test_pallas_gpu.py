@@ -43,7 +43,7 @@ class _GPUTiles(tiles.Tiles):
     """The GPU's matmuls on CPU: float32 operands rounded to TF32 under Precision.DEFAULT,
     and under TF32_TF32_F32_X3 the three products of TF32 high and low parts Triton sums
     (bfloat16 operands need nothing: their products are exact in float32); the 0/1 sums as
-    the two TF32 products ``pallas_gpu._tiles`` gives them on a GPU (``tiles.TF32X2``)."""
+    the two TF32 products ``pallas_gpu.tiles_for`` gives them on a GPU (``tiles.TF32X2``)."""
 
     def _bulk(self, a, b, dims):
         if self.operands is None and self.precision == jax.lax.Precision.DEFAULT:
@@ -63,11 +63,11 @@ def _tf32x2(ones, x):  # the two TF32 products of tiles.TF32X2, the tensor cores
 
 
 def test_float32_inputs_get_three_pass_tf32_on_gpu():
-    assert pallas_gpu._tiles(pallas_gpu.Config(interpret=False), jnp.float32).precision == _TF32X3
-    assert pallas_gpu._tiles(pallas_gpu.Config(interpret=True), jnp.float32).precision == jax.lax.Precision.HIGHEST
+    assert pallas_gpu.tiles_for(pallas_gpu.Config(interpret=False), jnp.float32).precision == _TF32X3
+    assert pallas_gpu.tiles_for(pallas_gpu.Config(interpret=True), jnp.float32).precision == jax.lax.Precision.HIGHEST
     for dtype in (jnp.float32, jnp.bfloat16):  # the 0/1 sums: two TF32 products on a GPU, float32 off it
-        assert pallas_gpu._tiles(pallas_gpu.Config(interpret=False), dtype).sums == tiles.TF32X2
-        assert pallas_gpu._tiles(pallas_gpu.Config(interpret=True), dtype).sums == jax.lax.Precision.HIGHEST
+        assert pallas_gpu.tiles_for(pallas_gpu.Config(interpret=False), dtype).sums == tiles.TF32X2
+        assert pallas_gpu.tiles_for(pallas_gpu.Config(interpret=True), dtype).sums == jax.lax.Precision.HIGHEST
 
 
 def test_round_tf32_splits_exactly():
@@ -113,7 +113,7 @@ def test_float32_inputs_within_bars_with_gpu_matmuls(case, monkeypatch):
     """float32 inputs with the matmuls "auto" picks on a GPU (tf32x3), emulated here: the
     float32 bars, which one-pass TF32 misses."""
     prec, operands = pallas_gpu.PRECISIONS["tf32x3"]
-    monkeypatch.setattr(pallas_gpu, "_tiles", lambda cfg, dtype: _GPUTiles(prec, False, operands, _TF32X3))
+    monkeypatch.setattr(pallas_gpu, "tiles_for", lambda cfg, dtype: _GPUTiles(prec, False, operands, _TF32X3))
     assert_close_to_reference(chunk_kda_gpu, case, jnp.float32)
 
 
@@ -126,9 +126,9 @@ _GATE_CASE = next(c for c in CASES if c.name == "gate_l2_varlen_K60")  # gate lo
 def test_bf16_inputs_within_bars_with_gpu_matmuls(case, precision, monkeypatch):
     """bfloat16 inputs with the matmuls of precision="bf16" (what "auto" picks) and "tf32",
     the GPU's TF32 rounding emulated here."""
-    assert pallas_gpu._tiles(pallas_gpu.Config(), jnp.bfloat16).operands == jnp.bfloat16
+    assert pallas_gpu.tiles_for(pallas_gpu.Config(), jnp.bfloat16).operands == jnp.bfloat16
     prec, operands = pallas_gpu.PRECISIONS[precision]
-    monkeypatch.setattr(pallas_gpu, "_tiles", lambda cfg, dtype: _GPUTiles(prec, False, operands, _TF32X3))
+    monkeypatch.setattr(pallas_gpu, "tiles_for", lambda cfg, dtype: _GPUTiles(prec, False, operands, _TF32X3))
     assert_close_to_reference(chunk_kda_gpu, case, jnp.bfloat16)
 
 
@@ -443,14 +443,14 @@ def test_smaller_gpus_get_one_stage_or_xla(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(pallas_gpu, "VERIFIED_ON_GPU", True)
     assert pallas_gpu.chunk_fits(jnp.bfloat16, 128) is None  # here: an H100's limit
-    monkeypatch.setattr(pallas_gpu, "shared_memory_limit", lambda: (99 * 1024, "an RTX 4090"))
+    monkeypatch.setattr(pallas_gpu.launch, "shared_memory_limit", lambda: (99 * 1024, "an RTX 4090"))
     why = pallas_gpu.chunk_fits(jnp.bfloat16, 128)
     assert why == "its values kernel needs about 116 KiB of shared memory a block, an RTX 4090 allows 99"
     assert pallas_gpu.chunk_fits(jnp.bfloat16, 64) is None and pallas_gpu.chunk_fits(jnp.float32, 64) is None
     backend, reason = kdax.explain_backend(jnp.bfloat16, 128)
     assert backend == "xla" and reason.endswith(why)
     # float32 tiles: 2 stages need 104 and 152 KiB
-    cfg = pallas_gpu._fit_launch(pallas_gpu.Config(block_v=16), 64, 128, 4)
+    cfg = pallas_gpu.launch.fit_launch(pallas_gpu.Config(block_v=16), 64, 128, 4)
     assert dict(cfg.launch) == {"state": (4, 1), "dstate": (4, 1)}
     case = next(c for c in CASES if c.name == "chunk128")
     args, kwargs = make_inputs(case, jnp.bfloat16)

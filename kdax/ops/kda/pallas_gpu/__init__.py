@@ -1,0 +1,136 @@
+"""Chunked KDA as Pallas kernels lowered through Triton (``backend="pallas_gpu"``).
+
+The same full-tile chunk math as the TPU kernels (:mod:`kdax.ops.kda.tiles`, states transposed
+``St = S^T`` ``[V, K]``), in the staged form that suits a GPU (docs/kda_gpu.md). Inputs, o and the
+gradients are token-major ``[B, slots, heads, D]`` as the caller has them; the intermediates the
+kernels pass each other head-major ``[B, HV, slots, D]``:
+
+forward   diag (B, HV, row blocks) -> intra (B, HV, chunks) -> state (B, N, HV, V-blocks)
+          -> output (B, HV, chunks, V-blocks)
+backward  recompute (B, HV, chunks) -> state cotangent (B, N, HV, V-blocks) -> values (B, HV, chunks)
+          -> keys (B, HV, chunks) -> diag grads (B, HV, row blocks) -> levels (B, HV, chunks, K-blocks)
+
+The two sequential kernels give one program to each (sequence, head, V-block), which
+walks that sequence's chunks with ``lax.fori_loop``, the state in registers. The others
+work on blocks of key columns (``Config.block_k``; values and keys also of value columns,
+``Config.block_v``), and the diag, intra and levels kernels on row blocks of ``SUB`` (the
+diagonal blocks apart, the off-diagonal ones, nothing above the diagonal), so that
+few tiles are live at once (registers, shared memory: scripts/gpu_compile_report.py). K and V are
+padded to powers of two >= 16 (Triton's tile rule). Off GPU the kernels run in the
+Pallas interpreter (for tests; slow).
+
+Modules: :mod:`.launch` (config, launch table, shared-memory model), :mod:`.kernels` (the
+kernel bodies), :mod:`.calls` (one helper per pallas_call, the forward and backward),
+:mod:`.vjp` (the custom VJP); this one the entry points.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from kdax.ops.common.arrays import pad_last
+from kdax.ops.common.varlen import ChunkLayout
+from kdax.ops.kda.pallas_gpu import launch
+from kdax.ops.kda.pallas_gpu.calls import Static
+from kdax.ops.kda.pallas_gpu.kernels import QK, SUB, Gate
+from kdax.ops.kda.pallas_gpu.launch import (
+    LAUNCH,
+    PRECISIONS,
+    SHARED_MEMORY_KIB,
+    Config,
+    blocks,
+    fit_launch,
+    pow2,
+    shared_memory,
+    shared_memory_limit,
+    stored_dtype,
+    tiles_for,
+)
+from kdax.ops.kda.pallas_gpu.vjp import core
+from kdax.ops.kda.tiles import chunk_states
+
+__all__ = ["LAUNCH", "PRECISIONS", "SHARED_MEMORY_KIB", "SUB", "VERIFIED_ON_GPU", "Config", "chunk_fits",
+           "chunk_kda_pallas_gpu", "shared_memory", "shared_memory_limit"]  # fmt: skip
+
+# Whether the compiled kernels have passed the shared cases' error bars on a GPU
+# (`scripts/gpu_session.sh tests`, recorded in BENCHMARKS.md). Until then backend="auto" runs
+# xla on a GPU; backend="pallas_gpu" runs these kernels all the same.
+VERIFIED_ON_GPU = False
+
+
+def _gate_params(gate, HV: int, K: int, Kp: int):  # [HV, 2, Kp]: exp(A_log), dt_bias (zeros when g is the decay)
+    f32 = jnp.float32
+    if gate is None:
+        return jnp.zeros((HV, 2, Kp), f32)
+    A_log, dt_bias, _ = gate
+    a = jnp.ones((HV,), f32) if A_log is None else jnp.exp(A_log.astype(f32))
+    b = jnp.zeros((HV, K), f32) if dt_bias is None else dt_bias.astype(f32).reshape(HV, K)
+    return jnp.stack([jnp.broadcast_to(a[:, None], (HV, Kp)), pad_last(b, Kp)], axis=1)
+
+
+def chunk_fits(input_dtype, chunk_size: int, cfg: Config = Config(), K: int = 128, V: int = 128) -> str | None:
+    """Whether the kernels fit this GPU's shared memory (:func:`shared_memory` against
+    :func:`shared_memory_limit`). On an H100 every size fits with bfloat16 intermediates, and
+    chunk sizes up to 64 with float32 ones (the values kernel's [C, C] tiles).
+
+    Args:
+        input_dtype: the inputs' dtype (with ``cfg.precision`` it sets the intermediates').
+        chunk_size: C.
+        cfg: the config.
+        K, V: the head dims.
+
+    Returns:
+        None where they fit, else why not (which kernel needs how much, what the GPU allows).
+    """
+    cfg = cfg.resolved()
+    return launch.too_large(cfg, tiles_for(cfg, input_dtype), chunk_size, K, V)
+
+
+def chunk_kda_pallas_gpu(q, k, v, g, beta, h0, layout: ChunkLayout, input_dtype=jnp.float32, cfg: Config = Config(),
+                         gate=None, g_dtype=None, l2norm_qk: bool = False, scale: float = 1.0,
+                         disable_recompute: bool = False, intermediate_states: bool = False):  # fmt: skip
+    """Core chunked KDA with the GPU kernels, on prepared float32 inputs.
+
+    q, k: [B, T, H, K] (not repeated over value heads; the kernels take the L2 norm of both
+    when ``l2norm_qk`` and scale q by ``scale``); v: [B, T, HV, V];
+    g: [B, T, HV, K] natural-log decay, or with ``gate = (A_log [HV] | None, dt_bias [HV * K] | None,
+    lower_bound | None)`` the raw logits that the kernels turn into the decay as
+    :func:`~kdax.ops.kda.gate.kda_gate` does; beta: [B, T, HV]; h0: [B, N, HV, K, V];
+    input_dtype: the caller's dtype (chooses the matmul precision under "auto");
+    g_dtype: the caller's dtype of g (bfloat16 or float16 g is read as such);
+    disable_recompute: the forward keeps the intra kernel's outputs and v_new for the backward,
+    which then runs neither again.
+    Returns (o [B, T, HV, V], final [B, N, HV, K, V]) and with ``intermediate_states`` the state
+    entering each chunk [B, NC, HV, K, V] (differentiable; chunks no sequence uses are 0); o and
+    those states in bfloat16 under precision "bf16".
+
+    The kernels read q, k, v (rounded to :func:`stored_dtype` dtype), g and beta token-major as they
+    come: with no cu_seqlens, T a multiple of the chunk and K, V powers of two >= 16, XLA
+    makes no copy of them (under "bf16", the float32 the caller upcast to folds back)."""
+    cfg = cfg.resolved()
+    tiles = tiles_for(cfg, input_dtype)
+    H, K = q.shape[2:]
+    HV, V = v.shape[2:]
+    if why := launch.too_large(cfg, tiles, layout.chunk_size, K, V):
+        raise ValueError(f"chunk_size: pallas_gpu with {jnp.dtype(stored_dtype(tiles))} intermediates at chunk_size="
+                         f"{layout.chunk_size}, K={K}, V={V} does not fit: {why}; use a smaller chunk_size, bfloat16 "
+                         f"inputs or backend='xla'")  # fmt: skip
+    Kp, Vp = pow2(K), pow2(V)
+    cfg = blocks(cfg, tiles, K, V)
+    sd = stored_dtype(tiles)
+    cfg = fit_launch(cfg, layout.chunk_size, Kp, jnp.dtype(sd).itemsize)
+    qt, kt = (pad_last(layout.pack(x.astype(sd)), Kp) for x in (q, k))
+    kgate = Gate(gate is not None, None if gate is None else gate[2])
+    if g_dtype in (jnp.bfloat16, jnp.float16):
+        g = g.astype(g_dtype)
+    vt, gt = pad_last(layout.pack(v.astype(sd)), Vp), pad_last(layout.pack(g, kgate.fill), Kp, kgate.fill)
+    bt = layout.pack(beta[..., None])
+    h0t = pad_last(jnp.swapaxes(pad_last(h0, Vp), -1, -2), Kp)  # [B, N, HV, Vp, Kp]
+    ranges = (layout.seq_chunk_start, layout.seq_chunk_end)
+    gp = _gate_params(gate, HV, K, Kp)
+    static = Static(layout.chunk_size, HV // H, tiles, cfg, kgate, QK(l2norm_qk, float(scale)))
+    o, final, S_in = core(qt, kt, vt, gt, gp, bt, h0t, ranges, static, disable_recompute, intermediate_states)
+    o, final = layout.unpack(o[..., :V]), jnp.swapaxes(final, -1, -2)[..., :K, :V]
+    if not intermediate_states:
+        return o, final
+    return o, final, chunk_states(layout, S_in, K, V)
