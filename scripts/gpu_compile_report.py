@@ -113,16 +113,18 @@ def triton_modules(T: int, dtype, cfg: pallas_gpu.Config, fla_options: bool = Fa
     return [(name, ttir, *call[1:]) for (name, ttir), call in zip(mods, calls)]
 
 
-def loop_trips(T: int, K: int, V: int, chunk_size: int, cfg: pallas_gpu.Config) -> dict[str, tuple[int, ...]]:
+def loop_trips(T: int, K: int, V: int, chunk_size: int, cfg: pallas_gpu.Config, dtype) -> dict[str, tuple[int, ...]]:
     """Trips of each kernel's loops by depth, outermost first, as pallas_gpu writes them at B = 1
     (LLVM unrolls some: the intra kernel's last walk, the values kernel's walk over key blocks). The
     intra and recompute kernels' walk over value blocks (Vp / block_v trips) is counted at the key
-    walks' trips, which it shares a depth with: at K = V = 128, 8 for 4, so their "issued" is an
-    upper bound (by at most 4 x that loop's instructions x the warps a program)."""
-    Kp, Vp = pallas_gpu.pow2(K), pallas_gpu.pow2(V)
-    keys, values, chunks = Kp // min(cfg.block_k, Kp), Vp // min(cfg.block_v, Vp), -(-T // chunk_size)
-    return {"diag": (keys,), "intra": (keys,), "recompute": (keys,), "state": (chunks,), "output": (), "dstate": (chunks,), "values": (values, keys),
-            "keys": (keys, values), "diag_grads": (keys,), "levels": ()}  # fmt: skip
+    walks' trips, which it shares a depth with: exact where those are equal (bf16 at K = V = 128:
+    4 and 4), else off by the difference x that loop's instructions x the warps a program."""
+    Kp, Vp, tiles = pallas_gpu.pow2(K), pallas_gpu.pow2(V), pallas_gpu.tiles_for(cfg, dtype)
+    keys = {name: Kp // pallas_gpu.block_k(cfg, tiles, name, Kp) for name in pallas_gpu.BLOCK_K["bf16"]}
+    values, chunks = Vp // min(cfg.block_v, Vp), -(-T // chunk_size)
+    return {"diag": (keys["diag"],), "intra": (keys["intra"],), "recompute": (keys["recompute"],), "state": (chunks,),
+            "output": (), "dstate": (chunks,), "values": (values, keys["values"]), "keys": (keys["keys"], values),
+            "diag_grads": (keys["diag_grads"],), "levels": ()}  # fmt: skip
 
 
 MMA_LAYOUT = re.compile(
@@ -210,7 +212,7 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--precision", default=pallas_gpu.Config.precision, choices=("auto", *pallas_gpu.PRECISIONS))
     p.add_argument("--block-v", type=int, default=pallas_gpu.Config.block_v, help="default: by dtype")
-    p.add_argument("--block-k", type=int, default=pallas_gpu.Config.block_k)
+    p.add_argument("--block-k", type=int, default=pallas_gpu.Config.block_k, help="default: per kernel")
     p.add_argument("--fla-options", action="store_true", help="gate, L2 norm and beta sigmoid in the op, as vs FLA")
     p.add_argument("--launch", nargs="*", default=[], metavar="KERNEL=WARPS,STAGES", help="override pallas_gpu.LAUNCH")
     p.add_argument("--kernels", nargs="*", default=list(pallas_gpu.LAUNCH), help="launch-table names")
@@ -228,7 +230,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     print(
         f"sm_90a, triton {triton.__version__}, jax {jax.__version__}, B=1 T={a.T} H=16 K={a.K} V={a.V} C={a.chunk_size} {a.dtype}, "
-        f"precision={a.precision} block_v={cfg.block_v} block_k={cfg.block_k} fla_options={a.fla_options}"
+        f"precision={a.precision} block_v={cfg.block_v} block_k={cfg.block_k or 'per kernel'} fla_options={a.fla_options}"
     )
     columns = ["kernel", "warps", "stages", "regs", "spill B", "smem KiB", "HGMMA", "HMMA", "FFMA", "MUFU", "LDL", "STL",
                "dots", "replicated", "warp-instrs", "loops", "issued", "issue us", "MB", "bytes us"]  # fmt: skip
@@ -236,7 +238,7 @@ def main(argv=None) -> int:
     print("|" + "---|" * len(columns))
     over, spills, floors, issued = [], [], collections.defaultdict(float), collections.defaultdict(float)
     with tempfile.TemporaryDirectory() as workdir:
-        trips = loop_trips(a.T, a.K, a.V, a.chunk_size, cfg)
+        trips = loop_trips(a.T, a.K, a.V, a.chunk_size, cfg, jnp.dtype(a.dtype))
         modules = triton_modules(a.T, jnp.dtype(a.dtype), cfg, a.fla_options, a.K, a.V, a.chunk_size)
         for i, (name, ttir, launch, programs, nbytes) in enumerate(modules):
             backward = i >= len(FORWARD)  # the forward's kernels come first, then the backward's (its own intra)

@@ -12,7 +12,7 @@ backward  recompute (B, HV, chunks) -> state cotangent (B, N, HV, V-blocks) -> v
 
 The two sequential kernels give one program to each (sequence, head, V-block), which
 walks that sequence's chunks with ``lax.fori_loop``, the state in registers. The others
-work on blocks of key columns (``Config.block_k``; values and keys also of value columns,
+work on blocks of key columns (``Config.block_k``, by default :data:`BLOCK_K`'s per kernel; values and keys also of value columns,
 ``Config.block_v``), and the diag, intra and levels kernels on row blocks of ``SUB`` (the
 diagonal blocks apart, the off-diagonal ones, nothing above the diagonal), so that
 few tiles are live at once (registers, shared memory: scripts/gpu_compile_report.py). K and V are
@@ -34,10 +34,12 @@ from kdax.ops.kda.pallas_gpu import launch
 from kdax.ops.kda.pallas_gpu.calls import Static
 from kdax.ops.kda.pallas_gpu.kernels import QK, SUB, Gate
 from kdax.ops.kda.pallas_gpu.launch import (
+    BLOCK_K,
     LAUNCH,
     PRECISIONS,
     SHARED_MEMORY_KIB,
     Config,
+    block_k,
     blocks,
     fit_launch,
     pow2,
@@ -49,7 +51,7 @@ from kdax.ops.kda.pallas_gpu.launch import (
 from kdax.ops.kda.pallas_gpu.vjp import core
 from kdax.ops.kda.tiles import chunk_states
 
-__all__ = ["LAUNCH", "PRECISIONS", "SHARED_MEMORY_KIB", "SUB", "VERIFIED_ON_GPU", "Config", "chunk_fits",
+__all__ = ["BLOCK_K", "LAUNCH", "PRECISIONS", "SHARED_MEMORY_KIB", "SUB", "VERIFIED_ON_GPU", "Config", "chunk_fits",
            "chunk_kda_pallas_gpu", "shared_memory", "shared_memory_limit"]  # fmt: skip
 
 # Whether the compiled kernels have passed the shared cases' error bars on a GPU

@@ -18,7 +18,7 @@ from jax.experimental import pallas as pl
 
 from kdax.ops.kda.pallas_gpu import kernels
 from kdax.ops.kda.pallas_gpu.kernels import QK, SUB, Gate
-from kdax.ops.kda.pallas_gpu.launch import Config, interpreted, params, stored_dtype
+from kdax.ops.kda.pallas_gpu.launch import Config, block_k, interpreted, params, stored_dtype
 from kdax.ops.kda.tiles import Tiles
 
 
@@ -34,6 +34,9 @@ class Static:
     cfg: Config
     gate: Gate
     qk: QK
+
+    def block_k(self, kernel: str, Kp: int) -> int:  # the key-column block of ``kernel``
+        return block_k(self.cfg, self.tiles, kernel, Kp)
 
     def call(self, kernel, name: str, *args, **kwargs):  # pl.pallas_call of ``kernel`` with this call's tiles
         launch = kwargs.pop("launch", name)
@@ -110,7 +113,7 @@ def diag(s: Static, q, k, g, gp, beta):
     B, L, HV, _ = beta.shape
     Kp, S, f32, sd = k.shape[-1], min(SUB, s.C), jnp.float32, stored_dtype(s.tiles)
     return s.call(
-        kernels.diag_kernel, "diag", s.gate, s.qk, s.cfg.block_k,
+        kernels.diag_kernel, "diag", s.gate, s.qk, s.block_k("diag", Kp),
         grid=(B, HV, L // S),
         in_specs=[_tokens(S, Kp, s.groups)] * 2 + [_tokens(S, Kp), _gate_spec(Kp), _tokens(S, 1)],
         out_specs=[_per_chunk(S, S)] * 3 + [_per_chunk(S, 2)] * s.qk.l2norm,
@@ -129,7 +132,7 @@ def _intra(s: Static, name: str, q, k, v, g, gp, beta, ins, widths, outs):
     out_specs.insert(widths, _per_chunk_row(Kp))
     out_shape.insert(widths, jax.ShapeDtypeStruct((B, HV, L // C, Kp), jnp.float32))
     return s.call(
-        kernels.intra_kernel, name, s.gate, s.qk, s.cfg.block_k, s.cfg.block_v, interpreted(s.cfg), name == "intra",
+        kernels.intra_kernel, name, s.gate, s.qk, s.block_k(name, Kp), s.cfg.block_v, interpreted(s.cfg), name == "intra",
         grid=(B, HV, L // C),
         in_specs=[tok(Kp, s.groups), tok(Kp, s.groups), tok(Vp), tok(Kp), _gate_spec(Kp), tok(1)]
         + [spec(x.shape[-1]) for x in ins],
@@ -236,7 +239,7 @@ def values(s: Static, aqk, T, w, k_d, u, v, beta, S_in, do, dS_out, v_new):
     n_out = 2 - len(kept)  # v_new (unless kept) and dv_new
     f32, sd = jnp.float32, stored_dtype(s.tiles)
     return s.call(
-        kernels.values_kernel, "values", s.cfg.block_k, s.cfg.block_v, bool(kept),
+        kernels.values_kernel, "values", s.block_k("values", Kp), s.cfg.block_v, bool(kept),
         grid=(B, HV, L // C),
         in_specs=[spec(C), spec(C), spec(Kp), spec(Kp), spec(Vp), tok(Vp), tok(1), st, tok(Vp), st]
         + [spec(Vp)] * len(kept),
@@ -254,7 +257,7 @@ def keys(s: Static, q, k, g, gp, beta, kkk, T, w, S_in, dS_out, do, v_new, dv_ne
     spec, tok = functools.partial(_per_chunk, C), functools.partial(_tokens, C)
     st = _chunk_state(Vp, Kp)
     return s.call(
-        kernels.keys_kernel, "keys", s.gate, s.cfg.block_k, s.cfg.block_v,
+        kernels.keys_kernel, "keys", s.gate, s.block_k("keys", Kp), s.cfg.block_v,
         grid=(B, HV, L // C),
         in_specs=[tok(Kp, s.groups), tok(Kp, s.groups), tok(Kp), _gate_spec(Kp), tok(1), spec(C), spec(C),
                   spec(Kp), st, st, tok(Vp), spec(Vp), spec(Vp), spec(1), spec(C), spec(1)],
@@ -270,7 +273,7 @@ def diag_grads(s: Static, q, k, g, gp, daqk, dkkk, dq, dk, dG):
     rows = _per_chunk(S, Kp)
     block = pl.BlockSpec((None, None, S, S), lambda b, h, r: (b, h, r, lax.rem(r, jnp.int32(C // S))))
     return s.call(
-        kernels.diag_grads_kernel, "diag_grads", s.gate, s.cfg.block_k,
+        kernels.diag_grads_kernel, "diag_grads", s.gate, s.block_k("diag_grads", Kp),
         grid=(B, HV, L // S),
         in_specs=[_tokens(S, Kp, s.groups)] * 2 + [_tokens(S, Kp), _gate_spec(Kp), block, block, rows, rows, rows],
         out_specs=[rows] * 3,
@@ -283,7 +286,7 @@ def levels(s: Static, q, k, g, gp, daqk, dkkk, dq, dk, dG):
     """dq, dk (q's dtype, float32 with grouped heads), dg (float32), token-major [B, L, HV, Kp], with
     the off-diagonal blocks' share added (``kda_levels``)."""
     B, HV, L, Kp = dq.shape
-    C, BK, f32 = s.C, s.cfg.block_k, jnp.float32
+    C, BK, f32 = s.C, s.block_k("levels", Kp), jnp.float32
     cols = pl.BlockSpec((None, None, C, BK), lambda b, h, c, kb: (b, h, c, kb))
     pair = pl.BlockSpec((None, None, C, C), lambda b, h, c, kb: (b, h, c, 0))
     gp_cols = pl.BlockSpec((None, 2, BK), lambda b, h, c, kb: (h, 0, kb))

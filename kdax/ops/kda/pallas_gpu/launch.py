@@ -30,7 +30,8 @@ class Config:
         block_v: V block of the state, output, state-cotangent, values and keys kernels; None:
             32 with bfloat16 intermediates, 16 with float32 ones (whose three-pass TF32 products
             spill the state cotangent's loop at 32: docs/kda_gpu.md).
-        block_k: K block of the intra, values, keys and levels kernels (both powers of two >= 16).
+        block_k: K block of the diag, intra, recompute, values, keys, diag grads and levels kernels
+            (both blocks powers of two >= 16); None: each kernel's from :data:`BLOCK_K`.
         precision: of the matmuls, "ieee" (float32 on the FMA units), "tf32x3" (float32 as
             three TF32 tensor-core products), "tf32", "bf16" (bulk matmuls on bfloat16 operands
             and intermediates stored in bfloat16; TF32 for the triangular inverse and the
@@ -46,7 +47,7 @@ class Config:
     """
 
     block_v: int | None = None
-    block_k: int = 16
+    block_k: int | None = None
     precision: str = "auto"
     launch: tuple[tuple[str, tuple[int, int]], ...] = ()
     interpret: bool | None = None
@@ -79,6 +80,16 @@ LAUNCH = {
     "keys": (4, 1),
     "diag_grads": (1, 1),
     "levels": (1, 1),
+}
+
+
+# Key-column block per kernel (Config.block_k None) by the intermediates' dtype, from the compile
+# report at C = 64, K = 128 and 256 (docs/kda_gpu.md): 32 where the kernel stays within the spill
+# budget and issues 15-32% fewer instructions than at 16; keys, diag grads and levels spill past it
+# at 32, recompute at K = 256, and with float32 intermediates intra too.
+BLOCK_K = {
+    "bf16": {"diag": 32, "intra": 32, "recompute": 16, "values": 32, "keys": 16, "diag_grads": 16, "levels": 16},
+    "float32": {"diag": 16, "intra": 16, "recompute": 16, "values": 16, "keys": 16, "diag_grads": 16, "levels": 16},
 }
 
 
@@ -153,9 +164,15 @@ def too_large(cfg: Config, tiles: Tiles, C: int, K: int, V: int) -> str | None:
     return None
 
 
-def blocks(cfg: Config, tiles: Tiles, K: int, V: int) -> Config:  # block_v and block_k as the kernels take them
+def blocks(cfg: Config, tiles: Tiles, K: int, V: int) -> Config:  # block_v as the kernels take it, block_k <= Kp
     block_v = cfg.block_v or (32 if tiles.operands else 16)
-    return dataclasses.replace(cfg, block_v=min(block_v, pow2(V)), block_k=min(cfg.block_k, pow2(K)))
+    block_k = cfg.block_k and min(cfg.block_k, pow2(K))
+    return dataclasses.replace(cfg, block_v=min(block_v, pow2(V)), block_k=block_k)
+
+
+def block_k(cfg: Config, tiles: Tiles, kernel: str, Kp: int) -> int:
+    """The key-column block of ``kernel``: ``cfg.block_k`` if given, else :data:`BLOCK_K`'s, at most Kp."""
+    return min(cfg.block_k or BLOCK_K["bf16" if tiles.operands else "float32"][kernel], Kp)
 
 
 def params(cfg: Config, kernel: str) -> pltriton.CompilerParams:
