@@ -27,6 +27,18 @@ an H100 block may use means the kernel cannot launch. Exit status 1 when a kerne
 that limit, and with ``--check`` when one spills more than the compile budget
 (:data:`SPILL_BUDGET`: 128 B a thread with bf16 inputs, 512 B with float32). The closing
 lines also give the warp-instructions each pass issues, beside FLA's at the default shape.
+
+    python scripts/gpu_compile_report.py --op kascade [--T 32768 --H 32 --kv-heads 8 --head-dim 128]
+        [--tile-size 32 --decode-batch 64 --cache-len 32768] [--dtype bfloat16] [--block-k 64] [--check]
+
+``--op kascade`` does the same for the Kascade kernels (``kdax.ops.kascade.pallas_gpu``, forward
+only): four calls with ``backend="pallas_gpu"`` lowered for CUDA, a prefill anchor with the dense
+output, a prefill reuse, a decode anchor with the dense output and one with the sparse output
+(:func:`kascade_modules`), one row per kernel named by its launch-table name and its call, held to
+the same :data:`SPILL_BUDGET`. Their loops' trips depend on the tile or split, so "loops" and
+"issued" give a program's at the mean trips over the grid (programs x issued is the grid's total);
+"MB" leaves out what a kernel never touches (scores past each tile, cache rows not selected). The
+closing lines sum each call's kernels.
 """
 
 from __future__ import annotations
@@ -43,6 +55,7 @@ import tempfile
 import jax
 import jax.extend
 import jax.numpy as jnp
+import numpy as np
 import triton
 from jax._src.pallas.triton import pallas_call_registration
 from triton._C.libtriton import ir
@@ -51,6 +64,9 @@ from triton.compiler.compiler import make_backend
 
 import kdax
 from kdax.ops.common import dispatch
+from kdax.ops.common.arrays import round_up
+from kdax.ops.kascade import pallas_gpu as kascade_gpu
+from kdax.ops.kascade.checks import budget, decode_k_max, prefill_k_max
 from kdax.ops.kda import api, pallas_gpu
 from kdax.ops.kda.api import chunk_kda
 
@@ -66,20 +82,46 @@ SPILL_BUDGET = {"bfloat16": 128, "float32": 512}
 FLA_ISSUED = {"forward": 203e6, "backward": 521e6}
 KERNELS = {"kda_diag": "diag", "kda_intra": "intra", "kda_recompute": "recompute", "kda_state": "state", "kda_output": "output", "kda_state_cotangent": "dstate",
            "kda_values": "values", "kda_keys": "keys", "kda_diag_grads": "diag_grads", "kda_levels": "levels"}  # fmt: skip
+KASCADE_KERNELS = {f"kascade_{name}": name for name in kascade_gpu.LAUNCH}  # --op kascade's, as KERNELS
 
 
-def triton_modules(T: int, dtype, cfg: pallas_gpu.Config, fla_options: bool = False, K: int = 128, V: int = 128,
-                   chunk_size: int = 64) -> list[tuple[str, str, tuple[int, int], int, int]]:  # fmt: skip
+def lowered_kernels(fn, args, names: dict[str, str]) -> list[tuple[str, str, tuple[int, int], int, int]]:
     """(launch-table name, Triton IR text, (num_warps, num_stages) its pallas_call got, programs in
-    its grid, bytes of its operands and results) of each kernel of the forward and backward, in order."""
+    its grid, bytes of its operands and results) of each kernel ``fn(*args)`` lowers to for CUDA, in
+    order; ``names`` maps each pallas_call's name to its launch-table name."""
     mods, calls = [], []
     lower = pallas_call_registration.lowering.lower_jaxpr_to_triton_module
 
     def capture(jaxpr, *args, **kwargs):
         result = lower(jaxpr, *args, **kwargs)
-        mods.append((KERNELS[jaxpr.debug_info.func_name], result.module.operation.get_asm()))
+        mods.append((names[jaxpr.debug_info.func_name], result.module.operation.get_asm()))
         return result
 
+    pallas_call_registration.lowering.lower_jaxpr_to_triton_module = capture
+    try:
+        kdax.lower(fn, *args, platform="cuda")
+    finally:
+        pallas_call_registration.lowering.lower_jaxpr_to_triton_module = lower
+
+    def walk(jaxpr):  # each pallas_call's launch (its launch table fitted to the tiles), grid and bytes, in order
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                p = eqn.params["compiler_params"]
+                calls.append((names[eqn.params["jaxpr"].debug_info.func_name], (p.num_warps, p.num_stages),
+                              math.prod(eqn.params["grid_mapping"].grid),
+                              sum(v.aval.size * v.aval.dtype.itemsize for v in (*eqn.invars, *eqn.outvars))))  # fmt: skip
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                walk(sub)
+
+    with dispatch.building_for("gpu"):  # the kernels as kdax.lower built them
+        walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    assert [name for name, _ in mods] == [name for name, *_ in calls], "lowered and traced kernels differ"
+    return [(name, ttir, *call[1:]) for (name, ttir), call in zip(mods, calls)]
+
+
+def triton_modules(T: int, dtype, cfg: pallas_gpu.Config, fla_options: bool = False, K: int = 128, V: int = 128,
+                   chunk_size: int = 64) -> list[tuple[str, str, tuple[int, int], int, int]]:  # fmt: skip
+    """:func:`lowered_kernels` of the forward and backward of ``chunk_kda``, in order."""
     B, H = 1, 16
     options = {"use_gate_in_kernel": True, "A_log": jnp.zeros((H,)), "dt_bias": jnp.zeros((H * K,)),
                "use_qk_l2norm_in_kernel": True, "use_beta_sigmoid_in_kernel": True} if fla_options else {}  # fmt: skip
@@ -89,28 +131,8 @@ def triton_modules(T: int, dtype, cfg: pallas_gpu.Config, fla_options: bool = Fa
         return jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(s**2)  # squares: jax >= 0.12 drops kernels of unused o, s
 
     args = [jax.ShapeDtypeStruct(s, dtype) for s in [(B, T, H, K)] * 2 + [(B, T, H, V), (B, T, H, K), (B, T, H)]]
-    pallas_call_registration.lowering.lower_jaxpr_to_triton_module = capture
-    api._compiled.clear_cache()  # traced afresh, so that every kernel is lowered through capture
-    grad = jax.grad(loss, argnums=range(5))
-    try:
-        kdax.lower(grad, *args, platform="cuda")
-    finally:
-        pallas_call_registration.lowering.lower_jaxpr_to_triton_module = lower
-
-    def walk(jaxpr):  # each pallas_call's launch (pallas_gpu.LAUNCH fitted to the tiles), grid and bytes, in order
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "pallas_call":
-                p = eqn.params["compiler_params"]
-                calls.append((KERNELS[eqn.params["jaxpr"].debug_info.func_name], (p.num_warps, p.num_stages),
-                              math.prod(eqn.params["grid_mapping"].grid),
-                              sum(v.aval.size * v.aval.dtype.itemsize for v in (*eqn.invars, *eqn.outvars))))  # fmt: skip
-            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-                walk(sub)
-
-    with dispatch.building_for("gpu"):  # the kernels as kdax.lower built them
-        walk(jax.make_jaxpr(grad)(*args).jaxpr)
-    assert [name for name, _ in mods] == [name for name, *_ in calls], "lowered and traced kernels differ"
-    return [(name, ttir, *call[1:]) for (name, ttir), call in zip(mods, calls)]
+    api._compiled.clear_cache()  # traced afresh, so that every kernel is lowered through the capture
+    return lowered_kernels(jax.grad(loss, argnums=range(5)), args, KERNELS)
 
 
 def loop_trips(T: int, K: int, V: int, chunk_size: int, cfg: pallas_gpu.Config, dtype) -> dict[str, tuple[int, ...]]:
@@ -120,11 +142,78 @@ def loop_trips(T: int, K: int, V: int, chunk_size: int, cfg: pallas_gpu.Config, 
     walks' trips, which it shares a depth with: exact where those are equal (bf16 at K = V = 128:
     4 and 4), else off by the difference x that loop's instructions x the warps a program."""
     Kp, Vp, tiles = pallas_gpu.pow2(K), pallas_gpu.pow2(V), pallas_gpu.tiles_for(cfg, dtype)
-    keys = {name: Kp // pallas_gpu.block_k(cfg, tiles, name, Kp) for name in pallas_gpu.BLOCK_K["bf16"]}
+    keys = {name: Kp // pallas_gpu.launch.block_k(cfg, tiles, name, Kp) for name in pallas_gpu.BLOCK_K["bf16"]}
     values, chunks = Vp // min(cfg.block_v, Vp), -(-T // chunk_size)
     return {"diag": (keys["diag"],), "intra": (keys["intra"],), "recompute": (keys["recompute"],), "state": (chunks,),
             "output": (), "dstate": (chunks,), "values": (values, keys["values"]), "keys": (keys["keys"], values),
             "diag_grads": (keys["diag_grads"],), "levels": ()}  # fmt: skip
+
+
+def kascade_modules(T: int, H: int, G: int, D: int, batch: int, L: int, dtype, tile_size: int,
+                    cfg: kascade_gpu.Config) -> list[tuple[str, str, str, tuple[int, int], int, int, tuple]]:  # fmt: skip
+    """(call, launch-table name, Triton IR, launch, programs, bytes, loop trips) of each kernel of four
+    Kascade calls with ``backend="pallas_gpu"`` (top-k 10%, min_k 128), in order: a prefill anchor with
+    the dense output (the dense attend, the scores), a prefill reuse (the sparse attend over an anchor's
+    selection, [1, G, NT, k_max]), a decode anchor with the dense output (decode scores with the softmax
+    partial) and one with the sparse output (decode scores only, then the decode attend the reuse decode
+    runs). Prefill at B = 1 over T tokens, decode ``batch`` rows over a full cache of L keys.
+
+    Trips: each kernel's one loop as it runs there, the mean over its grid's programs (to 2 decimals;
+    B and G repeat the same trips), so that programs x issued is the grid's total: ceil(s_t / block_k)
+    key blocks before tile t (dense attend), ceil(s_t / block_scores) (scores), ceil(k_t / block_k)
+    selected blocks with k_t the tile's top-k budget as an anchor selects it (sparse attend), and a
+    split's share of the L keys or of the k_max selected rows in blocks of block_decode (decode).
+    Bytes: of the operands and results, less the large parts a kernel never touches there: the pooled scores
+    past each tile's blocks, the selection past its last block, the cache rows not selected."""
+    s = lambda *shape, dt=dtype: jax.ShapeDtypeStruct(shape, dt)
+    q, kv, q1, cache, lengths = s(1, T, H, D), s(1, T, G, D), s(batch, H, D), s(batch, L, G, D), s(batch, dt=jnp.int32)
+    tenths, min_k, item, cdiv = 100, 128, jnp.dtype(dtype).itemsize, lambda n, d: -(-n // d)
+    plan = kascade_gpu._plan(q, kv, tile_size, 1.0, cfg)
+    starts = np.arange(plan.NT) * tile_size  # each query tile's first token
+    k_max, bk, bs, bd = prefill_k_max(T, tile_size, tenths, min_k), cfg.block_k, cfg.block_scores, cfg.block_decode
+    selected = cdiv(budget(starts, tenths, min_k), bk)  # blocks of each tile's selection
+    _, Dp, S, Ls = kascade_gpu._decode_plan(q1, cache, cfg, L)  # decode scores: S splits of Ls keys
+    k_row = decode_k_max(L, tenths, min_k)  # a full row's selection
+    _, _, Sa, Ks = kascade_gpu._decode_plan(q1, cache, cfg, k_row)  # decode attend: Sa splits of Ks rows
+    split_keys = np.clip(cdiv(np.maximum(L - np.arange(S) * Ls, 0), bd), 0, Ls // bd)
+    split_rows = np.clip(cdiv(k_row, bd) - np.arange(Sa) * (Ks // bd), 0, Ks // bd)
+    # per kernel: (its loop's trips in each program of one (b, g), bytes of its operands and results it never touches)
+    dense = (cdiv(starts, bk), 0)
+    scores = (cdiv(starts, bs), G * (plan.NT * plan.Tp - cdiv(starts, bs).sum() * bs) * item)
+    sparse = (selected, G * (plan.NT * round_up(k_max, bk) - selected.sum() * bk) * 4)
+    decode_attend = (split_rows, batch * G * (2 * (round_up(L, bd) - k_row) * Dp * item + (Sa * Ks - k_row) * 4))
+    opts = {"backend": "pallas_gpu", "config": cfg}
+    anchor = {"topk_percent": tenths / 10, "min_k": min_k, **opts}
+    calls = {
+        "anchor, dense output": (
+            lambda q, k, v: kdax.kascade_anchor(q, k, v, tile_size=tile_size, dense_output=True, **anchor),
+            (q, kv, kv),
+            [dense, scores],
+        ),
+        "reuse": (
+            lambda q, k, v, i: kdax.kascade_reuse(q, k, v, i, tile_size=tile_size, **opts),
+            (q, kv, kv, s(1, G, plan.NT, k_max, dt=jnp.int32)),
+            [sparse],
+        ),
+        "anchor decode, dense output": (
+            lambda *a: kdax.kascade_anchor_decode(*a, dense_output=True, **anchor),
+            (q1, cache, cache, lengths),
+            [(split_keys, 0)],
+        ),
+        "anchor decode": (
+            lambda *a: kdax.kascade_anchor_decode(*a, **anchor),
+            (q1, cache, cache, lengths),
+            [(split_keys, 0), decode_attend],
+        ),
+    }
+    modules = []
+    for call, (fn, args, kernels) in calls.items():
+        lowered = lowered_kernels(fn, args, KASCADE_KERNELS)
+        assert len(lowered) == len(kernels), f"{call}: {len(lowered)} kernels lowered, {len(kernels)} expected"
+        for (*kernel, nbytes), (trips, untouched) in zip(lowered, kernels):
+            mean = round(float(np.mean(trips)), 2)
+            modules.append((call, *kernel, nbytes - int(untouched), (int(mean) if mean.is_integer() else mean,)))
+    return modules
 
 
 MMA_LAYOUT = re.compile(
@@ -197,70 +286,140 @@ def compile_report(name: str, ttir: str, launch: tuple[int, int], workdir: str, 
     replicated = f"{len(rep)} ({'-'.join(map(str, sorted({rep[0], rep[-1]})))}x)" if rep else "0"
     return dict(kernel=name, warps=num_warps, stages=num_stages, dots=len(repeats), replicated=replicated,
                 warp_instrs=len(sass_ops) * num_warps,
-                loops=loop_text, issued=issued * num_warps,
+                loops=loop_text, issued=round(issued * num_warps),
                 regs=int(re.search(r"REG:(\d+)", usage).group(1)),
                 spill=int(re.search(r"STACK:(\d+)", usage).group(1)),
                 smem=kernel.metadata.shared, **{op: ops[op] for op in ("HGMMA", "HMMA", "FFMA", "MUFU", "LDL", "STL")})  # fmt: skip
 
 
+COLUMNS = ["kernel", "warps", "stages", "regs", "spill B", "smem KiB", "HGMMA", "HMMA", "FFMA", "MUFU", "LDL", "STL",
+           "dots", "replicated", "warp-instrs", "loops", "issued", "issue us", "MB", "bytes us"]  # fmt: skip
+# Per --op: its options (absent from the other op's command line) with their defaults.
+OP_OPTIONS = {
+    "kda": {"T": 8192, "K": 128, "V": 128, "chunk_size": 64, "precision": pallas_gpu.Config.precision,
+            "block_v": pallas_gpu.Config.block_v, "block_k": pallas_gpu.Config.block_k, "fla_options": False},
+    "kascade": {"T": 32768, "H": 32, "kv_heads": 8, "head_dim": 128, "tile_size": 32, "decode_batch": 64,
+                "cache_len": 32768, "block_k": kascade_gpu.Config.block_k,
+                "block_scores": kascade_gpu.Config.block_scores, "block_decode": kascade_gpu.Config.block_decode},
+}  # fmt: skip
+LAUNCHES = {"kda": pallas_gpu.LAUNCH, "kascade": kascade_gpu.LAUNCH}
+
+
+def report(rows, workdir: str, dtype: str, kernels) -> tuple[dict, dict, list[str], list[str]]:
+    """Compile and print one table row per (label, launch-table name, Triton IR, launch, programs,
+    bytes, trips, part) in ``rows`` whose name is in ``kernels``. Returns, per part, the sum of the
+    kernels' larger floors (us) and their warp-instructions issued, and the kernels over the spill
+    budget and over the shared-memory limit."""
+    spills, over, floors, issued = [], [], collections.defaultdict(float), collections.defaultdict(float)
+    print("| " + " | ".join(COLUMNS) + " |")
+    print("|" + "---|" * len(COLUMNS))
+    for label, name, ttir, launch, programs, nbytes, trips, part in rows:
+        if name not in kernels:
+            continue
+        r = compile_report(name, ttir, launch, workdir, trips)
+        issue_us, bytes_us = programs * r["issued"] / ISSUE_PER_S * 1e6, nbytes / BYTES_PER_S * 1e6
+        floors[part] += max(issue_us, bytes_us)
+        issued[part] += programs * r["issued"]
+        print(f"| {label} | {r['warps']} | {r['stages']} | {r['regs']} | {r['spill']} | {r['smem'] / 1024:.0f} | "
+              f"{r['HGMMA']} | {r['HMMA']} | {r['FFMA']} | {r['MUFU']} | {r['LDL']} | {r['STL']} | {r['dots']} | "
+              f"{r['replicated']} | {r['warp_instrs']} | {r['loops']} | {r['issued']} | {issue_us:.0f} | "
+              f"{nbytes / 1e6:.0f} | {bytes_us:.0f} |", flush=True)  # fmt: skip
+        if r["smem"] > SMEM_LIMIT:
+            over.append(label)
+        if r["spill"] > SPILL_BUDGET[dtype]:
+            spills.append(f"{label} ({r['spill']} B)")
+    return floors, issued, spills, over
+
+
+def kda_rows(a, cfg: pallas_gpu.Config):
+    """report()'s rows for the forward and backward of chunk_kda."""
+    trips = loop_trips(a.T, a.K, a.V, a.chunk_size, cfg, jnp.dtype(a.dtype))
+    modules = triton_modules(a.T, jnp.dtype(a.dtype), cfg, a.fla_options, a.K, a.V, a.chunk_size)
+    for i, (name, *module) in enumerate(modules):
+        backward = i >= len(FORWARD)  # the forward's kernels come first, then the backward's (its own intra)
+        label = f"{name}, backward" if backward and name in FORWARD else name
+        yield label, name, *module, trips[name], "backward" if backward else "forward"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--T", type=int, default=8192)
-    p.add_argument("--K", type=int, default=128)
-    p.add_argument("--V", type=int, default=128)
-    p.add_argument("--chunk-size", type=int, default=64)
+    hide = argparse.SUPPRESS  # an op's options are absent unless given: main checks they fit --op, then sets defaults
+    p.add_argument("--op", default="kda", choices=tuple(OP_OPTIONS), help="the kernels to report (default kda)")
+    p.add_argument("--T", type=int, default=hide, help="tokens (default 8192; kascade: 32768)")
+    p.add_argument("--K", type=int, default=hide, help="kda: key head dim (default 128)")
+    p.add_argument("--V", type=int, default=hide, help="kda: value head dim (default 128)")
+    p.add_argument("--chunk-size", type=int, default=hide, help="kda (default 64)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    p.add_argument("--precision", default=pallas_gpu.Config.precision, choices=("auto", *pallas_gpu.PRECISIONS))
-    p.add_argument("--block-v", type=int, default=pallas_gpu.Config.block_v, help="default: by dtype")
-    p.add_argument("--block-k", type=int, default=pallas_gpu.Config.block_k, help="default: per kernel")
-    p.add_argument("--fla-options", action="store_true", help="gate, L2 norm and beta sigmoid in the op, as vs FLA")
-    p.add_argument("--launch", nargs="*", default=[], metavar="KERNEL=WARPS,STAGES", help="override pallas_gpu.LAUNCH")
-    p.add_argument("--kernels", nargs="*", default=list(pallas_gpu.LAUNCH), help="launch-table names")
+    p.add_argument("--precision", default=hide, choices=("auto", *pallas_gpu.PRECISIONS), help="kda (default auto)")
+    p.add_argument("--block-v", type=int, default=hide, help="kda (default: by dtype)")
+    p.add_argument("--block-k", type=int, default=hide, help="by --op, its Config's default")
+    p.add_argument("--fla-options", action="store_true", default=hide,
+                   help="kda: gate, L2 norm and beta sigmoid in the op, as vs FLA")  # fmt: skip
+    p.add_argument("--H", type=int, default=hide, help="kascade: query heads (default 32)")
+    p.add_argument("--kv-heads", type=int, default=hide, help="kascade: KV heads (default 8)")
+    p.add_argument("--head-dim", type=int, default=hide, help="kascade (default 128)")
+    p.add_argument("--tile-size", type=int, default=hide, help="kascade: queries per tile (default 32)")
+    p.add_argument("--decode-batch", type=int, default=hide, help="kascade: decode rows (default 64)")
+    p.add_argument("--cache-len", type=int, default=hide, help="kascade: decode cache keys (default 32768)")
+    p.add_argument("--block-scores", type=int, default=hide, help="kascade (default: its Config's)")
+    p.add_argument("--block-decode", type=int, default=hide, help="kascade (default: its Config's)")
+    p.add_argument("--launch", nargs="*", default=[], metavar="KERNEL=WARPS,STAGES",
+                   help="override the --op's launch table (pallas_gpu.LAUNCH)")  # fmt: skip
+    p.add_argument("--kernels", nargs="*", help="launch-table names (default: all of the --op's)")
     p.add_argument(
         "--check",
         action="store_true",
         help=f"exit 1 when a kernel spills more than the budget a thread {SPILL_BUDGET} (by --dtype)",
     )
     a = p.parse_args(argv)
-    given = {name: tuple(int(x) for x in ws.split(",")) for name, ws in (item.split("=") for item in a.launch)}
-    cfg = pallas_gpu.Config(block_v=a.block_v, block_k=a.block_k, precision=a.precision, launch=tuple(given.items()),
-                            interpret=False)  # fmt: skip
-    # block_v and block_k as the kernels get them
-    cfg = pallas_gpu.blocks(cfg, pallas_gpu.tiles_for(cfg, jnp.dtype(a.dtype)), a.K, a.V)
+    other = "kascade" if a.op == "kda" else "kda"
+    if wrong := sorted(set(vars(a)) & set(OP_OPTIONS[other]) - set(OP_OPTIONS[a.op])):
+        p.error(f"--{wrong[0].replace('_', '-')} is an option of --op {other}, not of --op {a.op}")
+    for name, default in OP_OPTIONS[a.op].items():
+        setattr(a, name, getattr(a, name, default))
+    launches = LAUNCHES[a.op]
+    if unknown := sorted(set(a.kernels or ()) - set(launches)):
+        p.error(f"--kernels: expected names among {tuple(launches)} (--op {a.op}), got {unknown}")
+    given = {}
+    for item in a.launch:
+        name, _, ws = item.partition("=")
+        if name not in launches or not re.fullmatch(r"\d+,\d+", ws):
+            p.error(f"--launch: expected KERNEL=WARPS,STAGES with KERNEL among {tuple(launches)}, got {item!r}")
+        given[name] = tuple(int(x) for x in ws.split(","))
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    print(
-        f"sm_90a, triton {triton.__version__}, jax {jax.__version__}, B=1 T={a.T} H=16 K={a.K} V={a.V} C={a.chunk_size} {a.dtype}, "
-        f"precision={a.precision} block_v={cfg.block_v} block_k={cfg.block_k or 'per kernel'} fla_options={a.fla_options}"
-    )
-    columns = ["kernel", "warps", "stages", "regs", "spill B", "smem KiB", "HGMMA", "HMMA", "FFMA", "MUFU", "LDL", "STL",
-               "dots", "replicated", "warp-instrs", "loops", "issued", "issue us", "MB", "bytes us"]  # fmt: skip
-    print("| " + " | ".join(columns) + " |")
-    print("|" + "---|" * len(columns))
-    over, spills, floors, issued = [], [], collections.defaultdict(float), collections.defaultdict(float)
+    versions = f"sm_90a, triton {triton.__version__}, jax {jax.__version__}"
+    try:  # a bad block or launch: the Config's own message
+        if a.op == "kda":
+            cfg = pallas_gpu.Config(block_v=a.block_v, block_k=a.block_k, precision=a.precision,
+                                    launch=tuple(given.items()), interpret=False).resolved()  # fmt: skip
+            cfg = pallas_gpu.blocks(cfg, pallas_gpu.tiles_for(cfg, jnp.dtype(a.dtype)), a.K, a.V)  # block_v as run
+        else:
+            cfg = kascade_gpu.Config(block_k=a.block_k, block_scores=a.block_scores, block_decode=a.block_decode,
+                                     launch=tuple(given.items()), interpret=False).resolved()  # fmt: skip
+    except ValueError as e:
+        p.error(str(e))
     with tempfile.TemporaryDirectory() as workdir:
-        trips = loop_trips(a.T, a.K, a.V, a.chunk_size, cfg, jnp.dtype(a.dtype))
-        modules = triton_modules(a.T, jnp.dtype(a.dtype), cfg, a.fla_options, a.K, a.V, a.chunk_size)
-        for i, (name, ttir, launch, programs, nbytes) in enumerate(modules):
-            backward = i >= len(FORWARD)  # the forward's kernels come first, then the backward's (its own intra)
-            if name not in a.kernels:
-                continue
-            r = compile_report(name, ttir, launch, workdir, trips[name])
-            issue_us, bytes_us = programs * r["issued"] / ISSUE_PER_S * 1e6, nbytes / BYTES_PER_S * 1e6
-            floors["backward" if backward else "forward"] += max(issue_us, bytes_us)
-            issued["backward" if backward else "forward"] += programs * r["issued"]
-            label = f"{name}, backward" if backward and name in FORWARD else name
-            print(f"| {label} | {r['warps']} | {r['stages']} | {r['regs']} | {r['spill']} | {r['smem'] / 1024:.0f} | "
-                  f"{r['HGMMA']} | {r['HMMA']} | {r['FFMA']} | {r['MUFU']} | {r['LDL']} | {r['STL']} | {r['dots']} | "
-                  f"{r['replicated']} | {r['warp_instrs']} | {r['loops']} | {r['issued']} | {issue_us:.0f} | "
-                  f"{nbytes / 1e6:.0f} | {bytes_us:.0f} |", flush=True)  # fmt: skip
-            if r["smem"] > SMEM_LIMIT:
-                over.append(name)
-            if r["spill"] > SPILL_BUDGET[a.dtype]:
-                spills.append(f"{label} ({r['spill']} B)")
+        if a.op == "kda":
+            print(f"{versions}, B=1 T={a.T} H=16 K={a.K} V={a.V} C={a.chunk_size} {a.dtype}, "
+                  f"precision={a.precision} block_v={cfg.block_v} block_k={cfg.block_k or 'per kernel'} "
+                  f"fla_options={a.fla_options}")  # fmt: skip
+            rows = kda_rows(a, cfg)
+        else:
+            print(f"{versions}, prefill B=1 T={a.T}, decode B={a.decode_batch} over {a.cache_len} keys, H={a.H} "
+                  f"G={a.kv_heads} D={a.head_dim} {a.dtype}, tile {a.tile_size}, top-k 10% min_k 128, "
+                  f"block_k={cfg.block_k} block_scores={cfg.block_scores} block_decode={cfg.block_decode}")  # fmt: skip
+            modules = kascade_modules(a.T, a.H, a.kv_heads, a.head_dim, a.decode_batch, a.cache_len,
+                                      jnp.dtype(a.dtype), a.tile_size, cfg)  # fmt: skip
+            rows = ((f"{name} ({call})", name, *module, call) for call, name, *module in modules)
+        floors, issued, spills, over = report(rows, workdir, a.dtype, a.kernels or list(launches))
     for part, us in floors.items():
-        print(f"{part}: {us:.0f} us, larger floors of the kernels shown (no state-loop latency, no XLA passes); "
-              f"{issued[part] / 1e6:.1f} M warp-instructions issued (FLA: {FLA_ISSUED[part] / 1e6:.0f} M at "
-              f"T=8192 bf16 with its in-op options)")  # fmt: skip
+        if a.op == "kda":
+            print(f"{part}: {us:.0f} us, larger floors of the kernels shown (no state-loop latency, no XLA passes); "
+                  f"{issued[part] / 1e6:.1f} M warp-instructions issued (FLA: {FLA_ISSUED[part] / 1e6:.0f} M at "
+                  f"T=8192 bf16 with its in-op options)")  # fmt: skip
+        else:
+            print(f"{part}: {us:.0f} us, larger floors of the kernels shown (not the XLA steps around them); "
+                  f"{issued[part] / 1e6:.1f} M warp-instructions issued")  # fmt: skip
     if spills:
         print(f"over the spill budget of {SPILL_BUDGET[a.dtype]} B a thread: {', '.join(spills)}")
     if over:

@@ -6,7 +6,8 @@
 #                                                  1x2048,1x32768 and 8x2048,8x8192,8x32768
 #   scripts/gpu_session.sh report                  the compile budget (scripts/gpu_compile_report.py
 #                                                  --fla-options --check, bf16, then float32): spills
-#                                                  and issued warp-instructions beside FLA's
+#                                                  and issued warp-instructions beside FLA's; then the
+#                                                  Kascade kernels' (--op kascade --check, both dtypes)
 #   scripts/gpu_session.sh tests [FILE|TEST ...]   pallas_gpu compiled for real: every shared case,
 #                                                  fp32 and bf16, the cases CI leaves to the slow
 #                                                  marker included, on 16 pytest workers (67 tests
@@ -48,6 +49,10 @@ case "$stage" in
   report)
     for dtype in bfloat16 float32; do
       python3 scripts/gpu_compile_report.py --fla-options --check --dtype $dtype 2>&1 | tee "$OUT/report-$dtype.md" || true
+    done
+    for dtype in bfloat16 float32; do
+      python3 scripts/gpu_compile_report.py --op kascade --check --dtype $dtype 2>&1 \
+        | tee "$OUT/report-kascade-$dtype.md" || true
     done ;;
   tune)
     name="tune-${2:-none}"

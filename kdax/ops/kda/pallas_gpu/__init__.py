@@ -39,7 +39,6 @@ from kdax.ops.kda.pallas_gpu.launch import (
     PRECISIONS,
     SHARED_MEMORY_KIB,
     Config,
-    block_k,
     blocks,
     fit_launch,
     pow2,
