@@ -396,6 +396,7 @@ def main(argv=None) -> int:
         else:
             cfg = kascade_gpu.Config(block_k=a.block_k, block_scores=a.block_scores, block_decode=a.block_decode,
                                      launch=tuple(given.items()), interpret=False).resolved()  # fmt: skip
+            cfg = kascade_gpu.for_dtype(cfg, jnp.dtype(a.dtype))  # the prefill blocks as run
     except ValueError as e:
         p.error(str(e))
     with tempfile.TemporaryDirectory() as workdir:

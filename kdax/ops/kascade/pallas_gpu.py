@@ -48,8 +48,10 @@ class Config:
     """The pallas_gpu backend's per-call config (``kascade_anchor(..., config=pallas_gpu.Config(...))``).
 
     Attributes:
-        block_k: keys per step of the attend kernels (a power of two >= 16).
-        block_scores: keys per program of the scoring kernel (a power of two >= 16).
+        block_k: keys per step of the attend kernels (a power of two >= 16); None: 64, or 32
+            with float32 inputs (:data:`FLOAT32`).
+        block_scores: keys per step of the scoring kernel (a power of two >= 16); None: 128, or
+            64 with float32 inputs.
         block_decode: keys per step of the decode kernels (a power of two >= 16).
         splits: cache splits per decode row (split-K); None: enough programs for 2 per SM.
         launch: ((kernel, (num_warps, num_stages)), ...) overriding :data:`LAUNCH`.
@@ -59,8 +61,8 @@ class Config:
         ValueError: from :meth:`resolved`, naming the field that is out of range.
     """
 
-    block_k: int = 64
-    block_scores: int = 128
+    block_k: int | None = None
+    block_scores: int | None = None
     block_decode: int = 64
     splits: int | None = None
     launch: tuple[tuple[str, tuple[int, int]], ...] = ()
@@ -69,7 +71,7 @@ class Config:
     def resolved(self) -> Config:
         """This config, its fields checked, with ``interpret`` None replaced by what it means here."""
         for name in ("block_k", "block_scores", "block_decode"):
-            if (n := getattr(self, name)) < 16 or n & (n - 1):
+            if (n := getattr(self, name)) is not None and (n < 16 or n & (n - 1)):
                 raise ValueError(f"config.{name}: expected a power of two >= 16, got {n}")
         if self.splits is not None and (isinstance(self.splits, bool) or self.splits < 1):
             raise ValueError(f"config.splits: expected None or an int >= 1, got {self.splits!r}")
@@ -84,9 +86,32 @@ LAUNCH = {"attend": (4, 2), "scores": (4, 2), "decode_scores": (4, 2), "decode_a
 SMS = 132  # streaming multiprocessors assumed for the default decode splits (an H100's)
 
 
+# The prefill kernels with float32 inputs, whose three-pass TF32 products hold high and low parts of
+# their operands: half the keys a step on 8 warps, within the spill budget and an H100's shared
+# memory (docs/kascade_gpu.md, "Compile report"); a launch the config names is kept.
+FLOAT32 = {"block_k": 32, "block_scores": 64, "launch": {"attend": (8, 1), "scores": (8, 1)}}
+
+
+def for_dtype(cfg: Config, dtype) -> Config:
+    """cfg with its prefill blocks (and float32's launches) for inputs of ``dtype``."""
+    f32 = dtype == jnp.float32
+    launch = {**(FLOAT32["launch"] if f32 else {}), **dict(cfg.launch)}
+    return dataclasses.replace(cfg, block_k=cfg.block_k or (FLOAT32["block_k"] if f32 else 64),
+                               block_scores=cfg.block_scores or (FLOAT32["block_scores"] if f32 else 128),
+                               launch=tuple(launch.items()))  # fmt: skip
+
+
 def _params(cfg: Config, kernel: str) -> pltriton.CompilerParams:
     num_warps, num_stages = dict(cfg.launch).get(kernel, LAUNCH[kernel])
     return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def _precision(dtype, cfg: Config):
+    """Of the kernels' products: float32 as three TF32 products on a GPU (about 22 bits; exact
+    float32 products run on the FMA units and spill 20 KB a thread), exact in the interpreter."""
+    if dtype == jnp.float32 and not cfg.interpret:
+        return lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+    return bl.precision(dtype)
 
 
 def _whole(shape):
@@ -160,7 +185,7 @@ def _attend(qp, kp, vp, lengths, indices, plan: bl.Plan, *, cfg):
         args.append(bl.pad_selection(indices, Kp))
         in_specs.append(pl.BlockSpec((None, None, None, Kp), lambda t, g, b: (b, g, t, 0)))
     kernel = functools.partial(_attend_kernel, tile=plan.tile_size, R=plan.R, Rp=plan.Rp, bk=bk, sparse=sparse,
-                               scale2=plan.scale2, prec=bl.precision(qp.dtype))  # fmt: skip
+                               scale2=plan.scale2, prec=_precision(qp.dtype, cfg))  # fmt: skip
     return pl.pallas_call(
         kernel, grid=(NT, G, B), name="kascade_attend", in_specs=in_specs,
         out_specs=[qspec, pl.BlockSpec((None, None, plan.rows, 1), lambda t, g, b: (b, g, t, 0))],
@@ -174,7 +199,7 @@ def _scores(qp, kp, lse2, lengths, plan: bl.Plan, *, cfg):
     B, G, Tp, Dp = kp.shape
     row = lambda t, g, b: (b, g, t, 0)
     kernel = functools.partial(_scores_kernel, tile=plan.tile_size, R=plan.R, Rp=plan.Rp, bs=cfg.block_scores,
-                               scale2=plan.scale2, prec=bl.precision(qp.dtype))  # fmt: skip
+                               scale2=plan.scale2, prec=_precision(qp.dtype, cfg))  # fmt: skip
     return pl.pallas_call(
         kernel, grid=(plan.NT, G, B), name="kascade_scores",
         in_specs=[_whole((B,)), pl.BlockSpec((None, None, plan.rows, Dp), row),
@@ -194,6 +219,7 @@ def _plan(q, k, tile_size, scale, cfg) -> bl.Plan:
 
 def kascade_anchor_gpu(q, k, v, lengths, *, tenths, min_k, k_max, tile_size, scale, dense_output, cfg):
     """See :func:`kdax.kascade_anchor`. Returns (indices [B, G, NT, k_max] int32, o [B, T, H, D])."""
+    cfg = for_dtype(cfg, q.dtype)
     return bl.anchor(functools.partial(_attend, cfg=cfg), functools.partial(_scores, cfg=cfg), q, k, v, lengths,
                      _plan(q, k, tile_size, scale, cfg), tenths=tenths, min_k=min_k, k_max=k_max,
                      dense_output=dense_output)  # fmt: skip
@@ -201,6 +227,7 @@ def kascade_anchor_gpu(q, k, v, lengths, *, tenths, min_k, k_max, tile_size, sca
 
 def kascade_reuse_gpu(q, k, v, lengths, indices, *, tile_size, scale, cfg):
     """See :func:`kdax.kascade_reuse`. indices [B, G, NT, k] already remapped. Returns o [B, T, H, D]."""
+    cfg = for_dtype(cfg, q.dtype)
     return bl.reuse(functools.partial(_attend, cfg=cfg), q, k, v, lengths, indices, _plan(q, k, tile_size, scale, cfg))
 
 
@@ -297,7 +324,7 @@ def kascade_anchor_decode_gpu(q, k_cache, v_cache, lengths, *, tenths, min_k, k_
         specs, shapes = _partial_specs(B, G, S, Rq, Dp)
         out_specs, out_shape = out_specs + specs, out_shape + shapes
     kernel = functools.partial(_decode_scores_kernel, R=H // G, bd=bd, Ls=Ls,
-                               scale2=scale * LOG2E, prec=bl.precision(q.dtype), with_output=dense_output)  # fmt: skip
+                               scale2=scale * LOG2E, prec=_precision(q.dtype, cfg), with_output=dense_output)  # fmt: skip
     s2, *parts = pl.pallas_call(
         kernel, grid=(S, G, B), name="kascade_decode_scores", in_specs=in_specs, out_specs=out_specs,
         out_shape=out_shape, compiler_params=_params(cfg, "decode_scores"), interpret=cfg.interpret,
@@ -317,7 +344,7 @@ def kascade_reuse_decode_gpu(q, k_cache, v_cache, lengths, indices, *, scale, cf
     kc, vc = _cache_in_place(k_cache, Dp, bd), _cache_in_place(v_cache, Dp, bd)
     cache = pl.BlockSpec((None, kc.shape[1], None, Dp), lambda sp, g, b: (b, 0, g, 0))
     specs, shapes = _partial_specs(B, G, S, Rq, Dp)
-    kernel = functools.partial(_decode_attend_kernel, R=H // G, bd=bd, per_split=Ks // bd, prec=bl.precision(q.dtype),
+    kernel = functools.partial(_decode_attend_kernel, R=H // G, bd=bd, per_split=Ks // bd, prec=_precision(q.dtype, cfg),
                                scale2=scale * LOG2E)  # fmt: skip
     parts = pl.pallas_call(
         kernel, grid=(S, G, B), name="kascade_decode_attend",

@@ -156,20 +156,12 @@ def test_every_kernel_lowers_for_its_platform(platform, marker, dtype, D, G):
     assert text.count(marker) == 9 and all(n in text for n in names)  # anchors 3 + 2, reuse 1, decode 2 + 1
 
 
-# Spill bytes a thread of the kernels over the compile budget as they compile now (float32: Triton runs the
-# exact float32 products on the FMA units; no block or launch tried brings the attend kernels under 512 B,
-# docs/kascade_gpu.md "Compile report"), each held to no worse.
-OVER_BUDGET = {
-    "float32": {"attend (anchor, dense output)": 19936, "scores (anchor, dense output)": 23472, "attend (reuse)": 21008}
-}
-
-
 @pytest.mark.slow  # compiles every kernel for sm_90a with the triton package: about a minute with float32
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_compile_budget(dtype):
     """scripts/gpu_compile_report.py --op kascade --check: all six kernels of the four ops compile,
-    each within the spill budget a thread (128 B with bf16 inputs, 512 B with float32) but the ones
-    in OVER_BUDGET, which are no worse, and --check fails exactly while one is over."""
+    each within the spill budget a thread (128 B with bf16 inputs, 512 B with float32), and --check
+    passes."""
     pytest.importorskip("triton")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     command = [sys.executable, "scripts/gpu_compile_report.py", "--op", "kascade", "--check", "--dtype", dtype]
@@ -180,6 +172,5 @@ def test_compile_budget(dtype):
     assert len(spill) == 6 and {label.split(" (")[0] for label in spill} == set(pallas_gpu.LAUNCH), (
         run.stdout[-2000:] + run.stderr[-2000:]
     )
-    budget, over = {"bfloat16": 128, "float32": 512}[dtype], OVER_BUDGET.get(dtype, {})
-    assert all(b <= max(budget, over.get(label, 0)) for label, b in spill.items()), spill
-    assert run.returncode == int(any(b > budget for b in spill.values())), run.stdout[-2000:]
+    assert all(b <= {"bfloat16": 128, "float32": 512}[dtype] for b in spill.values()), spill
+    assert run.returncode == 0, run.stdout[-2000:]

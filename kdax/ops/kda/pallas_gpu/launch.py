@@ -125,14 +125,14 @@ def shared_memory(kernel: str, C: int, Kp: int, BV: int, itemsize: int, stages: 
     return {
         "diag": 4096,
         "recompute": c * (6 if f32 else 2) + 2048,
-        "intra": (c * 5 + 64 * Kp if f32 else c * 5 // 4 + 32 * Kp) + 2048,
+        "intra": C * 32 + 2048,
         "state": 4 * t + 4096 if stages > 1 else t + c * itemsize // 2,
         "output": max(t, c * itemsize) + BV * max(Kp, C) * 2,
         "dstate": 5 * t + 2 * c * itemsize if stages > 1 else t + c * itemsize // 2,
         "values": c * (20 if f32 else 7) + 4096,
         "keys": c * (10 if f32 else 6) + 8192,
         "diag_grads": (36 if f32 else 10) * 1024,
-        "levels": (c if f32 else c // 2) + 2048,
+        "levels": 2048,
     }[kernel]
 
 
