@@ -18,6 +18,7 @@ import kdax
 from kdax import train
 from kdax.bench import kda
 from kdax.models import PRESETS
+from kdax.models.sharding import make_mesh
 from kdax.train import TrainConfig
 
 
@@ -125,27 +126,98 @@ def _bench(ns: argparse.Namespace) -> int:
 DEFAULT_SHAPE = {"B": 1, "T": 4096, "H": 4, "K": 128, "V": 128}
 
 
-def _calibrate(ns: argparse.Namespace) -> int:
+def _calibrate(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """kdax kascade calibrate: the flags and the checkpoint checked before the calibration pass."""
     import numpy as np
 
     from kdax.models import from_pretrained
     from kdax.models.kascade import calibrate
+    from kdax.models.kda import full_attention_layers
 
+    for name in ("rows", "seq_len", "min_k"):
+        if getattr(ns, name) < 1:
+            parser.error(f"--{name.replace('_', '-')}: expected a positive int, got {getattr(ns, name)}")
+    if not 0 < ns.topk_percent <= 100:
+        parser.error(f"--topk-percent: expected a percentage in (0, 100], got {ns.topk_percent}")
+    if ns.offset < 0:
+        parser.error(f"--offset: expected an int >= 0, got {ns.offset}")
+    if ns.text is not None and not os.path.isfile(ns.text):
+        parser.error(f"--text: expected a text file, {ns.text!r} is not one")
+    if not os.path.isfile(os.path.join(ns.checkpoint, "config.json")):
+        parser.error(
+            f"--checkpoint: expected a model directory with a config.json (kdax train's out_dir/model), "
+            f"got {ns.checkpoint!r}"
+        )
     tokens = train.load_corpus(ns.text)
     start = ns.offset
     rows = [tokens[start + i * ns.seq_len : start + (i + 1) * ns.seq_len] for i in range(ns.rows)]
     if any(len(r) < ns.seq_len for r in rows):
-        raise SystemExit(f"kdax kascade calibrate: the text holds {tokens.size} tokens, fewer than --offset + "
-                         f"--rows x --seq-len = {start + ns.rows * ns.seq_len}")  # fmt: skip
+        parser.error(
+            f"--rows: the text holds {tokens.size} tokens, fewer than --offset + --rows x --seq-len = "
+            f"{start + ns.rows * ns.seq_len}"
+        )
     model = from_pretrained(ns.checkpoint)
     if model.config.vocab_size < 256:
-        raise SystemExit(f"kdax kascade calibrate: the checkpoint's vocab_size {model.config.vocab_size} is too small "
-                         "for byte-level text (256 ids)")  # fmt: skip
+        parser.error(
+            f"--checkpoint: its vocab_size {model.config.vocab_size} is too small for byte-level text (256 ids)"
+        )
+    attention = len(full_attention_layers(model))
+    anchors = min(2, attention) if ns.anchors is None else ns.anchors
+    if not 1 <= anchors <= attention:
+        parser.error(
+            f"--anchors: expected an int in [1, {attention}] (the checkpoint's full-attention layers), got {anchors}"
+        )
     print(f"calibrating on {ns.rows} x {ns.seq_len} tokens from token {start}...", file=sys.stderr, flush=True)
-    schedule = calibrate(model, np.stack(rows).astype(np.int32), ns.anchors, topk_percent=ns.topk_percent,
+    schedule = calibrate(model, np.stack(rows).astype(np.int32), anchors, topk_percent=ns.topk_percent,
                          min_k=ns.min_k, tile_size=ns.tile_size)  # fmt: skip
     schedule.save(ns.out)
     print(f"anchors {list(schedule.anchors)} of layers {list(schedule.layers)} -> {ns.out}")
+    return 0
+
+
+# kdax train's defaults where they are not TrainConfig's: the command line always saves the run.
+TRAIN_DEFAULTS = {"out_dir": "checkpoints/tiny"}
+
+
+def _flag(error: ValueError) -> str:  # "steps: expected ..." -> "--steps: expected ..."
+    name, _, rest = str(error).partition(": ")
+    return f"--{name.replace('_', '-')}: {rest}" if rest and name.isidentifier() else str(error)
+
+
+def _train(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """kdax train: every setting checked before any work (argparse's one-line error, exit 2)."""
+    if ns.distributed:
+        _initialize(ns.distributed)
+    try:
+        cfg = TrainConfig(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(TrainConfig)})
+        if cfg.mesh:
+            make_mesh(cfg.mesh)
+    except ValueError as e:
+        parser.error(_flag(e))
+    if ns.corpus is not None and not os.path.isfile(ns.corpus):
+        parser.error(f"--corpus: expected a text file, {ns.corpus!r} is not one")
+    if ns.sample_tokens < 0:
+        parser.error(f"--sample-tokens: expected an int >= 0, got {ns.sample_tokens}")
+    latest = train.latest_checkpoint(cfg.out_dir)
+    if ns.resume and latest is None:
+        parser.error(f"--resume: no training state in {os.path.join(cfg.out_dir, 'state')} to continue")
+    if not ns.resume and latest is not None:
+        parser.error(
+            f"--out-dir: {cfg.out_dir!r} holds the training state of step {latest}; continue it with "
+            "--resume, or choose another --out-dir"
+        )
+    try:
+        train.main(cfg, ns.corpus, ns.sample_tokens, ns.resume)
+    except train.Interrupted as stop:
+        if stop.step is None:
+            print("\nkdax train: interrupted before any training state was saved", file=sys.stderr)
+        else:
+            print(
+                f"\nkdax train: interrupted; the training state of step {stop.step} is in {stop.directory}: "
+                f"continue with the same command and --resume",
+                file=sys.stderr,
+            )
+        return 130
     return 0
 
 
@@ -212,9 +284,8 @@ def main(argv: list[str] | None = None) -> int:
     t = sub.add_parser("train", help="train the tiny hybrid on byte-level text, then print a sample",
                        formatter_class=_Help)  # fmt: skip
     for f in dataclasses.fields(TrainConfig):
-        t.add_argument(
-            "--" + f.name.replace("_", "-"), type=type(f.default), default=f.default, help=f.metadata["help"]
-        )
+        default = TRAIN_DEFAULTS.get(f.name, f.default)
+        t.add_argument("--" + f.name.replace("_", "-"), type=type(default), default=default, help=f.metadata["help"])
     t.add_argument("--corpus", default=None, help="a text file (None: the public-domain text shipped with kdax)")
     t.add_argument("--sample-tokens", type=int, default=200, help="tokens to generate after training")
     t.add_argument(
@@ -233,7 +304,10 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--rows", type=int, default=4, help="calibration rows")
     c.add_argument("--seq-len", type=int, default=2048, help="tokens per calibration row")
     c.add_argument(
-        "--anchors", type=int, default=2, help="anchor layers to place (the first full-attention layer is one)"
+        "--anchors",
+        type=int,
+        help="anchor layers to place, the first full-attention layer one of them "
+        "(default: 2, or 1 where the model has one full-attention layer)",
     )
     c.add_argument(
         "--topk-percent", type=float, default=10, help="keys kept per query tile, percent of those before it"
@@ -243,13 +317,9 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--out", default="kascade_schedule.json", help="where to write the schedule (JSON)")
     ns = parser.parse_args(argv)
     if ns.command == "kascade":
-        return _calibrate(ns)
+        return _calibrate(ns, c)
     if ns.command == "train":
-        if ns.distributed:
-            _initialize(ns.distributed)
-        fields = {f.name: getattr(ns, f.name) for f in dataclasses.fields(TrainConfig)}
-        train.main(TrainConfig(**fields), ns.corpus, ns.sample_tokens, ns.resume)
-        return 0
+        return _train(ns, t)
     return _bench(ns)
 
 

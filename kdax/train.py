@@ -1,9 +1,10 @@
 """Train a small hybrid KDA language model on byte-level text (``kdax train``, examples/train_tiny.py).
 
 Tokens are the text's bytes (vocab 256). AdamW with warmup and cosine decay, global-norm
-clipping, one jit-compiled step, loss and tokens/s on a progress bar. With
-``checkpoint_every``, the training state goes through orbax to ``out_dir/state/<step>`` (for
-``resume``) and the final weights in FLA's format to ``out_dir/model`` (for ``from_pretrained``)."""
+clipping, one jit-compiled step, loss and tokens/s on a progress bar. With an ``out_dir``, the
+training state goes through orbax to ``out_dir/state/<step>`` every ``checkpoint_every`` steps
+(for ``resume``) and the final weights in FLA's format to ``out_dir/model`` (for
+``from_pretrained``)."""
 
 from __future__ import annotations
 
@@ -81,7 +82,7 @@ class TrainConfig:
         default=0.0, metadata={"help": "share of the corpus, at its end, kept out of training (held-out text)"}
     )
     checkpoint_every: int = dataclasses.field(
-        default=0, metadata={"help": "save the training state every N steps and at the last (0: never)"}
+        default=100, metadata={"help": "save the training state every N steps and at the last (0: never)"}
     )
     keep: int = dataclasses.field(default=3, metadata={"help": "training states kept (the newest)"})
     mesh: str = dataclasses.field(
@@ -89,9 +90,12 @@ class TrainConfig:
         metadata={"help": "a device mesh, e.g. data=2,model=2,context=2: FSDP and rows over data, heads over model, "
                           "time over context (docs/scale.md); empty: one device"},
     )  # fmt: skip
-    out_dir: str = dataclasses.field(
-        default="checkpoints/tiny",
-        metadata={"help": "where checkpoints go: state/<step> (orbax, for --resume), model (FLA's format, at the end)"},
+    out_dir: str | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "where the run is saved: state/<step> (orbax, for --resume) and model (the final weights, "
+            "FLA's format); None: nowhere"
+        },
     )
 
     def __post_init__(self):
@@ -225,16 +229,32 @@ def _restore(
     return step
 
 
+class Interrupted(KeyboardInterrupt):
+    """Training stopped by Ctrl-C: ``step`` is the newest saved training state (None: none) in ``directory``."""
+
+    def __init__(self, step: int | None, directory: str | None):
+        super().__init__(step, directory)
+        self.step, self.directory = step, directory
+
+
+def latest_checkpoint(out_dir: str | None) -> int | None:
+    """The step of the newest complete training state in ``out_dir/state`` (None: none, or no out_dir)."""
+    if out_dir is None or not os.path.isdir(os.path.join(out_dir, "state")):
+        return None
+    with _checkpoints(TrainConfig(out_dir=out_dir), create=False) as manager:
+        return manager.latest_step()
+
+
 def train(
     model: KDAForCausalLM, tokens: np.ndarray, cfg: TrainConfig, progress: bool = True, resume: bool = False
 ) -> list[float]:
     """Train ``model`` in place on random windows of ``tokens``.
 
-    With ``cfg.checkpoint_every``, orbax saves the training state (parameters, optimizer state,
-    step and the batch generator's state) to ``out_dir/state/<step>`` every that many steps and
-    at the last, keeping the newest ``cfg.keep``; at the end ``save_pretrained`` writes the
-    weights in FLA's format to ``out_dir/model``. With ``cfg.mesh``, the model is laid out on
-    that mesh first (:func:`kdax.models.shard`; the optimizer state follows it) and each batch
+    With ``cfg.out_dir``, orbax saves the training state (parameters, optimizer state, step and
+    the batch generator's state) to ``out_dir/state/<step>`` every ``cfg.checkpoint_every``
+    steps and at the last, keeping the newest ``cfg.keep``, and ``save_pretrained`` writes the
+    final weights in FLA's format to ``out_dir/model``. With ``cfg.mesh``, the model is laid out
+    on that mesh first (:func:`kdax.models.shard`; the optimizer state follows it) and each batch
     goes onto it, rows over the data axis.
 
     Args:
@@ -242,9 +262,9 @@ def train(
         tokens: the corpus, a 1-D array of token ids.
         cfg: the run's settings.
         progress: show a progress bar.
-        resume: continue from the newest complete checkpoint in ``out_dir/state`` (from step 0
-            where there is none); the batches and updates after it are those of an
-            uninterrupted run, on this run's mesh whatever the checkpoint's was.
+        resume: continue from the newest complete checkpoint in ``out_dir/state``; the batches
+            and updates after it are those of an uninterrupted run, on this run's mesh whatever
+            the checkpoint's was.
 
     Returns:
         The loss of every step this call ran.
@@ -253,38 +273,51 @@ def train(
         ValueError: the corpus is not longer than ``seq_len + 1`` tokens; ``cfg.mesh`` is
             malformed, does not match the devices, or does not divide ``batch_size`` (data axis),
             ``seq_len`` (context axis x chunk size) or the KDA heads (model axis); ``out_dir`` holds
-            checkpoints and ``resume`` is off; the checkpoint to resume from was written with
-            other settings.
+            checkpoints and ``resume`` is off; ``resume`` is on and there is no checkpoint; the
+            checkpoint to resume from was written with other settings.
+        Interrupted: on Ctrl-C, naming the newest saved training state.
     """
     if tokens.size <= cfg.seq_len + 1:
         raise ValueError(f"corpus: expected more than seq_len + 1 = {cfg.seq_len + 1} tokens, got {tokens.size}")
+    latest = latest_checkpoint(cfg.out_dir)
+    if resume and latest is None:
+        raise ValueError(
+            f"resume: expected a checkpoint in {os.path.join(cfg.out_dir or '<no out_dir>', 'state')}, "
+            "found none; train without resume to start one"
+        )
+    if not resume and latest is not None:
+        raise ValueError(
+            f"out_dir: {cfg.out_dir!r} holds checkpoints up to step {latest}; "
+            "continue them with resume (kdax train --resume) or choose another out_dir"
+        )
     tx = _optimizer(cfg.steps, cfg.lr, cfg.warmup, cfg.weight_decay, cfg.clip)
     mesh = _on_mesh(model, cfg)
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)  # its state takes the parameters' shardings
     if mesh is not None:  # and its step counter goes onto the mesh (committed where a restore puts it)
         nnx.update(optimizer, sharding.place(nnx.state(optimizer), mesh))
     rng = np.random.default_rng(cfg.seed)
-    saving = cfg.checkpoint_every > 0
+    saving = cfg.out_dir is not None and cfg.checkpoint_every > 0
     losses, start, first = [], None, 0
     with _checkpoints(cfg, create=saving) if saving or resume else contextlib.nullcontext() as manager:
         if resume:
             first = _restore(manager, model, optimizer, rng, cfg)
-        elif saving and manager.latest_step() is not None:
-            raise ValueError(f"out_dir: {cfg.out_dir!r} holds checkpoints up to step {manager.latest_step()}; "
-                             "continue them with resume (kdax train --resume) or choose another out_dir")  # fmt: skip
         shown = progress and jax.process_index() == 0  # one bar for a run over several hosts
         bar = tqdm(range(first + 1, cfg.steps + 1), initial=first, total=cfg.steps, disable=not shown, desc="train")
-        for step in bar:
-            loss = float(train_step(model, optimizer, _batch(tokens, rng, cfg, mesh)))
-            losses.append(loss)
-            if start is None:  # the first step includes compilation
-                start, done = time.perf_counter(), 0
-            else:
-                done += cfg.batch_size * cfg.seq_len
-                bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{done / (time.perf_counter() - start):,.0f}")
-            if saving and (step % cfg.checkpoint_every == 0 or step == cfg.steps):
-                _save(manager, step, model, optimizer, rng, cfg)
-    if saving:
+        try:
+            for step in bar:
+                loss = float(train_step(model, optimizer, _batch(tokens, rng, cfg, mesh)))
+                losses.append(loss)
+                if start is None:  # the first step includes compilation
+                    start, done = time.perf_counter(), 0
+                else:
+                    done += cfg.batch_size * cfg.seq_len
+                    bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{done / (time.perf_counter() - start):,.0f}")
+                if saving and (step % cfg.checkpoint_every == 0 or step == cfg.steps):
+                    _save(manager, step, model, optimizer, rng, cfg)
+        except KeyboardInterrupt:
+            bar.close()
+            raise Interrupted(manager.latest_step() if saving else None, cfg.out_dir) from None
+    if cfg.out_dir is not None:
         save_pretrained(model, os.path.join(cfg.out_dir, "model"))
     return losses
 
@@ -308,8 +341,21 @@ def main(cfg: TrainConfig, corpus: str | None = None, sample_tokens: int = 200, 
     say = print if jax.process_index() == 0 else lambda *_: None  # every host runs this; one speaks
     say(f"corpus {tokens.size:,} bytes, unigram entropy {entropy:.3f} nats; model {model.num_parameters():,} params")
     losses = train(model, tokens, cfg, resume=resume)
-    if losses:
-        say(f"loss: first {losses[0]:.3f}, mean of last 20 steps {np.mean(losses[-20:]):.3f} nats")
+    if losses:  # the steps this run ran: cfg.steps - len(losses) + 1 .. cfg.steps
+        first, last = cfg.steps - len(losses) + 1, losses[-20:]
+        say(
+            f"loss: step {first} {losses[0]:.3f}, mean of steps {cfg.steps - len(last) + 1}-{cfg.steps} "
+            f"{np.mean(last):.3f} nats"
+        )
+    if cfg.out_dir is not None:
+        say(
+            f"saved: the final weights in {os.path.join(cfg.out_dir, 'model')} (kdax.models.from_pretrained)"
+            + (
+                f", the training state in {os.path.join(cfg.out_dir, 'state')} (--resume)"
+                if cfg.checkpoint_every
+                else ""
+            )
+        )
     if sample_tokens:
         prompt = jnp.asarray(tokens[None, :64], jnp.int32)
         out = generate(model, prompt, sample_tokens)

@@ -35,8 +35,9 @@ def _small_model():
     return KDAForCausalLM(config, backend="xla", rngs=nnx.Rngs(0))
 
 
-def _small_run(out_dir, **kw):
-    return TrainConfig(**{"steps": 20, "batch_size": 2, "seq_len": 16, "warmup": 4, "out_dir": str(out_dir), **kw})
+def _small_run(out_dir, **kw):  # out_dir None: nothing saved
+    out_dir = None if out_dir is None else str(out_dir)
+    return TrainConfig(**{"steps": 20, "batch_size": 2, "seq_len": 16, "warmup": 4, "out_dir": out_dir, **kw})
 
 
 def _params(model):
@@ -47,7 +48,7 @@ def _params(model):
 def straight_run():
     """The parameters and losses of 20 steps without a checkpoint."""
     model = _small_model()
-    losses = train(model, load_corpus(), _small_run("unused"), progress=False)
+    losses = train(model, load_corpus(), _small_run(None), progress=False)
     return _params(model), losses
 
 
@@ -117,6 +118,87 @@ def test_kdax_train_cli_writes_checkpoints(tmp_path, capsys):
     model = from_pretrained(f"{out}/model")
     assert model.config.vocab_size == 256
     assert main([*args, "--out-dir", out, "--sample-tokens", "0", "--resume"]) == 0  # at its last step already
+
+
+def test_kdax_train_cli_saves_the_final_weights_by_default_and_says_where(tmp_path, capsys, monkeypatch):
+    """No --checkpoint-every: the training state every 100 steps and at the last, the final weights
+    always; the loss summary names the steps this run ran."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--steps", "3", "--batch-size", "2", "--seq-len", "16", "--sample-tokens", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "loss: step 1 " in out and "mean of steps 1-3" in out
+    assert "saved: the final weights in checkpoints/tiny/model" in out and "checkpoints/tiny/state (--resume)" in out
+    assert os.listdir("checkpoints/tiny/state") == ["3"] and from_pretrained("checkpoints/tiny/model")
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--steps", "-1"], "--steps: expected a positive int, got -1"),
+        (["--batch-size", "0"], "--batch-size: expected a positive int, got 0"),
+        (["--lr", "-1"], "--lr: expected a positive float"),
+        (["--holdout", "1.5"], "--holdout: expected a share in [0, 1), got 1.5"),
+        (["--keep", "0"], "--keep: expected a positive int"),
+        (["--checkpoint-every", "-2"], "--checkpoint-every: expected >= 0"),
+        (["--preset", "nonexistent"], "--preset: expected one of"),
+        (["--corpus", "/nonexistent.txt"], "--corpus: expected a text file, '/nonexistent.txt' is not one"),
+        (["--mesh", "garbage"], "--mesh: expected comma-separated axis=size"),
+        (["--mesh", "data=2"], "--mesh: expected axis sizes whose product is the 1 devices here"),
+        (["--sample-tokens", "-1"], "--sample-tokens: expected an int >= 0"),
+        (["--resume"], "--resume: no training state in"),
+    ],
+    ids=lambda x: x[0] if isinstance(x, list) else "",
+)
+def test_kdax_train_cli_refuses_bad_flags_before_any_work(args, says, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit:
+        main(["train", "--out-dir", str(tmp_path / "run"), *args])
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and f"kdax train: error: {says}" in err, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_kdax_train_cli_ctrl_c_names_the_saved_step_and_resumes(tmp_path, capsys, monkeypatch):
+    step, calls = kdax.train.train_step, []
+
+    def ctrl_c_at_step_4(*args):
+        calls.append(1)
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        return step(*args)
+
+    monkeypatch.setattr(kdax.train, "train_step", ctrl_c_at_step_4)
+    args = [
+        "train",
+        "--steps",
+        "5",
+        "--batch-size",
+        "2",
+        "--seq-len",
+        "16",
+        "--sample-tokens",
+        "0",
+        "--checkpoint-every",
+        "2",
+        "--out-dir",
+        str(tmp_path),
+    ]
+    assert main(args) == 130
+    err = capsys.readouterr().err
+    assert (
+        f"interrupted; the training state of step 2 is in {tmp_path}: continue with the same command and --resume"
+        in err
+    )
+    assert not (tmp_path / "model").exists()
+    with pytest.raises(SystemExit):  # the same command without --resume: refused, naming the saved step
+        main(args)
+    assert "--out-dir: " in capsys.readouterr().err
+    assert main([*args, "--resume"]) == 0
+    assert "loss: step 3 " in capsys.readouterr().out and (tmp_path / "model").exists()
+
+
+def test_resume_without_a_checkpoint_is_an_error(tmp_path):
+    with pytest.raises(ValueError, match="resume: expected a checkpoint in .*state, found none"):
+        train(_small_model(), load_corpus(), _small_run(tmp_path), progress=False, resume=True)
 
 
 def test_bench_model_cli(capsys):

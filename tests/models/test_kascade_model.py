@@ -97,8 +97,15 @@ def test_kdax_kascade_calibrate_writes_a_schedule(model, tmp_path, capsys):
     from kdax.models import save_pretrained
 
     save_pretrained(model, tmp_path / "small_vocab")
-    with pytest.raises(SystemExit, match="vocab_size 64"):  # byte-level text needs 256 ids
-        main(["kascade", "calibrate", "--checkpoint", str(tmp_path / "small_vocab")])
+    for argv, says in [
+        (["--checkpoint", str(tmp_path / "small_vocab")], "--checkpoint: its vocab_size 64 is too small"),  # bytes: 256
+        (["--checkpoint", str(tmp_path / "missing")], "--checkpoint: expected a model directory with a config.json"),
+        (["--checkpoint", str(tmp_path / "missing"), "--rows", "0"], "--rows: expected a positive int, got 0"),
+        (["--checkpoint", str(tmp_path / "missing"), "--topk-percent", "0"], "--topk-percent: expected a percentage"),
+    ]:
+        with pytest.raises(SystemExit) as exit:
+            main(["kascade", "calibrate", *argv])
+        assert exit.value.code == 2 and f"kdax kascade calibrate: error: {says}" in capsys.readouterr().err
     bytes_model = KDAForCausalLM(dataclasses.replace(CONFIG, vocab_size=256), rngs=nnx.Rngs(1))
     save_pretrained(bytes_model, tmp_path / "model")
     out = tmp_path / "schedule.json"
@@ -108,6 +115,42 @@ def test_kdax_kascade_calibrate_writes_a_schedule(model, tmp_path, capsys):
     schedule = KascadeSchedule.load(out)
     assert schedule.layers == (0, 1, 3, 4) and len(schedule.anchors) == 3 and schedule.tile_size == 16
     assert "anchors" in capsys.readouterr().out
+    with pytest.raises(SystemExit):  # anchors beyond the model's full-attention layers: named before the pass
+        main([*argv, "--anchors", "5"])
+    assert (
+        "--anchors: expected an int in [1, 4] (the checkpoint's full-attention layers), got 5"
+        in capsys.readouterr().err
+    )
+
+
+def test_kdax_kascade_calibrate_defaults_fit_one_attention_layer(tmp_path, capsys):
+    """kdax train's model has one full-attention layer: the default --anchors is then 1."""
+    from kdax.cli import main
+    from kdax.models import save_pretrained, tiny_config
+
+    config = tiny_config(
+        hidden_size=16, head_dim=8, num_heads=2, num_hidden_layers=2, attn={"layers": [1], "num_heads": 2}
+    )
+    save_pretrained(KDAForCausalLM(config, backend="xla", rngs=nnx.Rngs(0)), tmp_path / "model")
+    out = tmp_path / "schedule.json"
+    argv = [
+        "kascade",
+        "calibrate",
+        "--checkpoint",
+        str(tmp_path / "model"),
+        "--rows",
+        "1",
+        "--seq-len",
+        "32",
+        "--min-k",
+        "4",
+        "--tile-size",
+        "16",
+        "--out",
+        str(out),
+    ]
+    assert main(argv) == 0
+    assert KascadeSchedule.load(out).anchors == (1,) and "anchors [1]" in capsys.readouterr().out
 
 
 @pytest.mark.slow  # 25 s of CI's budget; the study's own code path (run by hand)

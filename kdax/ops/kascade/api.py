@@ -105,7 +105,7 @@ def kascade_anchor(
         tile_size: queries per tile: 16, 32, 64 or 128.
         scale: the scores' scale, D ** -0.5 when None.
         dense_output: return dense causal attention (a schedule's layer 0) instead of the sparse output.
-        lengths: [B] ints, valid tokens of right-padded rows (None: all T); outputs past them are 0
+        lengths: [B] ints (an array or a list), valid tokens of right-padded rows (None: all T); outputs past them are 0
             and tiles starting at or past them select nothing.
         backend: "auto", "xla", "pallas_tpu", "pallas_gpu" (forward-only kernels) or "naive" (the
             dense reference); :func:`kdax.explain_backend` says what "auto" picks.

@@ -85,6 +85,10 @@ def check_qkv(q, k, v, decode: bool = False) -> None:
     check_array(names[0], k, 4)
     B, D = q.shape[0], q.shape[-1]
     H = q.shape[-2]
+    if B < 1:
+        fail("q", "at least one row (B >= 1)", f"shape {tuple(q.shape)}")
+    if H < 1:
+        fail("q", "at least one head (H >= 1)", f"shape {tuple(q.shape)}")
     if k.shape[0] != B or k.shape[-1] != D or (not decode and k.shape[1] != q.shape[1]):
         want = f"(B={B}, L, G, D={D})" if decode else f"(B={B}, T={q.shape[1]}, G, D={D})"
         fail(names[0], f"shape {want} matching q", f"shape {tuple(k.shape)}")
@@ -101,11 +105,13 @@ def check_qkv(q, k, v, decode: bool = False) -> None:
 
 
 def check_lengths(lengths, B: int, T: int, name: str = "lengths") -> None:
-    """Check ``lengths`` [B] ints (values in [0, T] when concrete).
+    """Check ``lengths`` [B] ints, an array or a list (values in [0, T] when concrete).
 
     Raises:
         ValueError: naming ``name``.
     """
+    if isinstance(lengths, (list, tuple)):  # accepted as head_map and cu_seqlens are
+        lengths = np.asarray(lengths)
     check_array(name, lengths, 1, (B,), integer=True)
     if not _traced(lengths):
         arr = np.asarray(lengths)

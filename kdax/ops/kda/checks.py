@@ -36,12 +36,14 @@ def check_inputs(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens
     """
     check_array("q", q, 4)
     B, T, H, K = q.shape
+    if B < 1 or H < 1:
+        fail("q", "at least one sequence and one head (B, H >= 1)", f"shape {tuple(q.shape)}")
     check_array("k", k, 4, q.shape)
     check_array("v", v, 4)
     if tuple(v.shape[:2]) != (B, T):
         fail("v", f"shape ({B}, {T}, HV, V) matching q's batch and time", f"shape {tuple(v.shape)}")
     HV, V = v.shape[2:]
-    if HV % H:
+    if HV < 1 or HV % H:
         fail("v", f"a number of value heads HV divisible by q's heads H={H}", f"HV={HV}")
     check_array("g", g, 4, (B, T, HV, K))
     check_array("beta", beta, 3, (B, T, HV))

@@ -214,6 +214,14 @@ def test_anchor_memory_is_one_block_of_scores():
     assert temp < 32 << 20, temp / 2**20  # dense scores of all heads: 256 MiB
 
 
+def test_lengths_may_be_a_list():
+    q, k, v, _ = inputs(Case("list"))
+    idx, o = kdax.kascade_anchor(q, k, v, lengths=[60, 100])
+    idx_a, o_a = kdax.kascade_anchor(q, k, v, lengths=jnp.asarray([60, 100]))
+    np.testing.assert_array_equal(idx, idx_a)
+    np.testing.assert_array_equal(o, o_a)
+
+
 @pytest.mark.parametrize(
     ("call", "match"),
     [
@@ -227,6 +235,10 @@ def test_anchor_memory_is_one_block_of_scores():
         (lambda q, k, v: kdax.kascade_anchor(q, k, v, dense_output=1), "dense_output"),
         (lambda q, k, v: kdax.kascade_anchor(q, k, v, lengths=jnp.asarray([3, 101])), "lengths: expected values"),
         (lambda q, k, v: kdax.kascade_anchor(q, k, v, lengths=jnp.asarray([3.0, 1.0])), "lengths: expected an integer"),
+        (lambda q, k, v: kdax.kascade_anchor(q[:0], k[:0], v[:0]), "q: expected at least one row"),
+        (lambda q, k, v: kdax.kascade_anchor(q[:, :, :0], k, v), "q: expected at least one head"),
+        (lambda q, k, v: kdax.kascade_anchor_decode(q[:, 0, :0], k, v, [1, 1]), "q: expected at least one head"),
+        (lambda q, k, v: kdax.kascade_anchor(q, k, v, lengths=[3, 101]), "lengths: expected values in \\[0, 100\\]"),
         (lambda q, k, v: kdax.kascade_anchor(q, k, v, backend="cuda"), "backend"),
         (lambda q, k, v: kdax.kascade_anchor(q, k, v, config=object()), "config"),
         (lambda q, k, v: kdax.kascade_reuse(q, k, v, jnp.zeros((2, 2, 3, 4), jnp.int32)), "indices: expected shape"),
