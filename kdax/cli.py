@@ -34,7 +34,7 @@ def _initialize(spec: str) -> None:
     jax.distributed.initialize(parts[0], int(parts[1]), int(parts[2]))
 
 
-def _bench(ns: argparse.Namespace) -> int:
+def _bench(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     meta = {
         "date": datetime.date.today().isoformat(),
         "jax": jax.__version__,
@@ -75,6 +75,12 @@ def _bench(ns: argparse.Namespace) -> int:
     if ns.kascade:
         from kdax.bench import kascade
 
+        if ns.dtype == "float16" and jax.default_backend() == "cpu":
+            parser.error(
+                "--dtype: float16 with --kascade needs an accelerator (the dense baseline, "
+                "jax.nn.dot_product_attention, has no float16 on CPU)"
+            )
+
         T, H = given.get("T", 4096), given.get("H", 8)
         print(f"compiling and timing dense, anchor and reuse layers (T={T}, cache {ns.cache_len})...",
               file=sys.stderr, flush=True)  # fmt: skip
@@ -82,8 +88,13 @@ def _bench(ns: argparse.Namespace) -> int:
                            ns.min_k, ns.tile_size, ns.dtype, ns.repeats, progress=not ns.json,
                            backends=ns.kascade_backends and ns.kascade_backends.split(","),
                            decode_batch=ns.decode_batch)  # fmt: skip
+        B = given.get("B", 1)
+        shape = (
+            f"# B={B} H={H} G={ns.kv_heads} D={ns.head_dim} {ns.dtype}, top-k {ns.topk_percent:g}% (at least "
+            f"{ns.min_k} keys), tile {ns.tile_size}; decode: batch {ns.decode_batch or B}, cache {ns.cache_len} keys"
+        )
         print(json.dumps({"meta": meta, "kascade": [dataclasses.asdict(r) for r in rows]}, indent=2) if ns.json else
-              f"# {meta['device']}, jax {meta['jax']}, {meta['date']}\n{kascade.format_table(rows)}")  # fmt: skip
+              f"# {meta['device']}, jax {meta['jax']}, {meta['date']}\n{shape}\n{kascade.format_table(rows)}")  # fmt: skip
         return 0
     if ns.cp:
         from kdax.bench import cp
@@ -134,13 +145,6 @@ def _calibrate(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from kdax.models.kascade import calibrate
     from kdax.models.kda import full_attention_layers
 
-    for name in ("rows", "seq_len", "min_k"):
-        if getattr(ns, name) < 1:
-            parser.error(f"--{name.replace('_', '-')}: expected a positive int, got {getattr(ns, name)}")
-    if not 0 < ns.topk_percent <= 100:
-        parser.error(f"--topk-percent: expected a percentage in (0, 100], got {ns.topk_percent}")
-    if ns.offset < 0:
-        parser.error(f"--offset: expected an int >= 0, got {ns.offset}")
     if ns.text is not None and not os.path.isfile(ns.text):
         parser.error(f"--text: expected a text file, {ns.text!r} is not one")
     if not os.path.isfile(os.path.join(ns.checkpoint, "config.json")):
@@ -231,6 +235,31 @@ def _pairs(text: str) -> list[tuple[int, int]]:  # "1x2048,8x8192" -> [(1, 2048)
     return pairs
 
 
+def _at_least(low: int):
+    """An argparse type: an int >= low (argparse names the flag in its error)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < low:
+            raise argparse.ArgumentTypeError(f"expected an int >= {low}, got {text!r}")
+        return value
+
+    return parse
+
+
+def _percent(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is None or not 0 < value <= 100:
+        raise argparse.ArgumentTypeError(f"expected a percentage in (0, 100], got {text!r}")
+    return value
+
+
 class _Help(argparse.ArgumentDefaultsHelpFormatter):
     """Help that states each option's default, where it has one (not for flags, nor None)."""
 
@@ -244,42 +273,53 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     b = sub.add_parser("bench", help="time KDA backends against the naive scan (or Kascade against dense attention)",
                        formatter_class=_Help)  # fmt: skip
-    b.add_argument("--B", type=int, help="batch (default 1; --gpu-tune: B=1 T=8192 H=16 K=V=128)")
-    b.add_argument("--T", type=int, help="tokens (default 4096; --model: 1024)")
-    b.add_argument("--H", type=int, help="heads (default 4)")
-    b.add_argument("--K", type=int, help="key head dim (default 128)")
-    b.add_argument("--V", type=int, help="value head dim (default 128)")
-    b.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="input dtype")
-    b.add_argument("--chunk-size", type=int, default=64, help="chunk_size of chunk_kda")
+    modes = b.add_mutually_exclusive_group()  # what to time: one of them, or the KDA ops' table
+    b.add_argument("--B", type=_at_least(1), help="batch (default 1; --gpu-tune: B=1 T=8192 H=16 K=V=128)")
+    b.add_argument("--T", type=_at_least(1), help="tokens (default 4096; --model: 1024)")
+    b.add_argument("--H", type=_at_least(1), help="heads (default 4)")
+    b.add_argument("--K", type=_at_least(1), help="key head dim (default 128)")
+    b.add_argument("--V", type=_at_least(1), help="value head dim (default 128)")
+    b.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="input dtype")
+    b.add_argument("--chunk-size", type=int, default=64, choices=(16, 32, 64, 128), help="chunk_size of chunk_kda")
     b.add_argument("--backends", default="xla,naive", help="comma-separated backends to time")
-    b.add_argument("--repeats", type=int, default=5, help="timed calls per measurement (the median is reported)")
+    b.add_argument(
+        "--repeats", type=_at_least(1), default=5, help="timed calls per measurement (the median is reported)"
+    )
     b.add_argument("--no-error", action="store_true", help="skip the float64 reference")
     b.add_argument("--json", action="store_true", help="print JSON instead of the table")
-    b.add_argument("--memory", action="store_true", help="peak memory of forward+backward (default T: use --T)")
-    b.add_argument("--gpu-compare-fla", action="store_true",
+    modes.add_argument("--memory", action="store_true", help="peak memory of forward+backward (default T: use --T)")
+    modes.add_argument("--gpu-compare-fla", action="store_true",
                    help="on a CUDA GPU: kdax pallas_gpu and xla against FLA's chunk_kda (separate processes)")  # fmt: skip
     b.add_argument("--shapes", type=_pairs, help="--gpu-compare-fla: BxT,... (default: B 1, 8 x T 2048, 8192, 32768)")
     b.add_argument("--workdir", help="--gpu-compare-fla: keep the workers' results here")
-    b.add_argument("--gpu-tune", action="store_true", help="on a CUDA GPU: measure the pallas_gpu launch table")
+    modes.add_argument("--gpu-tune", action="store_true", help="on a CUDA GPU: measure the pallas_gpu launch table")
     b.add_argument("--tune-kernels", default="all", help="--gpu-tune: kernels whose launch to sweep (a,b,...|none)")
     b.add_argument("--tune-blocks", type=_pairs, help="--gpu-tune: block_v x block_k to keep (e.g. 32x16), not sweep")
     b.add_argument("--fla-python", default=sys.executable, help="python that runs the workers (FLA and kdax)")
-    b.add_argument("--model", choices=list(PRESETS),
+    modes.add_argument("--model", choices=list(PRESETS),
                    help="prefill (--B x --T prompt) and decode (--decode-steps) tokens/s of a model, random weights")  # fmt: skip
-    b.add_argument("--decode-steps", type=int, default=32, help="--model: decode steps timed after the prefill")
-    b.add_argument("--eager", action="store_true", help="eager calls of the ops and the tiny model against jitted ones")
-    b.add_argument("--kascade", action="store_true",
+    b.add_argument(
+        "--decode-steps", type=_at_least(1), default=32, help="--model: decode steps timed after the prefill"
+    )
+    modes.add_argument(
+        "--eager", action="store_true", help="eager calls of the ops and the tiny model against jitted ones"
+    )
+    modes.add_argument("--kascade", action="store_true",
                    help="Kascade dense / anchor / reuse layers, prefill (--T, default 4096; --H, default 8) and decode")  # fmt: skip
-    b.add_argument("--cache-len", type=int, default=16384, help="--kascade: the decode cache length")
-    b.add_argument("--kv-heads", type=int, default=2, help="--kascade: KV heads G")
-    b.add_argument("--head-dim", type=int, default=128, help="--kascade: head dim D")
-    b.add_argument("--topk-percent", type=float, default=10, help="--kascade: keys kept, percent")
-    b.add_argument("--min-k", type=int, default=128, help="--kascade: the least keys a tile keeps")
-    b.add_argument("--tile-size", type=int, default=32, help="--kascade: queries per tile")
-    b.add_argument("--cp", action="store_true", help="context-parallel chunk_kda fwd+bwd: time, memory per device")
-    b.add_argument("--cp-devices", type=int, default=8, help="--cp: devices to fake on a CPU host (0: as they are)")
-    b.add_argument("--cp-weak-T", type=int, help="--cp: tokens per device, weak scaling (default: T / devices)")
-    b.add_argument("--decode-batch", type=int, help="--kascade: decode rows (default: --B)")
+    b.add_argument("--cache-len", type=_at_least(1), default=16384, help="--kascade: the decode cache length")
+    b.add_argument("--kv-heads", type=_at_least(1), default=2, help="--kascade: KV heads G")
+    b.add_argument("--head-dim", type=_at_least(1), default=128, help="--kascade: head dim D")
+    b.add_argument("--topk-percent", type=_percent, default=10, help="--kascade: keys kept, percent")
+    b.add_argument("--min-k", type=_at_least(0), default=128, help="--kascade: the least keys a tile keeps")
+    b.add_argument("--tile-size", type=int, default=32, choices=(16, 32, 64, 128), help="--kascade: queries per tile")
+    modes.add_argument("--cp", action="store_true", help="context-parallel chunk_kda fwd+bwd: time, memory per device")
+    b.add_argument(
+        "--cp-devices", type=_at_least(0), default=8, help="--cp: devices to fake on a CPU host (0: as they are)"
+    )
+    b.add_argument(
+        "--cp-weak-T", type=_at_least(1), help="--cp: tokens per device, weak scaling (default: T / devices)"
+    )
+    b.add_argument("--decode-batch", type=_at_least(1), help="--kascade: decode rows (default: --B)")
     b.add_argument("--kascade-backends", help="--kascade: comma-separated backends (default: xla, the device kernels)")
     t = sub.add_parser("train", help="train the tiny hybrid on byte-level text, then print a sample",
                        formatter_class=_Help)  # fmt: skip
@@ -300,9 +340,9 @@ def main(argv: list[str] | None = None) -> int:
                         formatter_class=_Help)  # fmt: skip
     c.add_argument("--checkpoint", required=True, help="a model directory in FLA's format (kdax train's out_dir/model)")
     c.add_argument("--text", default=None, help="calibration text file (None: the text shipped with kdax)")
-    c.add_argument("--offset", type=int, default=0, help="the first calibration token (byte) of the text")
-    c.add_argument("--rows", type=int, default=4, help="calibration rows")
-    c.add_argument("--seq-len", type=int, default=2048, help="tokens per calibration row")
+    c.add_argument("--offset", type=_at_least(0), default=0, help="the first calibration token (byte) of the text")
+    c.add_argument("--rows", type=_at_least(1), default=4, help="calibration rows")
+    c.add_argument("--seq-len", type=_at_least(1), default=2048, help="tokens per calibration row")
     c.add_argument(
         "--anchors",
         type=int,
@@ -310,17 +350,19 @@ def main(argv: list[str] | None = None) -> int:
         "(default: 2, or 1 where the model has one full-attention layer)",
     )
     c.add_argument(
-        "--topk-percent", type=float, default=10, help="keys kept per query tile, percent of those before it"
+        "--topk-percent", type=_percent, default=10, help="keys kept per query tile, percent of those before it"
     )
-    c.add_argument("--min-k", type=int, default=128, help="the least keys a tile keeps")
-    c.add_argument("--tile-size", type=int, default=32, help="queries per tile (16, 32, 64 or 128)")
+    c.add_argument("--min-k", type=_at_least(0), default=128, help="the least keys a tile keeps")
+    c.add_argument(
+        "--tile-size", type=int, default=32, choices=(16, 32, 64, 128), help="queries per tile (16, 32, 64 or 128)"
+    )
     c.add_argument("--out", default="kascade_schedule.json", help="where to write the schedule (JSON)")
     ns = parser.parse_args(argv)
     if ns.command == "kascade":
         return _calibrate(ns, c)
     if ns.command == "train":
         return _train(ns, t)
-    return _bench(ns)
+    return _bench(ns, b)
 
 
 if __name__ == "__main__":

@@ -52,6 +52,7 @@ def test_bench_kascade_table_and_json(capsys):
     assert main(args) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "| phase" in out and "x faster than dense" in out and "32-layer average (5 anchors)" in out
+    assert "# B=1 H=2 G=2 D=16 float32, top-k 10% (at least 8 keys), tile 32; decode: batch 1, cache 128 keys" in out
     assert "| prefill | 96 | - | dense |" in out and "| decode | 128 | - | dense |" in out
     for layer in ("anchor (dense output)", "anchor", "reuse"):  # xla, the CPU's only Kascade backend
         assert f"| prefill | 96 | xla | {layer} |" in out and f"| decode | 128 | xla | {layer} |" in out
@@ -68,3 +69,47 @@ def test_kascade_calibrate_help_states_defaults(capsys):
         main(["kascade", "calibrate", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "(default: 2048)" in text and "(default: kascade_schedule.json)" in text
+
+
+def test_bench_refuses_bad_flags_in_one_line(capsys):
+    """Every bad value, and two modes at once, is argparse's one-line error (exit 2) before any work."""
+    import pytest
+
+    for args, says in [
+        (["--T", "-5"], "argument --T: expected an int >= 1, got '-5'"),
+        (["--repeats", "0"], "argument --repeats: expected an int >= 1, got '0'"),
+        (["--kascade", "--cp"], "argument --cp: not allowed with argument --kascade"),
+        (["--chunk-size", "48"], "argument --chunk-size: invalid choice: 48"),
+        (["--kascade", "--topk-percent", "200"], "argument --topk-percent: expected a percentage in (0, 100]"),
+        (["--kascade", "--dtype", "float16"], "--dtype: float16 with --kascade needs an accelerator"),
+    ]:
+        with pytest.raises(SystemExit) as exit:
+            main(["bench", *args])
+        err = capsys.readouterr().err
+        assert exit.value.code == 2 and f"kdax bench: error: {says}" in err, err
+
+
+def test_bench_float16(capsys):
+    assert (
+        main(
+            [
+                "bench",
+                "--T",
+                "40",
+                "--H",
+                "1",
+                "--K",
+                "8",
+                "--V",
+                "8",
+                "--repeats",
+                "1",
+                "--chunk-size",
+                "16",
+                "--dtype",
+                "float16",
+            ]
+        )
+        == 0
+    )
+    assert "B=1 T=40 H=1 K=8 V=8 float16" in capsys.readouterr().out

@@ -112,7 +112,14 @@ def peak_memory(B=1, T=65536, H=4, K=128, V=128, chunk_size=64, run_xla=True) ->
 
 def format_table(rows: list[Row]) -> str:
     """The rows as a markdown table, with a legend saying what each column measures."""
-    head = ("shape", "backend", "pass", "median ms (IQR)", "x faster than the naive scan", "rel. RMS error vs float64")
+    head = (
+        "shape",
+        "backend",
+        "pass (fwd / fwd+bwd)",
+        "median ms (IQR)",
+        "x faster than the naive scan",
+        "rel. RMS error vs float64",
+    )
     lines = [
         (r.shape, r.backend, r.mode, f"{r.median_ms:.2f} ({r.iqr_ms[0]:.2f}-{r.iqr_ms[1]:.2f})",
          "-" if r.speedup_vs_naive is None else f"{r.speedup_vs_naive:.2f}x",

@@ -115,14 +115,22 @@ def save_pretrained(model: KDAForCausalLM, directory: str) -> None:
     safetensors.numpy.save_file(tensors, os.path.join(directory, "model.safetensors"))
 
 
+def _read_json(path: str):
+    """The JSON file ``path``; a truncated or corrupt one is a ValueError naming it."""
+    with open(path) as f:
+        try:
+            return json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"directory: expected valid JSON in {path!r}: {e}") from e
+
+
 def _read_weights(directory: str) -> dict[str, np.ndarray]:
     single = os.path.join(directory, "model.safetensors")
     index = single + ".index.json"
     if os.path.exists(single):
         return _read_safetensors(single)
     if os.path.exists(index):
-        with open(index) as f:
-            shards = sorted(set(json.load(f)["weight_map"].values()))
+        shards = sorted(set(_read_json(index)["weight_map"].values()))
         return {k: v for s in shards for k, v in _read_safetensors(os.path.join(directory, s)).items()}
     raise ValueError(f"directory: expected model.safetensors or model.safetensors.index.json in {directory!r}")
 
@@ -142,11 +150,12 @@ def from_pretrained(directory: str, *, backend: str = "auto", dtype=None) -> KDA
         ValueError: a file is missing, truncated or corrupt (the error names it), or a tensor
             is missing, left over or of the wrong shape (the error names the tensor).
     """
+    if not os.path.isdir(directory):
+        raise ValueError(f"directory: expected a checkpoint directory, {directory!r} is not a directory")
     path = os.path.join(directory, "config.json")
     if not os.path.exists(path):
         raise ValueError(f"directory: expected a config.json in {directory!r}")
-    with open(path) as f:
-        config = KDAConfig.from_dict(json.load(f))
+    config = KDAConfig.from_dict(_read_json(path))
     model = nnx.eval_shape(lambda: KDAForCausalLM(config, backend=backend, rngs=nnx.Rngs(0)))
     model = load_fla_state_dict(model, _read_weights(directory))
     return model if dtype is None else model.astype(dtype)

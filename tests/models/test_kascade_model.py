@@ -100,8 +100,8 @@ def test_kdax_kascade_calibrate_writes_a_schedule(model, tmp_path, capsys):
     for argv, says in [
         (["--checkpoint", str(tmp_path / "small_vocab")], "--checkpoint: its vocab_size 64 is too small"),  # bytes: 256
         (["--checkpoint", str(tmp_path / "missing")], "--checkpoint: expected a model directory with a config.json"),
-        (["--checkpoint", str(tmp_path / "missing"), "--rows", "0"], "--rows: expected a positive int, got 0"),
-        (["--checkpoint", str(tmp_path / "missing"), "--topk-percent", "0"], "--topk-percent: expected a percentage"),
+        (["--checkpoint", str(tmp_path / "missing"), "--rows", "0"], "argument --rows: expected an int >= 1, got '0'"),
+        (["--checkpoint", "x", "--topk-percent", "0"], "argument --topk-percent: expected a percentage in (0, 100]"),
     ]:
         with pytest.raises(SystemExit) as exit:
             main(["kascade", "calibrate", *argv])

@@ -286,3 +286,14 @@ def test_corrupt_safetensors_name_the_file(tmp_path, damage):
     path.write_bytes(data[: len(data) - 100] if damage == "truncated" else b"not a safetensors file" * 4)
     with pytest.raises(ValueError, match=re.escape(f"complete safetensors file at '{path}'")):
         from_pretrained(str(tmp_path))
+
+
+def test_missing_directory_and_corrupt_json_name_the_path(tmp_path):
+    with pytest.raises(ValueError, match=re.escape(f"'{tmp_path / 'nowhere'}' is not a directory")):
+        from_pretrained(str(tmp_path / "nowhere"))
+    model = KDAForCausalLM(_config(), backend="xla", rngs=nnx.Rngs(2))
+    save_pretrained(model, str(tmp_path))
+    config = tmp_path / "config.json"
+    config.write_text(config.read_text()[:20])
+    with pytest.raises(ValueError, match=re.escape(f"expected valid JSON in '{config}'")):
+        from_pretrained(str(tmp_path))
