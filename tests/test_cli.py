@@ -113,3 +113,21 @@ def test_bench_float16(capsys):
         == 0
     )
     assert "B=1 T=40 H=1 K=8 V=8 float16" in capsys.readouterr().out
+
+
+def test_bench_reference_is_the_float64_scan_to_1e_10():
+    """kdax bench's error column compares against chunk_kda's xla backend in float64: within 1e-10
+    of the float64 token scan, outputs and the five gradients, strong decay included."""
+    import jax
+    import jax.numpy as jnp
+
+    from kdax.bench.kda import _fns, make_inputs
+    from kdax.bench.measure import rel_rms
+
+    with jax.enable_x64(True):
+        a = make_inputs(1, 200, 2, 32, 16, jnp.float64)
+        for decay in (1.0, 40.0):  # g in [-40, -0.4]: cumulative gates far below -88 within a chunk
+            args = [*a[:3], a[3] * decay, a[4]]
+            (fx, bx), (fn, bn) = _fns("xla", 64), _fns("naive", 64)
+            assert rel_rms(fx(*args), fn(*args)) < 1e-10
+            assert max(rel_rms(x, y) for x, y in zip(bx(*args), bn(*args))) < 1e-10

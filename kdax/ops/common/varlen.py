@@ -4,8 +4,7 @@ Every chunked backend works on a padded token axis of ``n_chunks * chunk_size`` 
 in which each sequence starts on a chunk boundary, so no chunk mixes two sequences.
 Sequence boundaries (``cu_seqlens``) may be traced; only their number ``N`` is static,
 so the padded length is the static bound ``sum(ceil(L_n / C)) <= (T + N (C - 1)) // C``.
-Traced offsets are not checked: malformed ones give meaningless values, but never a chunk
-range outside the layout.
+Concrete offsets are checked by the ops; traced ones are made valid (:func:`valid_offsets`).
 """
 
 from __future__ import annotations
@@ -14,6 +13,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 
 class ChunkLayout(NamedTuple):
@@ -89,6 +89,21 @@ class ChunkLayout(NamedTuple):
         if self.token_slot is None:
             return x[:, : self.num_tokens]
         return jnp.take(x, self.token_slot, axis=1)
+
+
+def valid_offsets(cu_seqlens: jax.Array, num_tokens: int) -> jax.Array:
+    """Offsets as the ops take them when they cannot be checked (traced): clipped to [0, T],
+    non-decreasing (a running maximum), the first 0 and the last T. Valid offsets are unchanged.
+
+    Args:
+        cu_seqlens: [N + 1] ints.
+        num_tokens: T.
+
+    Returns:
+        [N + 1] int32.
+    """
+    cu = lax.cummax(jnp.clip(jnp.asarray(cu_seqlens, jnp.int32), 0, num_tokens), axis=0)
+    return cu.at[0].set(0).at[-1].set(num_tokens)
 
 
 def chunk_layout(num_tokens: int, chunk_size: int, cu_seqlens: jax.Array | None = None) -> ChunkLayout:

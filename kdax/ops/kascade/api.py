@@ -105,7 +105,8 @@ def kascade_anchor(
         tile_size: queries per tile: 16, 32, 64 or 128.
         scale: the scores' scale, D ** -0.5 when None.
         dense_output: return dense causal attention (a schedule's layer 0) instead of the sparse output.
-        lengths: [B] ints (an array or a list), valid tokens of right-padded rows (None: all T); outputs past them are 0
+        lengths: [B] ints (an array or a list), valid tokens of right-padded rows (None: all T;
+            traced ones, unchecked, are clipped to [0, T]); outputs past them are 0
             and tiles starting at or past them select nothing.
         backend: "auto", "xla", "pallas_tpu", "pallas_gpu" (forward-only kernels) or "naive" (the
             dense reference); :func:`kdax.explain_backend` says what "auto" picks.
@@ -215,7 +216,7 @@ def kascade_anchor_decode(
     tenths, _ = check_call(q, k_cache, v_cache, lengths, decode=True, topk_percent=topk_percent, min_k=min_k,
                            scale=scale)  # fmt: skip
     backend, config = _OPS["kascade_anchor_decode"].resolve(backend, q.dtype, config)
-    return _anchor_decode(q, k_cache, v_cache, jnp.asarray(lengths, jnp.int32), backend=backend, config=config,
+    return _anchor_decode(q, k_cache, v_cache, row_lengths(lengths, q.shape[0], k_cache.shape[1]), backend=backend, config=config,
                           tenths=tenths, min_k=int(min_k), scale=_scale(q, scale), dense_output=bool(dense_output))  # fmt: skip
 
 
@@ -251,7 +252,7 @@ def kascade_reuse_decode(
     _check_common(backend, dtype=q.dtype)
     _, head_map = check_call(q, k_cache, v_cache, lengths, decode=True, indices=indices, head_map=head_map, scale=scale)
     backend, config = _OPS["kascade_reuse_decode"].resolve(backend, q.dtype, config)
-    return _reuse_decode(q, k_cache, v_cache, jnp.asarray(lengths, jnp.int32), jnp.asarray(indices, jnp.int32),
+    return _reuse_decode(q, k_cache, v_cache, row_lengths(lengths, q.shape[0], k_cache.shape[1]), jnp.asarray(indices, jnp.int32),
                          head_map, backend=backend, config=config, scale=_scale(q, scale))  # fmt: skip
 
 

@@ -54,8 +54,9 @@ def decode_k_max(L: int, tenths: int, min_k: int) -> int:
 
 
 def row_lengths(lengths, B: int, T: int) -> jax.Array:
-    """``lengths`` as int32 [B], or all T when None (rows without padding)."""
-    return jnp.full((B,), T, jnp.int32) if lengths is None else jnp.asarray(lengths, jnp.int32)
+    """``lengths`` as int32 [B] clipped to [0, T] (traced ones are not checked), or all T when None
+    (rows without padding)."""
+    return jnp.full((B,), T, jnp.int32) if lengths is None else jnp.clip(jnp.asarray(lengths, jnp.int32), 0, T)
 
 
 def check_options(topk_percent=10, min_k=128, tile_size=32, scale=None) -> int:

@@ -13,7 +13,7 @@ from jax import lax
 from kdax.ops.common.dispatch import BACKENDS, OpBackends, register
 from kdax.ops.common.sharding import per_shard
 from kdax.ops.common.validation import check_array, fail
-from kdax.ops.common.varlen import chunk_layout
+from kdax.ops.common.varlen import chunk_layout, valid_offsets
 from kdax.ops.kda import context_parallel, pallas_gpu, pallas_tpu, xla
 from kdax.ops.kda.checks import check_inputs, offsets
 from kdax.ops.kda.context_parallel import ContextParallel
@@ -112,7 +112,8 @@ def _run(core, q, k, v, g, beta, scale, initial_state, N, cu_seqlens, output_fin
     kc, vc, gc, bc = (jnp.asarray(x, dt) for x in (k, v, g, beta))
     n_per_row = N // B  # 1 without cu_seqlens, N with it (B = 1)
     h0 = jnp.zeros((N, HV, K, V), dt) if initial_state is None else jnp.asarray(initial_state, dt)
-    o, final, *states = core(qc, kc, vc, gc, bc, h0.reshape(B, n_per_row, HV, K, V), cu_seqlens)
+    cu = None if cu_seqlens is None else valid_offsets(cu_seqlens, q.shape[1])  # traced: unchecked
+    o, final, *states = core(qc, kc, vc, gc, bc, h0.reshape(B, n_per_row, HV, K, V), cu)
     final = final.reshape(N, HV, K, V).astype(jnp.promote_types(dt, jnp.float32))
     return o.astype(q.dtype), (final if output_final_state else None), *(h.astype(q.dtype) for h in states)
 
@@ -158,8 +159,8 @@ def chunk_kda(
             chunk. Differentiable (gradients flow through it), unlike FLA's inference-only ``h``.
         state_v_first: initial, final and intermediate states as [.., V, K] instead of [.., K, V].
         cu_seqlens: [N + 1] int offsets of N packed sequences (B must be 1), an array or a list;
-            checked when concrete, trusted when traced (malformed traced offsets give
-            meaningless values).
+            checked when concrete; traced, made valid (clipped to [0, T], a running maximum,
+            the first 0 and the last T: ``kdax.ops.common.varlen.valid_offsets``).
         chunk_size: 16, 32, 64 or 128.
         backend: "auto", "xla", "pallas_tpu", "pallas_gpu" or "naive" (:func:`kdax.explain_backend` says
             what "auto" picks).

@@ -222,6 +222,19 @@ def test_lengths_may_be_a_list():
     np.testing.assert_array_equal(o, o_a)
 
 
+def test_traced_lengths_are_clipped_to_the_tokens():
+    q, k, v, _ = inputs(Case("traced"))  # T = 100
+    f = jax.jit(lambda n: kdax.kascade_anchor(q, k, v, lengths=n))
+    idx, o = f(jnp.asarray([-4, 130]))
+    idx_c, o_c = kdax.kascade_anchor(q, k, v, lengths=[0, 100])
+    np.testing.assert_array_equal(idx, idx_c)
+    np.testing.assert_allclose(o, o_c, rtol=1e-12, atol=1e-14)  # float64, compiled apart
+    n = jnp.asarray([1, 500])
+    qd = q[:, 0]
+    decoded = jax.jit(kdax.kascade_anchor_decode)(qd, k, v, n)[1]
+    np.testing.assert_allclose(decoded, kdax.kascade_anchor_decode(qd, k, v, [1, 100])[1], rtol=1e-12, atol=1e-14)
+
+
 @pytest.mark.parametrize(
     ("call", "match"),
     [

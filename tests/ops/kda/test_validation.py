@@ -126,6 +126,24 @@ def test_cu_seqlens_may_be_a_list():
         np.testing.assert_array_equal(s_list, s_arr)
 
 
+def test_traced_malformed_cu_seqlens_are_made_valid():
+    """Under jit the offsets cannot be checked: out of range or decreasing ones run as
+    varlen.valid_offsets makes them (clipped to [0, T], a running maximum, first 0, last T), never NaN."""
+    import jax
+
+    rng = np.random.default_rng(1)
+    x = {n: jnp.asarray(rng.standard_normal(z.shape), jnp.float32) for n, z in _args().items()}
+    a = dict(x, g=-jnp.abs(x["g"]), beta=jnp.full((B, T, HV), 0.5), output_final_state=True)
+    for fn in (kdax.chunk_kda, kdax.fused_recurrent_kda):
+        f = jax.jit(lambda cu, fn=fn: fn(**a, cu_seqlens=cu))
+        for bad, valid in [([-3, 5, 2, 20], [0, 5, 5, 8]), ([2, 9, 1, 4], [0, 8, 8, 8])]:
+            o, s = f(jnp.asarray(bad, jnp.int32))
+            o_ref, s_ref = fn(**a, cu_seqlens=valid)
+            assert np.isfinite(np.asarray(o)).all() and np.isfinite(np.asarray(s)).all()
+            np.testing.assert_allclose(o, o_ref, rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(s, s_ref, rtol=1e-5, atol=1e-6)
+
+
 def test_explain_backend_says_what_auto_runs_and_why():
     from kdax.ops.kda import pallas_tpu
 
