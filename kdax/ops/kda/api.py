@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Sequence
 
@@ -28,25 +29,45 @@ CONFIGS = {
 }  # per-call kernel configs
 
 
-def _validate(
-    q, k, v, g, beta, scale, initial_state, use_gate_in_kernel, A_log, dt_bias, lower_bound,
-    use_beta_sigmoid_in_kernel, allow_neg_eigval, cu_seqlens, chunk_size, backend, safe_gate, state_v_first,
-    disable_recompute, return_intermediate_states,
-):  # fmt: skip
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """The static options of one KDA call, as :func:`chunk_kda` takes them (``op``: "chunk" or
+    "recurrent"): once :func:`_validate` passed them, hashable, the compiled call's static argument."""
+
+    op: str = "chunk"
+    backend: str = "auto"
+    config: xla.Config | pallas_tpu.Config | pallas_gpu.Config | None = None
+    scale: float | None = None
+    output_final_state: bool = False
+    use_qk_l2norm_in_kernel: bool = False
+    use_gate_in_kernel: bool = False
+    lower_bound: float | None = None
+    use_beta_sigmoid_in_kernel: bool = False
+    allow_neg_eigval: bool = False
+    safe_gate: bool = False
+    disable_recompute: bool = False
+    return_intermediate_states: bool = False
+    state_v_first: bool = False
+    chunk_size: int | None = 64
+
+    def keywords(self) -> dict:  # as chunk_kda takes them
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "op"}
+
+
+def _validate(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, o: Options) -> int:
     """Raise ValueError naming the first bad argument; return the number of sequences N."""
-    if backend not in BACKENDS:
-        fail("backend", f"one of {BACKENDS}", repr(backend))
-    flags = {"safe_gate": safe_gate, "disable_recompute": disable_recompute,
-             "return_intermediate_states": return_intermediate_states, "state_v_first": state_v_first}  # fmt: skip
-    for name, val in flags.items():
-        if not isinstance(val, (bool, np.bool_)):
+    if o.backend not in BACKENDS:
+        fail("backend", f"one of {BACKENDS}", repr(o.backend))
+    for name in ("safe_gate", "disable_recompute", "return_intermediate_states", "state_v_first"):
+        if not isinstance(val := getattr(o, name), (bool, np.bool_)):
             fail(name, "a bool", f"{type(val).__name__} {val!r}")
-    N = check_inputs(q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
-                     chunk_size=chunk_size, state_v_first=state_v_first)  # fmt: skip
-    if backend.startswith("pallas") and q.dtype == jnp.float64:
-        fail("q", f"float32 or bfloat16 inputs with backend={backend!r} (the kernels have no float64)", "float64")
+    N = check_inputs(q, k, v, g, beta, scale=o.scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
+                     chunk_size=o.chunk_size, state_v_first=o.state_v_first)  # fmt: skip
+    if o.backend.startswith("pallas") and q.dtype == jnp.float64:
+        fail("q", f"float32 or bfloat16 inputs with backend={o.backend!r} (the kernels have no float64)", "float64")
     HV, K = g.shape[2:]
-    if use_gate_in_kernel:
+    lower_bound = o.lower_bound
+    if o.use_gate_in_kernel:
         if A_log is None and lower_bound is None:
             fail("A_log", "an array of shape (HV,) when use_gate_in_kernel and no lower_bound", None)
         if A_log is not None:
@@ -59,21 +80,21 @@ def _validate(
                 fail(name, "None unless use_gate_in_kernel=True", type(val).__name__)
     if lower_bound is not None and not (isinstance(lower_bound, (int, float)) and lower_bound < 0):
         fail("lower_bound", "a negative float (e.g. -5.0)", repr(lower_bound))
-    if safe_gate and use_gate_in_kernel and not (isinstance(lower_bound, (int, float)) and -5 <= lower_bound < 0):
+    if o.safe_gate and o.use_gate_in_kernel and not (isinstance(lower_bound, (int, float)) and -5 <= lower_bound < 0):
         fail("lower_bound", "a float in [-5, 0) with safe_gate=True and use_gate_in_kernel=True", repr(lower_bound))
-    if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
+    if o.allow_neg_eigval and not o.use_beta_sigmoid_in_kernel:
         fail("allow_neg_eigval", "use_beta_sigmoid_in_kernel=True alongside it", "use_beta_sigmoid_in_kernel=False")
     return N
 
 
-def _preprocess(q, k, g, beta, use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias, lower_bound,
-                use_beta_sigmoid_in_kernel, allow_neg_eigval):  # fmt: skip
-    if use_qk_l2norm_in_kernel:
+def _preprocess(q, k, g, beta, A_log, dt_bias, o: Options):
+    """The in-op transforms ``o`` asks for, in XLA."""
+    if o.use_qk_l2norm_in_kernel:
         q, k = l2norm(q), l2norm(k)
-    if use_gate_in_kernel:
-        g = kda_gate(g, A_log, dt_bias, lower_bound)
-    if use_beta_sigmoid_in_kernel:
-        beta = beta_activation(beta, allow_neg_eigval)
+    if o.use_gate_in_kernel:
+        g = kda_gate(g, A_log, dt_bias, o.lower_bound)
+    if o.use_beta_sigmoid_in_kernel:
+        beta = beta_activation(beta, o.allow_neg_eigval)
     return q, k, g, beta
 
 
@@ -103,19 +124,19 @@ def _repeated_qk(core):
     return run
 
 
-def _run(core, q, k, v, g, beta, scale, initial_state, N, cu_seqlens, output_final_state):
-    """Cast to the compute dtype, scale q (unless scale is None: the core scales it), call core."""
+def _run(core, o: Options, N, q, k, v, g, beta, initial_state, cu_seqlens):
+    """Cast to the compute dtype, scale q (unless ``o.scale`` is None: the core scales it), call core."""
     B, _, _, K = q.shape
     HV, V = v.shape[2:]
     dt = jnp.promote_types(q.dtype, jnp.float32)
-    qc = jnp.asarray(q, dt) if scale is None else jnp.asarray(q, dt) * scale
+    qc = jnp.asarray(q, dt) if o.scale is None else jnp.asarray(q, dt) * o.scale
     kc, vc, gc, bc = (jnp.asarray(x, dt) for x in (k, v, g, beta))
     n_per_row = N // B  # 1 without cu_seqlens, N with it (B = 1)
     h0 = jnp.zeros((N, HV, K, V), dt) if initial_state is None else jnp.asarray(initial_state, dt)
     cu = None if cu_seqlens is None else valid_offsets(cu_seqlens, q.shape[1])  # traced: unchecked
-    o, final, *states = core(qc, kc, vc, gc, bc, h0.reshape(B, n_per_row, HV, K, V), cu)
+    o_, final, *states = core(qc, kc, vc, gc, bc, h0.reshape(B, n_per_row, HV, K, V), cu)
     final = final.reshape(N, HV, K, V).astype(jnp.promote_types(dt, jnp.float32))
-    return o.astype(q.dtype), (final if output_final_state else None), *(h.astype(q.dtype) for h in states)
+    return o_.astype(q.dtype), (final if o.output_final_state else None), *(h.astype(q.dtype) for h in states)
 
 
 def chunk_kda(
@@ -186,62 +207,51 @@ def chunk_kda(
         NotImplementedError: a backend this op lacks.
     """
     cu_seqlens = offsets(cu_seqlens)
+    opts = Options("chunk", backend, config, scale, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
+                   lower_bound, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, disable_recompute,
+                   return_intermediate_states, state_v_first, chunk_size)  # fmt: skip
     if context_parallel is not None:
-        return _context_parallel(context_parallel, q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias,
-                                 output_final_state=output_final_state, chunk_size=chunk_size,
-                                 state_v_first=state_v_first, use_gate_in_kernel=use_gate_in_kernel,
-                                 return_intermediate_states=return_intermediate_states, scale=scale,
-                                 use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, lower_bound=lower_bound,
-                                 use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-                                 allow_neg_eigval=allow_neg_eigval, safe_gate=safe_gate,
-                                 disable_recompute=disable_recompute, backend=backend, config=config)  # fmt: skip
-    N = _validate(q, k, v, g, beta, scale, initial_state, use_gate_in_kernel, A_log, dt_bias, lower_bound,
-                  use_beta_sigmoid_in_kernel, allow_neg_eigval, cu_seqlens, chunk_size, backend, safe_gate,
-                  state_v_first, disable_recompute, return_intermediate_states)  # fmt: skip
+        return _context_parallel(context_parallel, opts, q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias)
+    N = _validate(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, opts)
     head_dims = (q.shape[-1], v.shape[-1])
     backend, config = _OPS["chunk_kda"].resolve(backend, q.dtype, config, chunk_size=chunk_size, head_dims=head_dims)
-    out = _call("chunk", backend, config, N, q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, scale,
-                output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound,
-                use_beta_sigmoid_in_kernel, allow_neg_eigval, chunk_size, state_v_first, disable_recompute,
-                return_intermediate_states)  # fmt: skip
+    out = _call(dataclasses.replace(opts, backend=backend, config=config), N, q, k, v, g, beta, initial_state, A_log,
+                dt_bias, cu_seqlens)  # fmt: skip
     if return_intermediate_states and cu_seqlens is not None and not isinstance(cu_seqlens, jax.core.Tracer):
         n_chunks = int(np.sum(-(-np.diff(np.asarray(cu_seqlens)) // chunk_size)))  # FLA's NT: sum of ceil(L_n / C)
         out = (*out[:2], out[2][:, :n_chunks])
     return out
 
 
-def _context_parallel(cp, q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, *, output_final_state,
-                      chunk_size, state_v_first, use_gate_in_kernel, return_intermediate_states, **options):  # fmt: skip
+def _context_parallel(cp, opts: Options, q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias):
     """chunk_kda with its time axis over ``cp.axis`` (see :mod:`kdax.ops.kda.context_parallel`)."""
-    context_parallel.check(cp, q.shape[1], chunk_size)
-    if return_intermediate_states and cu_seqlens is not None:
+    context_parallel.check(cp, q.shape[1], opts.chunk_size)
+    intermediate = opts.return_intermediate_states
+    if intermediate and cu_seqlens is not None:
         fail("return_intermediate_states", "False with cu_seqlens under context_parallel (a sequence's chunks "
              "restart at each device boundary, so FLA's chunk list does not apply)", "True")  # fmt: skip
     T = q.shape[1] * (lax.axis_size(cp.axis) if cp.mesh is None else 1)  # the global time axis
-    spec = lambda x: None if x is None else jax.ShapeDtypeStruct((x.shape[0], T, *x.shape[2:]), x.dtype)
-    _validate(*(spec(x) for x in (q, k, v, g, beta)), options["scale"], initial_state, use_gate_in_kernel, A_log,
-              dt_bias, options["lower_bound"], options["use_beta_sigmoid_in_kernel"], options["allow_neg_eigval"],
-              cu_seqlens, chunk_size, options["backend"], options["safe_gate"], state_v_first,
-              options["disable_recompute"], return_intermediate_states)  # fmt: skip
-    if initial_state is not None and state_v_first:
+    spec = lambda x: jax.ShapeDtypeStruct((x.shape[0], T, *x.shape[2:]), x.dtype)
+    _validate(*(spec(x) for x in (q, k, v, g, beta)), initial_state, A_log, dt_bias, cu_seqlens, opts)
+    if initial_state is not None and opts.state_v_first:
         initial_state = jnp.swapaxes(initial_state, -1, -2)
+    local_opts = dataclasses.replace(opts, output_final_state=True, state_v_first=False).keywords()
 
     def local(q, k, v, g, beta, params, h0, cu):
-        return chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu,
-                         chunk_size=chunk_size, use_gate_in_kernel=use_gate_in_kernel, A_log=params[0],
-                         dt_bias=params[1], return_intermediate_states=return_intermediate_states, **options)  # fmt: skip
+        return chunk_kda(q, k, v, g, beta, initial_state=h0, cu_seqlens=cu, A_log=params[0], dt_bias=params[1],
+                         **local_opts)  # fmt: skip
 
     if cp.mesh is None:
         out = context_parallel.on_device(local, cp.axis, q, k, v, g, beta, (A_log, dt_bias), initial_state, cu_seqlens,
-                                         return_intermediate_states=return_intermediate_states,
-                                         final_states=output_final_state)  # fmt: skip
+                                         return_intermediate_states=intermediate,
+                                         final_states=opts.output_final_state)  # fmt: skip
     else:
         out = context_parallel.sharded(local, cp, q, k, v, g, beta, (A_log, dt_bias), initial_state, cu_seqlens,
-                                       pad_gate=-jnp.inf if use_gate_in_kernel else 0.0, chunk_size=chunk_size,
-                                       return_intermediate_states=return_intermediate_states,
-                                       final_states=output_final_state)  # fmt: skip
+                                       pad_gate=-jnp.inf if opts.use_gate_in_kernel else 0.0,
+                                       chunk_size=opts.chunk_size, return_intermediate_states=intermediate,
+                                       final_states=opts.output_final_state)  # fmt: skip
     o, final, *h = out
-    if state_v_first:
+    if opts.state_v_first:
         final = None if final is None else jnp.swapaxes(final, -1, -2)
         h = [jnp.swapaxes(x, -1, -2) for x in h]
     return (o, final, *h)
@@ -276,95 +286,76 @@ def fused_recurrent_kda(
         NotImplementedError: a backend this op lacks.
     """
     cu_seqlens = offsets(cu_seqlens)
-    N = _validate(q, k, v, g, beta, scale, initial_state, use_gate_in_kernel, A_log, dt_bias, lower_bound,
-                  use_beta_sigmoid_in_kernel, allow_neg_eigval, cu_seqlens, None, backend, safe_gate,
-                  state_v_first, disable_recompute, return_intermediate_states)  # fmt: skip
+    opts = Options("recurrent", backend, None, scale, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
+                   lower_bound, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, disable_recompute,
+                   return_intermediate_states, state_v_first, None)  # fmt: skip
+    N = _validate(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, opts)
     backend, _ = _OPS["fused_recurrent_kda"].resolve(backend, q.dtype)
-    return _call("recurrent", backend, None, N, q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, scale,
-                 output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound,
-                 use_beta_sigmoid_in_kernel, allow_neg_eigval, None, state_v_first, False, False)  # fmt: skip
+    opts = dataclasses.replace(opts, backend=backend, disable_recompute=False, return_intermediate_states=False)
+    return _call(opts, N, q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens)
 
 
-_STATIC = ("op", "backend", "config", "N", "scale", "output_final_state", "use_qk_l2norm_in_kernel", "use_gate_in_kernel",
-           "lower_bound", "use_beta_sigmoid_in_kernel", "allow_neg_eigval", "chunk_size", "state_v_first",
-           "disable_recompute", "return_intermediate_states")  # fmt: skip
-
-
-def _call(op, backend, config, N, q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, scale, *flags):
+def _call(o: Options, N, q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens):
     """Run a validated call: the naive reference as it is (it loops over concrete sequences),
     every other backend compiled once per shape and static option."""
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    if backend == "naive":
-        return _apply(
-            op, backend, config, N, q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, scale, *flags
-        )
-    return _compiled(op, backend, config, N, q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, scale, *flags)
+    o = dataclasses.replace(o, scale=q.shape[-1] ** -0.5 if o.scale is None else float(o.scale))
+    run = _apply if o.backend == "naive" else _compiled
+    return run(o, N, q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens)
 
 
-def _core(op: str, backend: str, config, chunk_size, disable_recompute, intermediate_states):
+def _core(o: Options):
     """(q, k, v, g, beta, h0, cu_seqlens, **in-core options) -> (o, final[, states entering each chunk]) of a
     backend."""
-    if op == "recurrent":
+    if o.op == "recurrent":
         return _repeated_qk(fused_recurrent_kda_xla)
     kernels = {"xla": xla.chunk_kda_xla, "pallas_tpu": pallas_tpu.chunk_kda_pallas_tpu,
                "pallas_gpu": pallas_gpu.chunk_kda_pallas_gpu}  # fmt: skip
 
     def run(q, k, v, g, beta, h0, cu, **options):
-        layout = chunk_layout(q.shape[1], chunk_size, cu)
-        return kernels[backend](q, k, v, g, beta, h0, layout, cfg=config, disable_recompute=disable_recompute,
-                                intermediate_states=intermediate_states, **options)  # fmt: skip
+        layout = chunk_layout(q.shape[1], o.chunk_size, cu)
+        return kernels[o.backend](q, k, v, g, beta, h0, layout, cfg=o.config, disable_recompute=o.disable_recompute,
+                                  intermediate_states=o.return_intermediate_states, **options)  # fmt: skip
 
-    return _repeated_qk(run) if backend == "xla" else run
+    return _repeated_qk(run) if o.backend == "xla" else run
 
 
-def _apply(
-    op, backend, config, N, q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, scale, output_final_state,
-    use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound, use_beta_sigmoid_in_kernel, allow_neg_eigval, chunk_size,
-    state_v_first, disable_recompute, return_intermediate_states,
-):  # fmt: skip
+def _apply(o: Options, N, q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens):
     """Apply the in-op options and run the backend's core (or the naive reference). pallas_gpu
     gets the raw gate logits and unnormalised, unscaled q and k, with keyword arguments saying
     how to apply the gate, the L2 norm and the scale itself. States in and out are [N, HV, V, K]
     with ``state_v_first``; so are the states entering each chunk (``return_intermediate_states``)."""
-    if state_v_first and initial_state is not None:
+    if o.state_v_first and initial_state is not None:
         initial_state = jnp.swapaxes(initial_state, -1, -2)
-    flags = (disable_recompute, return_intermediate_states)
-    core = None if backend == "naive" else _core(op, backend, config, chunk_size, *flags)
-    if backend == "pallas_gpu":
-        gate = (A_log, dt_bias, lower_bound) if use_gate_in_kernel else None
+    core = None if o.backend == "naive" else _core(o)
+    if o.backend == "pallas_gpu":
+        gate = (A_log, dt_bias, o.lower_bound) if o.use_gate_in_kernel else None
         core = functools.partial(core, input_dtype=q.dtype, g_dtype=g.dtype, gate=gate,
-                                 l2norm_qk=use_qk_l2norm_in_kernel, scale=scale)  # fmt: skip
-        use_qk_l2norm_in_kernel, use_gate_in_kernel, scale = False, False, None
-    q, k, g, beta = _preprocess(q, k, g, beta, use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias,
-                                lower_bound, use_beta_sigmoid_in_kernel, allow_neg_eigval)  # fmt: skip
-    if backend == "naive":
-        out = naive_recurrent_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                                  output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                                  return_intermediate_states=return_intermediate_states, chunk_size=chunk_size or 64)  # fmt: skip
+                                 l2norm_qk=o.use_qk_l2norm_in_kernel, scale=o.scale)  # fmt: skip
+        o = dataclasses.replace(o, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, scale=None)
+    q, k, g, beta = _preprocess(q, k, g, beta, A_log, dt_bias, o)
+    if o.backend == "naive":
+        out = naive_recurrent_kda(q, k, v, g, beta, scale=o.scale, initial_state=initial_state,
+                                  output_final_state=o.output_final_state, cu_seqlens=cu_seqlens,
+                                  return_intermediate_states=o.return_intermediate_states,
+                                  chunk_size=o.chunk_size or 64)  # fmt: skip
     else:
-        out = _run(core, q, k, v, g, beta, scale, initial_state, N, cu_seqlens, output_final_state)
-    return out[0], *(jnp.swapaxes(x, -1, -2) if state_v_first and x is not None else x for x in out[1:])
+        out = _run(core, o, N, q, k, v, g, beta, initial_state, cu_seqlens)
+    return out[0], *(jnp.swapaxes(x, -1, -2) if o.state_v_first and x is not None else x for x in out[1:])
 
 
-def _apply_per_shard(
-    op, backend, config, N, q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, scale, output_final_state,
-    use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound, use_beta_sigmoid_in_kernel, allow_neg_eigval, chunk_size,
-    state_v_first, disable_recompute, return_intermediate_states,
-):  # fmt: skip
+def _apply_per_shard(o: Options, N, q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens):
     """:func:`_apply`, per shard of the batch and head axes where the inputs' types shard them."""
-    flags = (output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound, use_beta_sigmoid_in_kernel,
-             allow_neg_eigval, chunk_size, state_v_first, disable_recompute, return_intermediate_states)  # fmt: skip
     rows = "batch" if cu_seqlens is None else None  # packed sequences: one row, N sequences
     bthd, bth = ("batch", None, "heads", None), ("batch", None, "heads")
     roles = (bthd, bthd, bthd, bthd, bth, (rows, "heads", None, None), ("heads",), ("heads",), None)
-    outs = (bthd, (rows, "heads", None, None) if flags[0] else None)
-    outs += (("batch", None, "heads", None, None),) if flags[-1] else ()
+    outs = (bthd, (rows, "heads", None, None) if o.output_final_state else None)
+    outs += (("batch", None, "heads", None, None),) if o.return_intermediate_states else ()
 
     def local(q, k, v, g, beta, h0, A_log, dt_bias, cu):
         n = q.shape[0] if cu is None else N  # sequences on this shard
-        return _apply(op, backend, config, n, q, k, v, g, beta, h0, A_log, dt_bias, cu, scale, *flags)
+        return _apply(o, n, q, k, v, g, beta, h0, A_log, dt_bias, cu)
 
     return per_shard(local, (q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens), roles, outs)
 
 
-_compiled = jax.jit(_apply_per_shard, static_argnames=_STATIC)
+_compiled = jax.jit(_apply_per_shard, static_argnums=(0, 1))
