@@ -26,13 +26,22 @@ def test_loss_falls_well_below_unigram_entropy():
     assert np.mean(losses[-20:]) < 0.75 * entropy, (entropy, np.mean(losses[-20:]))
 
 
-def _small_model():
+def _small_config():
     """One attention layer: checkpoints do not depend on the layer kinds, and its training step
     compiles in 4 s on 2 cores where a KDA layer's takes 15 s."""
-    config = tiny_config(
+    return tiny_config(
         hidden_size=16, head_dim=8, num_heads=2, num_hidden_layers=1, attn={"layers": [0], "num_heads": 2}
     )
-    return KDAForCausalLM(config, backend="xla", rngs=nnx.Rngs(0))
+
+
+def _small_model():
+    return KDAForCausalLM(_small_config(), backend="xla", rngs=nnx.Rngs(0))
+
+
+@pytest.fixture
+def small_preset(monkeypatch):
+    """kdax train's default preset as :func:`_small_config`: the command line's behaviour, not the model, is tested."""
+    monkeypatch.setitem(kdax.train.PRESETS, "tiny", _small_config)
 
 
 def _small_run(out_dir, **kw):  # out_dir None: nothing saved
@@ -109,7 +118,7 @@ def test_interrupted_save_loses_no_complete_checkpoint(tmp_path, monkeypatch, st
     assert sorted(os.listdir(tmp_path / "state")) == ["10", "15", "20"]  # the half-written 15 replaced
 
 
-def test_kdax_train_cli_writes_checkpoints(tmp_path, capsys):
+def test_kdax_train_cli_writes_checkpoints(small_preset, tmp_path, capsys):
     out = str(tmp_path / "ckpt")
     args = ["train", "--steps", "2", "--batch-size", "2", "--seq-len", "16", "--checkpoint-every", "1", "--keep", "1"]
     assert main([*args, "--out-dir", out, "--sample-tokens", "4"]) == 0
@@ -120,7 +129,7 @@ def test_kdax_train_cli_writes_checkpoints(tmp_path, capsys):
     assert main([*args, "--out-dir", out, "--sample-tokens", "0", "--resume"]) == 0  # at its last step already
 
 
-def test_kdax_train_cli_saves_the_final_weights_by_default_and_says_where(tmp_path, capsys, monkeypatch):
+def test_kdax_train_cli_saves_the_final_weights_by_default_and_says_where(small_preset, tmp_path, capsys, monkeypatch):
     """No --checkpoint-every: the training state every 100 steps and at the last, the final weights
     always; the loss summary names the steps this run ran."""
     monkeypatch.chdir(tmp_path)
@@ -157,7 +166,7 @@ def test_kdax_train_cli_refuses_bad_flags_before_any_work(args, says, tmp_path, 
     assert not (tmp_path / "run").exists()
 
 
-def test_kdax_train_cli_ctrl_c_names_the_saved_step_and_resumes(tmp_path, capsys, monkeypatch):
+def test_kdax_train_cli_ctrl_c_names_the_saved_step_and_resumes(small_preset, tmp_path, capsys, monkeypatch):
     step, calls = kdax.train.train_step, []
 
     def ctrl_c_at_step_4(*args):
