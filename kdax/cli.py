@@ -196,20 +196,13 @@ def _train(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         cfg = TrainConfig(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(TrainConfig)})
         if cfg.mesh:
             make_mesh(cfg.mesh)
+        train.check_checkpoints(cfg, ns.resume)
     except ValueError as e:
         parser.error(_flag(e))
     if ns.corpus is not None and not os.path.isfile(ns.corpus):
         parser.error(f"--corpus: expected a text file, {ns.corpus!r} is not one")
     if ns.sample_tokens < 0:
         parser.error(f"--sample-tokens: expected an int >= 0, got {ns.sample_tokens}")
-    latest = train.latest_checkpoint(cfg.out_dir)
-    if ns.resume and latest is None:
-        parser.error(f"--resume: no training state in {os.path.join(cfg.out_dir, 'state')} to continue")
-    if not ns.resume and latest is not None:
-        parser.error(
-            f"--out-dir: {cfg.out_dir!r} holds the training state of step {latest}; continue it with "
-            "--resume, or choose another --out-dir"
-        )
     try:
         train.main(cfg, ns.corpus, ns.sample_tokens, ns.resume)
     except train.Interrupted as stop:
@@ -235,29 +228,26 @@ def _pairs(text: str) -> list[tuple[int, int]]:  # "1x2048,8x8192" -> [(1, 2048)
     return pairs
 
 
-def _at_least(low: int):
-    """An argparse type: an int >= low (argparse names the flag in its error)."""
+def _number(cast, ok, expected: str):
+    """An argparse type: ``cast(text)`` where ``ok`` of it holds (argparse names the flag in its error)."""
 
-    def parse(text: str) -> int:
+    def parse(text: str):
         try:
-            value = int(text)
+            value = cast(text)
         except ValueError:
             value = None
-        if value is None or value < low:
-            raise argparse.ArgumentTypeError(f"expected an int >= {low}, got {text!r}")
+        if value is None or not ok(value):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
         return value
 
     return parse
 
 
-def _percent(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = None
-    if value is None or not 0 < value <= 100:
-        raise argparse.ArgumentTypeError(f"expected a percentage in (0, 100], got {text!r}")
-    return value
+def _at_least(low: int):  # an int >= low
+    return _number(int, lambda n: n >= low, f"an int >= {low}")
+
+
+_percent = _number(float, lambda x: 0 < x <= 100, "a percentage in (0, 100]")
 
 
 class _Help(argparse.ArgumentDefaultsHelpFormatter):

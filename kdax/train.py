@@ -176,13 +176,13 @@ def _on_mesh(model: KDAForCausalLM, cfg: TrainConfig):
     return mesh
 
 
-def _checkpoints(cfg: TrainConfig, create: bool) -> ocp.CheckpointManager:
+def _checkpoints(out_dir: str, keep: int, create: bool) -> ocp.CheckpointManager:
     """The orbax manager of ``out_dir/state``: each save is written to a temporary directory and
-    renamed when complete, and only the newest ``cfg.keep`` are kept."""
+    renamed when complete, and only the newest ``keep`` are kept."""
     options = ocp.CheckpointManagerOptions(
-        preservation_policy=ocp.checkpoint_managers.LatestN(cfg.keep), create=create, cleanup_tmp_directories=True
+        preservation_policy=ocp.checkpoint_managers.LatestN(keep), create=create, cleanup_tmp_directories=True
     )
-    return ocp.CheckpointManager(os.path.abspath(os.path.join(cfg.out_dir, "state")), options=options)
+    return ocp.CheckpointManager(os.path.abspath(os.path.join(out_dir, "state")), options=options)
 
 
 def _save(
@@ -237,12 +237,25 @@ class Interrupted(KeyboardInterrupt):
         self.step, self.directory = step, directory
 
 
-def latest_checkpoint(out_dir: str | None) -> int | None:
-    """The step of the newest complete training state in ``out_dir/state`` (None: none, or no out_dir)."""
-    if out_dir is None or not os.path.isdir(os.path.join(out_dir, "state")):
-        return None
-    with _checkpoints(TrainConfig(out_dir=out_dir), create=False) as manager:
-        return manager.latest_step()
+def check_checkpoints(cfg: TrainConfig, resume: bool) -> None:
+    """Whether ``cfg.out_dir`` fits the run: with ``resume`` it must hold a complete training
+    state; without, none (a new run would overwrite it).
+
+    Raises:
+        ValueError: naming ``resume`` or ``out_dir``.
+    """
+    state = None if cfg.out_dir is None else os.path.join(cfg.out_dir, "state")
+    latest = None
+    if state is not None and os.path.isdir(state):
+        with _checkpoints(cfg.out_dir, cfg.keep, create=False) as manager:
+            latest = manager.latest_step()
+    if resume and latest is None:
+        raise ValueError(f"resume: no training state in {state} to continue; train without resume to start one")
+    if not resume and latest is not None:
+        raise ValueError(
+            f"out_dir: {cfg.out_dir!r} holds checkpoints up to step {latest}; "
+            "continue them with resume (kdax train --resume) or choose another out_dir"
+        )
 
 
 def train(
@@ -279,17 +292,7 @@ def train(
     """
     if tokens.size <= cfg.seq_len + 1:
         raise ValueError(f"corpus: expected more than seq_len + 1 = {cfg.seq_len + 1} tokens, got {tokens.size}")
-    latest = latest_checkpoint(cfg.out_dir)
-    if resume and latest is None:
-        raise ValueError(
-            f"resume: expected a checkpoint in {os.path.join(cfg.out_dir or '<no out_dir>', 'state')}, "
-            "found none; train without resume to start one"
-        )
-    if not resume and latest is not None:
-        raise ValueError(
-            f"out_dir: {cfg.out_dir!r} holds checkpoints up to step {latest}; "
-            "continue them with resume (kdax train --resume) or choose another out_dir"
-        )
+    check_checkpoints(cfg, resume)
     tx = _optimizer(cfg.steps, cfg.lr, cfg.warmup, cfg.weight_decay, cfg.clip)
     mesh = _on_mesh(model, cfg)
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)  # its state takes the parameters' shardings
@@ -298,7 +301,7 @@ def train(
     rng = np.random.default_rng(cfg.seed)
     saving = cfg.out_dir is not None and cfg.checkpoint_every > 0
     losses, start, first = [], None, 0
-    with _checkpoints(cfg, create=saving) if saving or resume else contextlib.nullcontext() as manager:
+    with _checkpoints(cfg.out_dir, cfg.keep, saving) if saving or resume else contextlib.nullcontext() as manager:
         if resume:
             first = _restore(manager, model, optimizer, rng, cfg)
         shown = progress and jax.process_index() == 0  # one bar for a run over several hosts

@@ -206,7 +206,7 @@ def test_kdax_train_cli_ctrl_c_names_the_saved_step_and_resumes(small_preset, tm
 
 
 def test_resume_without_a_checkpoint_is_an_error(tmp_path):
-    with pytest.raises(ValueError, match="resume: expected a checkpoint in .*state, found none"):
+    with pytest.raises(ValueError, match="resume: no training state in .*state to continue"):
         train(_small_model(), load_corpus(), _small_run(tmp_path), progress=False, resume=True)
 
 

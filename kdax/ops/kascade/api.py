@@ -216,7 +216,8 @@ def kascade_anchor_decode(
     tenths, _ = check_call(q, k_cache, v_cache, lengths, decode=True, topk_percent=topk_percent, min_k=min_k,
                            scale=scale)  # fmt: skip
     backend, config = _OPS["kascade_anchor_decode"].resolve(backend, q.dtype, config)
-    return _anchor_decode(q, k_cache, v_cache, row_lengths(lengths, q.shape[0], k_cache.shape[1]), backend=backend, config=config,
+    lengths = row_lengths(lengths, q.shape[0], k_cache.shape[1])
+    return _anchor_decode(q, k_cache, v_cache, lengths, backend=backend, config=config,
                           tenths=tenths, min_k=int(min_k), scale=_scale(q, scale), dense_output=bool(dense_output))  # fmt: skip
 
 
@@ -252,7 +253,8 @@ def kascade_reuse_decode(
     _check_common(backend, dtype=q.dtype)
     _, head_map = check_call(q, k_cache, v_cache, lengths, decode=True, indices=indices, head_map=head_map, scale=scale)
     backend, config = _OPS["kascade_reuse_decode"].resolve(backend, q.dtype, config)
-    return _reuse_decode(q, k_cache, v_cache, row_lengths(lengths, q.shape[0], k_cache.shape[1]), jnp.asarray(indices, jnp.int32),
+    lengths = row_lengths(lengths, q.shape[0], k_cache.shape[1])
+    return _reuse_decode(q, k_cache, v_cache, lengths, jnp.asarray(indices, jnp.int32),
                          head_map, backend=backend, config=config, scale=_scale(q, scale))  # fmt: skip
 
 

@@ -49,7 +49,7 @@ class Config:
 
     Attributes:
         block_k: keys per step of the attend kernels (a power of two >= 16); None: 64, or 32
-            with float32 inputs (:data:`FLOAT32`).
+            with float32 inputs (:data:`PREFILL_BLOCKS`).
         block_scores: keys per step of the scoring kernel (a power of two >= 16); None: 128, or
             64 with float32 inputs.
         block_decode: keys per step of the decode kernels (a power of two >= 16).
@@ -86,19 +86,20 @@ LAUNCH = {"attend": (4, 2), "scores": (4, 2), "decode_scores": (4, 2), "decode_a
 SMS = 132  # streaming multiprocessors assumed for the default decode splits (an H100's)
 
 
-# The prefill kernels with float32 inputs, whose three-pass TF32 products hold high and low parts of
-# their operands: half the keys a step on 8 warps, within the spill budget and an H100's shared
-# memory (docs/kascade_gpu.md, "Compile report"); a launch the config names is kept.
-FLOAT32 = {"block_k": 32, "block_scores": 64, "launch": {"attend": (8, 1), "scores": (8, 1)}}
+# The prefill kernels' blocks by input dtype, and float32's launches: its three-pass TF32 products
+# hold high and low parts of their operands, so half the keys a step on 8 warps keeps them within
+# the spill budget and an H100's shared memory (docs/kascade_gpu.md, "Compile report"); a block or
+# launch the config names is kept.
+PREFILL_BLOCKS = {"float32": {"block_k": 32, "block_scores": 64}, "16-bit": {"block_k": 64, "block_scores": 128}}
+FLOAT32_LAUNCH = {"attend": (8, 1), "scores": (8, 1)}
 
 
 def for_dtype(cfg: Config, dtype) -> Config:
     """cfg with its prefill blocks (and float32's launches) for inputs of ``dtype``."""
     f32 = dtype == jnp.float32
-    launch = {**(FLOAT32["launch"] if f32 else {}), **dict(cfg.launch)}
-    return dataclasses.replace(cfg, block_k=cfg.block_k or (FLOAT32["block_k"] if f32 else 64),
-                               block_scores=cfg.block_scores or (FLOAT32["block_scores"] if f32 else 128),
-                               launch=tuple(launch.items()))  # fmt: skip
+    blocks = {name: getattr(cfg, name) or n for name, n in PREFILL_BLOCKS["float32" if f32 else "16-bit"].items()}
+    launch = {**(FLOAT32_LAUNCH if f32 else {}), **dict(cfg.launch)}
+    return dataclasses.replace(cfg, **blocks, launch=tuple(launch.items()))
 
 
 def _params(cfg: Config, kernel: str) -> pltriton.CompilerParams:
