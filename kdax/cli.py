@@ -52,8 +52,9 @@ def _bench(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return 0
     if ns.cp and ns.cp_devices and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
         # before the first device query: fake devices on a CPU host (no effect on accelerators)
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                                   f" --xla_force_host_platform_device_count={ns.cp_devices}").strip()  # fmt: skip
+        os.environ["XLA_FLAGS"] = (
+            os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={ns.cp_devices}"
+        ).strip()
     meta["device"] = f"{jax.devices()[0].device_kind} ({platform.processor() or platform.machine()})"
     if ns.gpu_tune:  # its own default shape (B=1 T=8192 H=16 K=V=128) where none is given
         from kdax.bench import gpu_tune
@@ -69,8 +70,11 @@ def _bench(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
         B, T = given.get("B", 1), given.get("T", 1024)  # the model's prompt: B x T tokens
         row = model.run(ns.model, B, T, ns.decode_steps, ns.repeats, ns.dtype, progress=not ns.json)
-        print(json.dumps({"meta": meta, "model": row}, indent=2) if ns.json else
-              f"# {meta['device']}, jax {meta['jax']}, {meta['date']}\n{model.format_row(row)}")  # fmt: skip
+        print(
+            json.dumps({"meta": meta, "model": row}, indent=2)
+            if ns.json
+            else f"# {meta['device']}, jax {meta['jax']}, {meta['date']}\n{model.format_row(row)}"
+        )
         return 0
     if ns.kascade:
         from kdax.bench import kascade
@@ -82,45 +86,83 @@ def _bench(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             )
 
         T, H = given.get("T", 4096), given.get("H", 8)
-        print(f"compiling and timing dense, anchor and reuse layers (T={T}, cache {ns.cache_len})...",
-              file=sys.stderr, flush=True)  # fmt: skip
-        rows = kascade.run(given.get("B", 1), T, ns.cache_len, H, ns.kv_heads, ns.head_dim, ns.topk_percent,
-                           ns.min_k, ns.tile_size, ns.dtype, ns.repeats, progress=not ns.json,
-                           backends=ns.kascade_backends and ns.kascade_backends.split(","),
-                           decode_batch=ns.decode_batch)  # fmt: skip
+        print(
+            f"compiling and timing dense, anchor and reuse layers (T={T}, cache {ns.cache_len})...",
+            file=sys.stderr,
+            flush=True,
+        )
+        rows = kascade.run(
+            given.get("B", 1),
+            T,
+            ns.cache_len,
+            H,
+            ns.kv_heads,
+            ns.head_dim,
+            ns.topk_percent,
+            ns.min_k,
+            ns.tile_size,
+            ns.dtype,
+            ns.repeats,
+            progress=not ns.json,
+            backends=ns.kascade_backends and ns.kascade_backends.split(","),
+            decode_batch=ns.decode_batch,
+        )
         B = given.get("B", 1)
         shape = (
             f"# B={B} H={H} G={ns.kv_heads} D={ns.head_dim} {ns.dtype}, top-k {ns.topk_percent:g}% (at least "
             f"{ns.min_k} keys), tile {ns.tile_size}; decode: batch {ns.decode_batch or B}, cache {ns.cache_len} keys"
         )
-        print(json.dumps({"meta": meta, "kascade": [dataclasses.asdict(r) for r in rows]}, indent=2) if ns.json else
-              f"# {meta['device']}, jax {meta['jax']}, {meta['date']}\n{shape}\n{kascade.format_table(rows)}")  # fmt: skip
+        print(
+            json.dumps({"meta": meta, "kascade": [dataclasses.asdict(r) for r in rows]}, indent=2)
+            if ns.json
+            else f"# {meta['device']}, jax {meta['jax']}, {meta['date']}\n{shape}\n{kascade.format_table(rows)}"
+        )
         return 0
     if ns.cp:
         from kdax.bench import cp
 
         T, H, K, V = given.get("T", 262144), given.get("H", 4), given.get("K", 128), given.get("V", 128)
-        print(f"compiling and timing chunk_kda forward+backward over 1 to {len(jax.devices())} devices (T={T})...",
-              file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"compiling and timing chunk_kda forward+backward over 1 to {len(jax.devices())} devices (T={T})...",
+            file=sys.stderr,
+            flush=True,
+        )
         rows = cp.run(T, H, K, V, ns.chunk_size, ns.repeats, ns.cp_weak_T, progress=not ns.json)
         meta["devices"] = len(jax.devices())
-        print(json.dumps({"meta": meta, "cp": [dataclasses.asdict(r) for r in rows]}, indent=2) if ns.json else
-              f"# {meta['device']} x {meta['devices']}, jax {meta['jax']}, {meta['date']}\n{cp.format_table(rows)}\n"
-              f"peak memory per device, most devices / one device at T={T}: {cp.peak_ratio(rows):.3f}")  # fmt: skip
+        print(
+            json.dumps({"meta": meta, "cp": [dataclasses.asdict(r) for r in rows]}, indent=2)
+            if ns.json
+            else f"# {meta['device']} x {meta['devices']}, jax {meta['jax']}, {meta['date']}\n{cp.format_table(rows)}\n"
+            f"peak memory per device, most devices / one device at T={T}: {cp.peak_ratio(rows):.3f}"
+        )
         return 0
     if ns.eager:
         from kdax.bench import eager
 
         rows = eager.run(ns.repeats)
-        print(json.dumps({"meta": meta, "eager": rows}, indent=2) if ns.json else
-              f"# {meta['device']}, jax {meta['jax']}, {meta['date']}\n{eager.format_table(rows)}")  # fmt: skip
+        print(
+            json.dumps({"meta": meta, "eager": rows}, indent=2)
+            if ns.json
+            else f"# {meta['device']}, jax {meta['jax']}, {meta['date']}\n{eager.format_table(rows)}"
+        )
         return 0
     if ns.memory:
         result = {"meta": meta, "memory": kda.peak_memory(B, T, H, K, V, ns.chunk_size)}
         print(json.dumps(result, indent=2))
         return 0
-    rows = kda.run(B, T, H, K, V, ns.dtype, ns.chunk_size, ns.backends.split(","), ns.repeats,
-                   check_error=not ns.no_error, progress=not ns.json)  # fmt: skip
+    rows = kda.run(
+        B,
+        T,
+        H,
+        K,
+        V,
+        ns.dtype,
+        ns.chunk_size,
+        ns.backends.split(","),
+        ns.repeats,
+        check_error=not ns.no_error,
+        progress=not ns.json,
+    )
     if ns.json:
         print(json.dumps({"meta": meta, "rows": [dataclasses.asdict(r) for r in rows]}, indent=2))
     else:
@@ -172,8 +214,14 @@ def _calibrate(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             f"--anchors: expected an int in [1, {attention}] (the checkpoint's full-attention layers), got {anchors}"
         )
     print(f"calibrating on {ns.rows} x {ns.seq_len} tokens from token {start}...", file=sys.stderr, flush=True)
-    schedule = calibrate(model, np.stack(rows).astype(np.int32), anchors, topk_percent=ns.topk_percent,
-                         min_k=ns.min_k, tile_size=ns.tile_size)  # fmt: skip
+    schedule = calibrate(
+        model,
+        np.stack(rows).astype(np.int32),
+        anchors,
+        topk_percent=ns.topk_percent,
+        min_k=ns.min_k,
+        tile_size=ns.tile_size,
+    )
     schedule.save(ns.out)
     print(f"anchors {list(schedule.anchors)} of layers {list(schedule.layers)} -> {ns.out}")
     return 0
@@ -261,8 +309,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kdax", description="kdax: Kimi Delta Attention for JAX")
     parser.add_argument("--version", action="version", version=f"kdax {kdax.__version__} (jax {jax.__version__})")
     sub = parser.add_subparsers(dest="command", required=True)
-    b = sub.add_parser("bench", help="time KDA backends against the naive scan (or Kascade against dense attention)",
-                       formatter_class=_Help)  # fmt: skip
+    b = sub.add_parser(
+        "bench",
+        help="time KDA backends against the naive scan (or Kascade against dense attention)",
+        formatter_class=_Help,
+    )
     modes = b.add_mutually_exclusive_group()  # what to time: one of them, or the KDA ops' table
     b.add_argument("--B", type=_at_least(1), help="batch (default 1; --gpu-tune: B=1 T=8192 H=16 K=V=128)")
     b.add_argument("--T", type=_at_least(1), help="tokens (default 4096; --model: 1024)")
@@ -278,24 +329,33 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--no-error", action="store_true", help="skip the float64 reference")
     b.add_argument("--json", action="store_true", help="print JSON instead of the table")
     modes.add_argument("--memory", action="store_true", help="peak memory of forward+backward (default T: use --T)")
-    modes.add_argument("--gpu-compare-fla", action="store_true",
-                   help="on a CUDA GPU: kdax pallas_gpu and xla against FLA's chunk_kda (separate processes)")  # fmt: skip
+    modes.add_argument(
+        "--gpu-compare-fla",
+        action="store_true",
+        help="on a CUDA GPU: kdax pallas_gpu and xla against FLA's chunk_kda (separate processes)",
+    )
     b.add_argument("--shapes", type=_pairs, help="--gpu-compare-fla: BxT,... (default: B 1, 8 x T 2048, 8192, 32768)")
     b.add_argument("--workdir", help="--gpu-compare-fla: keep the workers' results here")
     modes.add_argument("--gpu-tune", action="store_true", help="on a CUDA GPU: measure the pallas_gpu launch table")
     b.add_argument("--tune-kernels", default="all", help="--gpu-tune: kernels whose launch to sweep (a,b,...|none)")
     b.add_argument("--tune-blocks", type=_pairs, help="--gpu-tune: block_v x block_k to keep (e.g. 32x16), not sweep")
     b.add_argument("--fla-python", default=sys.executable, help="python that runs the workers (FLA and kdax)")
-    modes.add_argument("--model", choices=list(PRESETS),
-                   help="prefill (--B x --T prompt) and decode (--decode-steps) tokens/s of a model, random weights")  # fmt: skip
+    modes.add_argument(
+        "--model",
+        choices=list(PRESETS),
+        help="prefill (--B x --T prompt) and decode (--decode-steps) tokens/s of a model, random weights",
+    )
     b.add_argument(
         "--decode-steps", type=_at_least(1), default=32, help="--model: decode steps timed after the prefill"
     )
     modes.add_argument(
         "--eager", action="store_true", help="eager calls of the ops and the tiny model against jitted ones"
     )
-    modes.add_argument("--kascade", action="store_true",
-                   help="Kascade dense / anchor / reuse layers, prefill (--T, default 4096; --H, default 8) and decode")  # fmt: skip
+    modes.add_argument(
+        "--kascade",
+        action="store_true",
+        help="Kascade dense / anchor / reuse layers, prefill (--T, default 4096; --H, default 8) and decode",
+    )
     b.add_argument("--cache-len", type=_at_least(1), default=16384, help="--kascade: the decode cache length")
     b.add_argument("--kv-heads", type=_at_least(1), default=2, help="--kascade: KV heads G")
     b.add_argument("--head-dim", type=_at_least(1), default=128, help="--kascade: head dim D")
@@ -311,8 +371,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     b.add_argument("--decode-batch", type=_at_least(1), help="--kascade: decode rows (default: --B)")
     b.add_argument("--kascade-backends", help="--kascade: comma-separated backends (default: xla, the device kernels)")
-    t = sub.add_parser("train", help="train the tiny hybrid on byte-level text, then print a sample",
-                       formatter_class=_Help)  # fmt: skip
+    t = sub.add_parser(
+        "train", help="train the tiny hybrid on byte-level text, then print a sample", formatter_class=_Help
+    )
     for f in dataclasses.fields(TrainConfig):
         default = TRAIN_DEFAULTS.get(f.name, f.default)
         t.add_argument("--" + f.name.replace("_", "-"), type=type(default), default=default, help=f.metadata["help"])
@@ -321,13 +382,17 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument(
         "--resume", action="store_true", help="continue from the newest checkpoint in --out-dir (same settings)"
     )
-    t.add_argument("--distributed", metavar="auto|ADDRESS:PORT/PROCESSES/ID",
-                   help="several hosts, each running this command: jax.distributed.initialize from the cluster's "
-                        "environment (auto) or with the coordinator's address, the process count and this one's id")  # fmt: skip
+    t.add_argument(
+        "--distributed",
+        metavar="auto|ADDRESS:PORT/PROCESSES/ID",
+        help="several hosts, each running this command: jax.distributed.initialize from the cluster's "
+        "environment (auto) or with the coordinator's address, the process count and this one's id",
+    )
     k = sub.add_parser("kascade", help="Kascade sparse attention tools", formatter_class=_Help)
     ksub = k.add_subparsers(dest="kascade_command", required=True)
-    c = ksub.add_parser("calibrate", help="choose a Kascade schedule for a checkpoint from calibration text",
-                        formatter_class=_Help)  # fmt: skip
+    c = ksub.add_parser(
+        "calibrate", help="choose a Kascade schedule for a checkpoint from calibration text", formatter_class=_Help
+    )
     c.add_argument("--checkpoint", required=True, help="a model directory in FLA's format (kdax train's out_dir/model)")
     c.add_argument("--text", default=None, help="calibration text file (None: the text shipped with kdax)")
     c.add_argument("--offset", type=_at_least(0), default=0, help="the first calibration token (byte) of the text")

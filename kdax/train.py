@@ -65,8 +65,8 @@ class TrainConfig:
     says what it is.
 
     Raises:
-        ValueError: naming the field, for an unknown preset, a holdout outside [0, 1), steps, batch_size, seq_len or keep below 1, lr not
-            positive or checkpoint_every negative.
+        ValueError: naming the field, for an unknown preset, a holdout outside [0, 1), steps,
+            batch_size, seq_len or keep below 1, lr not positive or checkpoint_every negative.
     """
 
     preset: str = dataclasses.field(default="tiny", metadata={"help": "the model: a preset of kdax.models.PRESETS"})
@@ -87,9 +87,11 @@ class TrainConfig:
     keep: int = dataclasses.field(default=3, metadata={"help": "training states kept (the newest)"})
     mesh: str = dataclasses.field(
         default="",
-        metadata={"help": "a device mesh, e.g. data=2,model=2,context=2: FSDP and rows over data, heads over model, "
-                          "time over context (docs/scale.md); empty: one device"},
-    )  # fmt: skip
+        metadata={
+            "help": "a device mesh, e.g. data=2,model=2,context=2: FSDP and rows over data, heads over model, "
+            "time over context (docs/scale.md); empty: one device"
+        },
+    )
     out_dir: str | None = dataclasses.field(
         default=None,
         metadata={
@@ -165,13 +167,17 @@ def _on_mesh(model: KDAForCausalLM, cfg: TrainConfig):
     mesh = sharding.make_mesh(cfg.mesh)
     layout = sharding.Layout.of(mesh)
     if cfg.batch_size % layout.size(layout.data):
-        raise ValueError(f"batch_size: expected a multiple of the data axis's {layout.size(layout.data)} devices, "
-                         f"got {cfg.batch_size}")  # fmt: skip
+        raise ValueError(
+            f"batch_size: expected a multiple of the data axis's {layout.size(layout.data)} devices, "
+            f"got {cfg.batch_size}"
+        )
     chunks = [b.attn.chunk_size for b in model.model.layers if isinstance(b.attn, KimiDeltaAttention)]
     tile = layout.size(layout.context) * max(chunks, default=1)
     if layout.context and cfg.seq_len % tile:
-        raise ValueError(f"seq_len: expected a multiple of {tile} (the context axis's devices x the KDA chunk "
-                         f"size), got {cfg.seq_len}")  # fmt: skip
+        raise ValueError(
+            f"seq_len: expected a multiple of {tile} (the context axis's devices x the KDA chunk "
+            f"size), got {cfg.seq_len}"
+        )
     sharding.shard(model, mesh)
     return mesh
 
@@ -221,8 +227,10 @@ def _restore(
         f"{k}={v!r} (this run: {getattr(cfg, k)!r})" for k, v in got.progress["run"].items() if getattr(cfg, k) != v
     ]
     if differ:
-        raise ValueError(f"resume: the checkpoint of step {step} in {manager.directory} was written with "
-                         f"{', '.join(differ)}; resume with its settings")  # fmt: skip
+        raise ValueError(
+            f"resume: the checkpoint of step {step} in {manager.directory} was written with "
+            f"{', '.join(differ)}; resume with its settings"
+        )
     nnx.update(model, got.arrays["model"])
     nnx.update(optimizer, got.arrays["optimizer"])
     rng.bit_generator.state = got.progress["data"]

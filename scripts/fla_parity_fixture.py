@@ -35,10 +35,25 @@ import torch
 from torch.nn import functional as F
 from triton.runtime import autotuner, interpreter
 
-CONFIG = {"hidden_size": 64, "head_dim": 16, "num_heads": 4, "num_v_heads": 8, "num_hidden_layers": 3,
-          "vocab_size": 101, "intermediate_size": 96, "norm_eps": 1e-6, "tie_word_embeddings": False,
-          "attn": {"layers": [1], "num_heads": 4, "num_kv_heads": 2, "qkv_bias": True, "window_size": 32,
-                   "rope_theta": 10000.0}}  # fmt: skip
+CONFIG = {
+    "hidden_size": 64,
+    "head_dim": 16,
+    "num_heads": 4,
+    "num_v_heads": 8,
+    "num_hidden_layers": 3,
+    "vocab_size": 101,
+    "intermediate_size": 96,
+    "norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "attn": {
+        "layers": [1],
+        "num_heads": 4,
+        "num_kv_heads": 2,
+        "qkv_bias": True,
+        "window_size": 32,
+        "rope_theta": 10000.0,
+    },
+}
 
 
 def flash_attn_func(q, k, v, causal=True, window_size=(-1, -1)):
@@ -108,15 +123,26 @@ def ops_fixture(path: str) -> None:
         rng = np.random.default_rng(0)
         N = B if cu is None else len(cu) - 1
         shapes = [(B, T, H, K), (B, T, H, K), (B, T, HV, V), (B, T, HV, K), (B, T, HV), (HV,), (HV * K,), (N, HV, K, V)]
-        x = {n: torch.tensor(rng.standard_normal(sh), dtype=torch.float32, requires_grad=True)
-             for n, sh in zip(OP_ARGS, shapes, strict=True)}  # fmt: skip
+        x = {
+            n: torch.tensor(rng.standard_normal(sh), dtype=torch.float32, requires_grad=True)
+            for n, sh in zip(OP_ARGS, shapes, strict=True)
+        }
         with torch.no_grad():
             x["A_log"] += a_off
-        o, state = chunk_kda(*(x[n] for n in OP_ARGS[:5]), A_log=x["A_log"], dt_bias=x["dt_bias"],
-                             initial_state=x["initial_state"], output_final_state=True, use_qk_l2norm_in_kernel=True,
-                             use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, lower_bound=lower_bound,
-                             safe_gate=lower_bound is not None, allow_neg_eigval=neg,
-                             cu_seqlens=None if cu is None else torch.tensor(cu))  # fmt: skip
+        o, state = chunk_kda(
+            *(x[n] for n in OP_ARGS[:5]),
+            A_log=x["A_log"],
+            dt_bias=x["dt_bias"],
+            initial_state=x["initial_state"],
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=True,
+            use_gate_in_kernel=True,
+            use_beta_sigmoid_in_kernel=True,
+            lower_bound=lower_bound,
+            safe_gate=lower_bound is not None,
+            allow_neg_eigval=neg,
+            cu_seqlens=None if cu is None else torch.tensor(cu),
+        )
         loss = (o.double() * torch.from_numpy(cotangent(o.shape))).sum()
         (loss + (state.double() * torch.from_numpy(cotangent(state.shape))).sum()).backward()
         meta = {"cu_seqlens": cu, "lower_bound": lower_bound, "allow_neg_eigval": neg}

@@ -80,8 +80,18 @@ SPILL_BUDGET = {"bfloat16": 128, "float32": 512}
 # Warp-instructions FLA 0.6.0's Triton chunk_kda issues per pass at B=1 T=8192 H=16 K=V=128 bf16 with the
 # in-op options, compiled for sm_90a the same way (its first autotune configs; ../shared/tools/compare_sass.py).
 FLA_ISSUED = {"forward": 203e6, "backward": 521e6}
-KERNELS = {"kda_diag": "diag", "kda_intra": "intra", "kda_recompute": "recompute", "kda_state": "state", "kda_output": "output", "kda_state_cotangent": "dstate",
-           "kda_values": "values", "kda_keys": "keys", "kda_diag_grads": "diag_grads", "kda_levels": "levels"}  # fmt: skip
+KERNELS = {
+    "kda_diag": "diag",
+    "kda_intra": "intra",
+    "kda_recompute": "recompute",
+    "kda_state": "state",
+    "kda_output": "output",
+    "kda_state_cotangent": "dstate",
+    "kda_values": "values",
+    "kda_keys": "keys",
+    "kda_diag_grads": "diag_grads",
+    "kda_levels": "levels",
+}
 KASCADE_KERNELS = {f"kascade_{name}": name for name in kascade_gpu.LAUNCH}  # --op kascade's, as KERNELS
 
 
@@ -107,9 +117,14 @@ def lowered_kernels(fn, args, names: dict[str, str]) -> list[tuple[str, str, tup
         for eqn in jaxpr.eqns:
             if eqn.primitive.name == "pallas_call":
                 p = eqn.params["compiler_params"]
-                calls.append((names[eqn.params["jaxpr"].debug_info.func_name], (p.num_warps, p.num_stages),
-                              math.prod(eqn.params["grid_mapping"].grid),
-                              sum(v.aval.size * v.aval.dtype.itemsize for v in (*eqn.invars, *eqn.outvars))))  # fmt: skip
+                calls.append(
+                    (
+                        names[eqn.params["jaxpr"].debug_info.func_name],
+                        (p.num_warps, p.num_stages),
+                        math.prod(eqn.params["grid_mapping"].grid),
+                        sum(v.aval.size * v.aval.dtype.itemsize for v in (*eqn.invars, *eqn.outvars)),
+                    )
+                )
             for sub in jax.extend.core.jaxprs_in_params(eqn.params):
                 walk(sub)
 
@@ -119,12 +134,22 @@ def lowered_kernels(fn, args, names: dict[str, str]) -> list[tuple[str, str, tup
     return [(name, ttir, *call[1:]) for (name, ttir), call in zip(mods, calls)]
 
 
-def triton_modules(T: int, dtype, cfg: pallas_gpu.Config, fla_options: bool = False, K: int = 128, V: int = 128,
-                   chunk_size: int = 64) -> list[tuple[str, str, tuple[int, int], int, int]]:  # fmt: skip
+def triton_modules(
+    T: int, dtype, cfg: pallas_gpu.Config, fla_options: bool = False, K: int = 128, V: int = 128, chunk_size: int = 64
+) -> list[tuple[str, str, tuple[int, int], int, int]]:
     """:func:`lowered_kernels` of the forward and backward of ``chunk_kda``, in order."""
     B, H = 1, 16
-    options = {"use_gate_in_kernel": True, "A_log": jnp.zeros((H,)), "dt_bias": jnp.zeros((H * K,)),
-               "use_qk_l2norm_in_kernel": True, "use_beta_sigmoid_in_kernel": True} if fla_options else {}  # fmt: skip
+    options = (
+        {
+            "use_gate_in_kernel": True,
+            "A_log": jnp.zeros((H,)),
+            "dt_bias": jnp.zeros((H * K,)),
+            "use_qk_l2norm_in_kernel": True,
+            "use_beta_sigmoid_in_kernel": True,
+        }
+        if fla_options
+        else {}
+    )
 
     def loss(*a):
         o, s = chunk_kda(*a, config=cfg, output_final_state=True, chunk_size=chunk_size, **options)
@@ -144,13 +169,23 @@ def loop_trips(T: int, K: int, V: int, chunk_size: int, cfg: pallas_gpu.Config, 
     Kp, Vp, tiles = pallas_gpu.pow2(K), pallas_gpu.pow2(V), pallas_gpu.tiles_for(cfg, dtype)
     keys = {name: Kp // pallas_gpu.launch.block_k(cfg, tiles, name, Kp) for name in pallas_gpu.BLOCK_K["bf16"]}
     values, chunks = Vp // min(cfg.block_v, Vp), -(-T // chunk_size)
-    return {"diag": (keys["diag"],), "intra": (keys["intra"],), "recompute": (keys["recompute"],), "state": (chunks,),
-            "output": (), "dstate": (chunks,), "values": (values, keys["values"]), "keys": (keys["keys"], values),
-            "diag_grads": (keys["diag_grads"],), "levels": ()}  # fmt: skip
+    return {
+        "diag": (keys["diag"],),
+        "intra": (keys["intra"],),
+        "recompute": (keys["recompute"],),
+        "state": (chunks,),
+        "output": (),
+        "dstate": (chunks,),
+        "values": (values, keys["values"]),
+        "keys": (keys["keys"], values),
+        "diag_grads": (keys["diag_grads"],),
+        "levels": (),
+    }
 
 
-def kascade_modules(T: int, H: int, G: int, D: int, batch: int, L: int, dtype, tile_size: int,
-                    cfg: kascade_gpu.Config) -> list[tuple[str, str, str, tuple[int, int], int, int, tuple]]:  # fmt: skip
+def kascade_modules(
+    T: int, H: int, G: int, D: int, batch: int, L: int, dtype, tile_size: int, cfg: kascade_gpu.Config
+) -> list[tuple[str, str, str, tuple[int, int], int, int, tuple]]:
     """(call, launch-table name, Triton IR, launch, programs, bytes, loop trips) of each kernel of four
     Kascade calls with ``backend="pallas_gpu"`` (top-k 10%, min_k 128), in order: a prefill anchor with
     the dense output (the dense attend, the scores), a prefill reuse (the sparse attend over an anchor's
@@ -228,8 +263,10 @@ def replicated_dots(ttgir: str) -> list[int]:
     result: an MMA layout with warpsPerCTA [wm, wn] and instrShape [im, in, ...] tiles
     [wm * im, wn * in] per step; a smaller result is repeated across the warps that overhang it.
     An IEEE float32 dot (the exact 0/1 sums) runs on the FMA units in a blocked layout: 1."""
-    layouts = {name: ([int(x) for x in warps.split(",")], [int(x) for x in instr.split(",")][:2])
-               for name, warps, instr in MMA_LAYOUT.findall(ttgir)}  # fmt: skip
+    layouts = {
+        name: ([int(x) for x in warps.split(",")], [int(x) for x in instr.split(",")][:2])
+        for name, warps, instr in MMA_LAYOUT.findall(ttgir)
+    }
     factors = []
     for rows, cols, layout in DOT.findall(ttgir):
         if layout not in layouts:  # an IEEE float32 dot on the FMA units: a blocked layout, no MMA tiles to repeat
@@ -272,8 +309,13 @@ def compile_report(name: str, ttir: str, launch: tuple[int, int], workdir: str, 
     sass_ops = [(int(addr, 16), op, rest) for addr, op, rest in SASS.findall(sass)]
     ops = collections.Counter(op.split(".")[0] for _, op, _ in sass_ops)
     # loops: the address ranges of backward branches
-    loops = [(int(to, 16), addr) for addr, op, rest in sass_ops if op == "BRA"
-             for to in re.findall(r"0x([0-9a-f]+)", rest) if int(to, 16) < addr]  # fmt: skip
+    loops = [
+        (int(to, 16), addr)
+        for addr, op, rest in sass_ops
+        if op == "BRA"
+        for to in re.findall(r"0x([0-9a-f]+)", rest)
+        if int(to, 16) < addr
+    ]
     depth = [sum(a <= addr <= b for a, b in loops) for addr, _, _ in sass_ops]
     if max(depth, default=0) > len(trips):
         raise ValueError(f"{name}: loops {max(depth)} deep in the SASS, trips given for {len(trips)}")
@@ -284,24 +326,69 @@ def compile_report(name: str, ttir: str, launch: tuple[int, int], workdir: str, 
     repeats = replicated_dots(kernel.asm["ttgir"])
     rep = sorted(r for r in repeats if r > 1)
     replicated = f"{len(rep)} ({'-'.join(map(str, sorted({rep[0], rep[-1]})))}x)" if rep else "0"
-    return dict(kernel=name, warps=num_warps, stages=num_stages, dots=len(repeats), replicated=replicated,
-                warp_instrs=len(sass_ops) * num_warps,
-                loops=loop_text, issued=round(issued * num_warps),
-                regs=int(re.search(r"REG:(\d+)", usage).group(1)),
-                spill=int(re.search(r"STACK:(\d+)", usage).group(1)),
-                smem=kernel.metadata.shared, **{op: ops[op] for op in ("HGMMA", "HMMA", "FFMA", "MUFU", "LDL", "STL")})  # fmt: skip
+    return dict(
+        kernel=name,
+        warps=num_warps,
+        stages=num_stages,
+        dots=len(repeats),
+        replicated=replicated,
+        warp_instrs=len(sass_ops) * num_warps,
+        loops=loop_text,
+        issued=round(issued * num_warps),
+        regs=int(re.search(r"REG:(\d+)", usage).group(1)),
+        spill=int(re.search(r"STACK:(\d+)", usage).group(1)),
+        smem=kernel.metadata.shared,
+        **{op: ops[op] for op in ("HGMMA", "HMMA", "FFMA", "MUFU", "LDL", "STL")},
+    )
 
 
-COLUMNS = ["kernel", "warps", "stages", "regs", "spill B", "smem KiB", "HGMMA", "HMMA", "FFMA", "MUFU", "LDL", "STL",
-           "dots", "replicated", "warp-instrs", "loops", "issued", "issue us", "MB", "bytes us"]  # fmt: skip
+COLUMNS = [
+    "kernel",
+    "warps",
+    "stages",
+    "regs",
+    "spill B",
+    "smem KiB",
+    "HGMMA",
+    "HMMA",
+    "FFMA",
+    "MUFU",
+    "LDL",
+    "STL",
+    "dots",
+    "replicated",
+    "warp-instrs",
+    "loops",
+    "issued",
+    "issue us",
+    "MB",
+    "bytes us",
+]
 # Per --op: its options (absent from the other op's command line) with their defaults.
 OP_OPTIONS = {
-    "kda": {"T": 8192, "K": 128, "V": 128, "chunk_size": 64, "precision": pallas_gpu.Config.precision,
-            "block_v": pallas_gpu.Config.block_v, "block_k": pallas_gpu.Config.block_k, "fla_options": False},
-    "kascade": {"T": 32768, "H": 32, "kv_heads": 8, "head_dim": 128, "tile_size": 32, "decode_batch": 64,
-                "cache_len": 32768, "block_k": kascade_gpu.Config.block_k,
-                "block_scores": kascade_gpu.Config.block_scores, "block_decode": kascade_gpu.Config.block_decode},
-}  # fmt: skip
+    "kda": {
+        "T": 8192,
+        "K": 128,
+        "V": 128,
+        "chunk_size": 64,
+        "precision": pallas_gpu.Config.precision,
+        "block_v": pallas_gpu.Config.block_v,
+        "block_k": pallas_gpu.Config.block_k,
+        "fla_options": False,
+    },
+    "kascade": {
+        "T": 32768,
+        "H": 32,
+        "kv_heads": 8,
+        "head_dim": 128,
+        "tile_size": 32,
+        "decode_batch": 64,
+        "cache_len": 32768,
+        "block_k": kascade_gpu.Config.block_k,
+        "block_scores": kascade_gpu.Config.block_scores,
+        "block_decode": kascade_gpu.Config.block_decode,
+    },
+}
 LAUNCHES = {"kda": pallas_gpu.LAUNCH, "kascade": kascade_gpu.LAUNCH}
 
 
@@ -320,10 +407,13 @@ def report(rows, workdir: str, dtype: str, kernels) -> tuple[dict, dict, list[st
         issue_us, bytes_us = programs * r["issued"] / ISSUE_PER_S * 1e6, nbytes / BYTES_PER_S * 1e6
         floors[part] += max(issue_us, bytes_us)
         issued[part] += programs * r["issued"]
-        print(f"| {label} | {r['warps']} | {r['stages']} | {r['regs']} | {r['spill']} | {r['smem'] / 1024:.0f} | "
-              f"{r['HGMMA']} | {r['HMMA']} | {r['FFMA']} | {r['MUFU']} | {r['LDL']} | {r['STL']} | {r['dots']} | "
-              f"{r['replicated']} | {r['warp_instrs']} | {r['loops']} | {r['issued']} | {issue_us:.0f} | "
-              f"{nbytes / 1e6:.0f} | {bytes_us:.0f} |", flush=True)  # fmt: skip
+        print(
+            f"| {label} | {r['warps']} | {r['stages']} | {r['regs']} | {r['spill']} | {r['smem'] / 1024:.0f} | "
+            f"{r['HGMMA']} | {r['HMMA']} | {r['FFMA']} | {r['MUFU']} | {r['LDL']} | {r['STL']} | {r['dots']} | "
+            f"{r['replicated']} | {r['warp_instrs']} | {r['loops']} | {r['issued']} | {issue_us:.0f} | "
+            f"{nbytes / 1e6:.0f} | {bytes_us:.0f} |",
+            flush=True,
+        )
         if r["smem"] > SMEM_LIMIT:
             over.append(label)
         if r["spill"] > SPILL_BUDGET[dtype]:
@@ -353,8 +443,12 @@ def main(argv=None) -> int:
     p.add_argument("--precision", default=hide, choices=("auto", *pallas_gpu.PRECISIONS), help="kda (default auto)")
     p.add_argument("--block-v", type=int, default=hide, help="kda (default: by dtype)")
     p.add_argument("--block-k", type=int, default=hide, help="by --op, its Config's default")
-    p.add_argument("--fla-options", action="store_true", default=hide,
-                   help="kda: gate, L2 norm and beta sigmoid in the op, as vs FLA")  # fmt: skip
+    p.add_argument(
+        "--fla-options",
+        action="store_true",
+        default=hide,
+        help="kda: gate, L2 norm and beta sigmoid in the op, as vs FLA",
+    )
     p.add_argument("--H", type=int, default=hide, help="kascade: query heads (default 32)")
     p.add_argument("--kv-heads", type=int, default=hide, help="kascade: KV heads (default 8)")
     p.add_argument("--head-dim", type=int, default=hide, help="kascade (default 128)")
@@ -363,8 +457,13 @@ def main(argv=None) -> int:
     p.add_argument("--cache-len", type=int, default=hide, help="kascade: decode cache keys (default 32768)")
     p.add_argument("--block-scores", type=int, default=hide, help="kascade (default: its Config's)")
     p.add_argument("--block-decode", type=int, default=hide, help="kascade (default: its Config's)")
-    p.add_argument("--launch", nargs="*", default=[], metavar="KERNEL=WARPS,STAGES",
-                   help="override the --op's launch table (pallas_gpu.LAUNCH)")  # fmt: skip
+    p.add_argument(
+        "--launch",
+        nargs="*",
+        default=[],
+        metavar="KERNEL=WARPS,STAGES",
+        help="override the --op's launch table (pallas_gpu.LAUNCH)",
+    )
     p.add_argument("--kernels", nargs="*", help="launch-table names (default: all of the --op's)")
     p.add_argument(
         "--check",
@@ -390,37 +489,56 @@ def main(argv=None) -> int:
     versions = f"sm_90a, triton {triton.__version__}, jax {jax.__version__}"
     try:  # a bad block or launch: the Config's own message
         if a.op == "kda":
-            cfg = pallas_gpu.Config(block_v=a.block_v, block_k=a.block_k, precision=a.precision,
-                                    launch=tuple(given.items()), interpret=False).resolved()  # fmt: skip
+            cfg = pallas_gpu.Config(
+                block_v=a.block_v,
+                block_k=a.block_k,
+                precision=a.precision,
+                launch=tuple(given.items()),
+                interpret=False,
+            ).resolved()
             cfg = pallas_gpu.blocks(cfg, pallas_gpu.tiles_for(cfg, jnp.dtype(a.dtype)), a.K, a.V)  # block_v as run
         else:
-            cfg = kascade_gpu.Config(block_k=a.block_k, block_scores=a.block_scores, block_decode=a.block_decode,
-                                     launch=tuple(given.items()), interpret=False).resolved()  # fmt: skip
+            cfg = kascade_gpu.Config(
+                block_k=a.block_k,
+                block_scores=a.block_scores,
+                block_decode=a.block_decode,
+                launch=tuple(given.items()),
+                interpret=False,
+            ).resolved()
             cfg = kascade_gpu.for_dtype(cfg, jnp.dtype(a.dtype))  # the prefill blocks as run
     except ValueError as e:
         p.error(str(e))
     with tempfile.TemporaryDirectory() as workdir:
         if a.op == "kda":
-            print(f"{versions}, B=1 T={a.T} H=16 K={a.K} V={a.V} C={a.chunk_size} {a.dtype}, "
-                  f"precision={a.precision} block_v={cfg.block_v} block_k={cfg.block_k or 'per kernel'} "
-                  f"fla_options={a.fla_options}")  # fmt: skip
+            print(
+                f"{versions}, B=1 T={a.T} H=16 K={a.K} V={a.V} C={a.chunk_size} {a.dtype}, "
+                f"precision={a.precision} block_v={cfg.block_v} block_k={cfg.block_k or 'per kernel'} "
+                f"fla_options={a.fla_options}"
+            )
             rows = kda_rows(a, cfg)
         else:
-            print(f"{versions}, prefill B=1 T={a.T}, decode B={a.decode_batch} over {a.cache_len} keys, H={a.H} "
-                  f"G={a.kv_heads} D={a.head_dim} {a.dtype}, tile {a.tile_size}, top-k 10% min_k 128, "
-                  f"block_k={cfg.block_k} block_scores={cfg.block_scores} block_decode={cfg.block_decode}")  # fmt: skip
-            modules = kascade_modules(a.T, a.H, a.kv_heads, a.head_dim, a.decode_batch, a.cache_len,
-                                      jnp.dtype(a.dtype), a.tile_size, cfg)  # fmt: skip
+            print(
+                f"{versions}, prefill B=1 T={a.T}, decode B={a.decode_batch} over {a.cache_len} keys, H={a.H} "
+                f"G={a.kv_heads} D={a.head_dim} {a.dtype}, tile {a.tile_size}, top-k 10% min_k 128, "
+                f"block_k={cfg.block_k} block_scores={cfg.block_scores} block_decode={cfg.block_decode}"
+            )
+            modules = kascade_modules(
+                a.T, a.H, a.kv_heads, a.head_dim, a.decode_batch, a.cache_len, jnp.dtype(a.dtype), a.tile_size, cfg
+            )
             rows = ((f"{name} ({call})", name, *module, call) for call, name, *module in modules)
         floors, issued, spills, over = report(rows, workdir, a.dtype, a.kernels or list(launches))
     for part, us in floors.items():
         if a.op == "kda":
-            print(f"{part}: {us:.0f} us, larger floors of the kernels shown (no state-loop latency, no XLA passes); "
-                  f"{issued[part] / 1e6:.1f} M warp-instructions issued (FLA: {FLA_ISSUED[part] / 1e6:.0f} M at "
-                  f"T=8192 bf16 with its in-op options)")  # fmt: skip
+            print(
+                f"{part}: {us:.0f} us, larger floors of the kernels shown (no state-loop latency, no XLA passes); "
+                f"{issued[part] / 1e6:.1f} M warp-instructions issued (FLA: {FLA_ISSUED[part] / 1e6:.0f} M at "
+                f"T=8192 bf16 with its in-op options)"
+            )
         else:
-            print(f"{part}: {us:.0f} us, larger floors of the kernels shown (not the XLA steps around them); "
-                  f"{issued[part] / 1e6:.1f} M warp-instructions issued")  # fmt: skip
+            print(
+                f"{part}: {us:.0f} us, larger floors of the kernels shown (not the XLA steps around them); "
+                f"{issued[part] / 1e6:.1f} M warp-instructions issued"
+            )
     if spills:
         print(f"over the spill budget of {SPILL_BUDGET[a.dtype]} B a thread: {', '.join(spills)}")
     if over:

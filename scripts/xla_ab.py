@@ -63,8 +63,10 @@ def main() -> None:
             t0 = time.perf_counter()
             jax.block_until_ready(fns[n][m](*args))
             ts.append((time.perf_counter() - t0) * 1e3)
-    print(f"B={ns.B} T={ns.T} H={ns.H} K={ns.K} V={ns.V} float32, {jax.devices()[0].device_kind}, "
-          f"jax {jax.__version__}, {ns.repeats} alternated runs")  # fmt: skip
+    print(
+        f"B={ns.B} T={ns.T} H={ns.H} K={ns.K} V={ns.V} float32, {jax.devices()[0].device_kind}, "
+        f"jax {jax.__version__}, {ns.repeats} alternated runs"
+    )
     for m in ("fwd", "fwd+bwd"):
         med = {}
         for n in fns:

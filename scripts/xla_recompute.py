@@ -31,8 +31,10 @@ def main() -> None:
     args = make_inputs(ns.B, ns.T, ns.H, ns.K, ns.V, jnp.float32)
     config = xla.Config(ns.schedule)
     fns = {}
-    print(f"B={ns.B} T={ns.T} H={ns.H} K={ns.K} V={ns.V} float32, schedule {config.resolved().schedule}, "
-          f"{jax.devices()[0].device_kind}, jax {jax.__version__}")  # fmt: skip
+    print(
+        f"B={ns.B} T={ns.T} H={ns.H} K={ns.K} V={ns.V} float32, schedule {config.resolved().schedule}, "
+        f"{jax.devices()[0].device_kind}, jax {jax.__version__}"
+    )
     for keep in (False, True):
 
         def loss(*a, keep=keep):
@@ -42,8 +44,10 @@ def main() -> None:
         compiled = jax.jit(jax.grad(loss, argnums=tuple(range(5)))).lower(*args).compile()
         m = compiled.memory_analysis()
         peak = m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes
-        print(f"  disable_recompute={keep!s:5}  temporaries {m.temp_size_in_bytes / 2**20:7.1f} MiB, "
-              f"peak (with arguments and outputs) {peak / 2**20:7.1f} MiB")  # fmt: skip
+        print(
+            f"  disable_recompute={keep!s:5}  temporaries {m.temp_size_in_bytes / 2**20:7.1f} MiB, "
+            f"peak (with arguments and outputs) {peak / 2**20:7.1f} MiB"
+        )
         fns[keep] = compiled
         jax.block_until_ready(compiled(*args))
     times = {keep: [] for keep in fns}
@@ -54,8 +58,10 @@ def main() -> None:
             times[keep].append((time.perf_counter() - t0) * 1e3)
     for keep, ts in times.items():
         med, q25, q75 = Timing.of(ts)
-        print(f"  disable_recompute={keep!s:5}  fwd+bwd median {med:7.1f} ms (quartiles {q25:.1f}-{q75:.1f}), "
-              f"{ns.repeats} alternated runs")  # fmt: skip
+        print(
+            f"  disable_recompute={keep!s:5}  fwd+bwd median {med:7.1f} ms (quartiles {q25:.1f}-{q75:.1f}), "
+            f"{ns.repeats} alternated runs"
+        )
 
 
 if __name__ == "__main__":

@@ -19,8 +19,12 @@ def test_bench_table(capsys):
 def test_bench_json(capsys):
     main(["bench", "--T", "33", "--H", "1", "--K", "8", "--V", "8", "--repeats", "1", "--chunk-size", "16", "--json"])
     rows = json.loads(capsys.readouterr().out)["rows"]
-    assert {(r["backend"], r["mode"]) for r in rows} == {("xla", "fwd"), ("xla", "fwd+bwd"), ("naive", "fwd"),
-                                                          ("naive", "fwd+bwd")}  # fmt: skip
+    assert {(r["backend"], r["mode"]) for r in rows} == {
+        ("xla", "fwd"),
+        ("xla", "fwd+bwd"),
+        ("naive", "fwd"),
+        ("naive", "fwd+bwd"),
+    }
     assert all(r["rel_err"] < 1e-4 for r in rows)
 
 
@@ -47,8 +51,22 @@ def test_version_and_every_train_option_states_its_default(capsys):
 def test_bench_kascade_table_and_json(capsys):
     import json
 
-    args = ["bench", "--kascade", "--T", "96", "--cache-len", "128", "--H", "2", "--head-dim", "16", "--min-k", "8",
-            "--repeats", "1"]  # fmt: skip
+    args = [
+        "bench",
+        "--kascade",
+        "--T",
+        "96",
+        "--cache-len",
+        "128",
+        "--H",
+        "2",
+        "--head-dim",
+        "16",
+        "--min-k",
+        "8",
+        "--repeats",
+        "1",
+    ]
     assert main(args) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "| phase" in out and "x faster than dense" in out and "32-layer average (5 anchors)" in out

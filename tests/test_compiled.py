@@ -27,8 +27,14 @@ def test_ops_compile_once_per_shape_and_option():
 
 
 def test_model_forward_compiles_once_and_matches_nnx_jit():
-    config = KDAConfig(hidden_size=32, head_dim=16, num_heads=2, num_hidden_layers=2, vocab_size=64,
-                       attn={"layers": [1], "num_heads": 2})  # fmt: skip
+    config = KDAConfig(
+        hidden_size=32,
+        head_dim=16,
+        num_heads=2,
+        num_hidden_layers=2,
+        vocab_size=64,
+        attn={"layers": [1], "num_heads": 2},
+    )
     model = KDAForCausalLM(config, rngs=nnx.Rngs(0))
     ids = jax.random.randint(jax.random.key(0), (2, 24), 0, 64, jnp.int32)
     kda._forward.clear_cache()

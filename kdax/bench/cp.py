@@ -82,8 +82,16 @@ def run(T=262144, H=4, K=128, V=128, chunk_size=64, repeats=3, weak_T=None, prog
 def format_table(rows: list[Row]) -> str:
     """The rows as a markdown table."""
     head = ("scaling", "devices", "T", "median ms (IQR)", "peak MiB per device")
-    lines = [(r.scaling, str(r.devices), str(r.T), f"{r.median_ms:.0f} ({r.iqr_ms[0]:.0f}-{r.iqr_ms[1]:.0f})",
-              f"{r.peak_mib_per_device:.1f}") for r in rows]  # fmt: skip
+    lines = [
+        (
+            r.scaling,
+            str(r.devices),
+            str(r.T),
+            f"{r.median_ms:.0f} ({r.iqr_ms[0]:.0f}-{r.iqr_ms[1]:.0f})",
+            f"{r.peak_mib_per_device:.1f}",
+        )
+        for r in rows
+    ]
     widths = [max(len(h), *(len(x[i]) for x in lines)) for i, h in enumerate(head)]
     fmt = lambda cols: "| " + " | ".join(c.ljust(w) for c, w in zip(cols, widths)) + " |"
     return "\n".join([fmt(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [fmt(x) for x in lines])

@@ -43,8 +43,14 @@ def run(repeats: int = 20) -> list[dict]:
     jax.block_until_ready(generate(model, prompt, 16))
     first = 1e3 * (time.perf_counter() - t0)
     again = time_calls(lambda: generate(model, prompt, 16), repeats)
-    rows.append({"what": "generate() 32 + 16 tokens: first call vs repeats", "eager_ms": [first] * 3, "jit_ms": again,
-                 "ratio": first / again[0]})  # fmt: skip
+    rows.append(
+        {
+            "what": "generate() 32 + 16 tokens: first call vs repeats",
+            "eager_ms": [first] * 3,
+            "jit_ms": again,
+            "ratio": first / again[0],
+        }
+    )
     return rows
 
 

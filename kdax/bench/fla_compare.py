@@ -169,8 +169,14 @@ def _fla_worker(shapes, repeats, out):
         return t, torch.tensor(A_log, device=dev), torch.tensor(dt_bias, device=dev)
 
     def run(t, A_log, dt_bias):
-        o, _ = chunk_kda(*t, A_log=A_log, dt_bias=dt_bias, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-                         use_beta_sigmoid_in_kernel=True)  # fmt: skip
+        o, _ = chunk_kda(
+            *t,
+            A_log=A_log,
+            dt_bias=dt_bias,
+            use_qk_l2norm_in_kernel=True,
+            use_gate_in_kernel=True,
+            use_beta_sigmoid_in_kernel=True,
+        )
         return o
 
     def fwd_bwd(t, A_log, dt_bias):  # fresh gradients, as JAX returns (no accumulation into .grad)
@@ -219,8 +225,19 @@ def _kdax_worker(shapes, repeats, out, backends=("pallas_gpu", "xla")):
 
     def fns(backend):
         def op(q, k, v, g, beta, A_log, dt_bias):
-            o, _ = kdax.chunk_kda(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, use_qk_l2norm_in_kernel=True,
-                                  use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, backend=backend)  # fmt: skip
+            o, _ = kdax.chunk_kda(
+                q,
+                k,
+                v,
+                g,
+                beta,
+                A_log=A_log,
+                dt_bias=dt_bias,
+                use_qk_l2norm_in_kernel=True,
+                use_gate_in_kernel=True,
+                use_beta_sigmoid_in_kernel=True,
+                backend=backend,
+            )
             return o
 
         loss = lambda *a: 0.5 * jnp.sum(jnp.square(op(*a).astype(f32)))
@@ -243,8 +260,19 @@ def _kdax_worker(shapes, repeats, out, backends=("pallas_gpu", "xla")):
                     profiled[mode] = f
                 except jax.errors.JaxRuntimeError as e:  # e.g. out of memory: reported, not hidden
                     err = f"{type(e).__name__}: {str(e)[:200]}"
-                result["rows"].append({"B": B, "T": T, "impl": f"kdax {backend}", "mode": mode, "ms": ms, "q25": q25,
-                                       "q75": q75, "error": err, "compile_s": compile_s})  # fmt: skip
+                result["rows"].append(
+                    {
+                        "B": B,
+                        "T": T,
+                        "impl": f"kdax {backend}",
+                        "mode": mode,
+                        "ms": ms,
+                        "q25": q25,
+                        "q75": q75,
+                        "error": err,
+                        "compile_s": compile_s,
+                    }
+                )
                 log(f"kdax {backend} B={B} T={T} {mode}: {ms if err is None else err} ms, compiled in {compile_s} s")
                 _save(result, out)
             if backend == "pallas_gpu" and (B, T) == shapes[0]:  # before the next backend's compiles
@@ -332,14 +360,21 @@ def format_profiles(res: dict, min_share: float = 0.01) -> list[str]:
             kernels = prof[mode]
             total = sum(r["us"] for r in kernels)
             ms = timed.get((impl, prof["B"], prof["T"], mode))
-            out.append(f"{head}: {total / 1e3:.3f} ms of device time per call in {len(kernels)} kernels"
-                       + (f" ({ms:.3f} ms timed)" if ms else ""))  # fmt: skip
+            out.append(
+                f"{head}: {total / 1e3:.3f} ms of device time per call in {len(kernels)} kernels"
+                + (f" ({ms:.3f} ms timed)" if ms else "")
+            )
             out += ["| kernel | µs per call | launches per call | share |", "|---|---|---|---|"]
             shown = [r for r in kernels if r["us"] >= min_share * total]
             rest = kernels[len(shown) :]
             if rest:
-                shown.append({"kernel": f"other kernels ({len(rest)})", "us": sum(r["us"] for r in rest),
-                              "launches": sum(r["launches"] for r in rest)})  # fmt: skip
+                shown.append(
+                    {
+                        "kernel": f"other kernels ({len(rest)})",
+                        "us": sum(r["us"] for r in rest),
+                        "launches": sum(r["launches"] for r in rest),
+                    }
+                )
             for r in shown:
                 name = r["kernel"].replace("|", "/")
                 name = name if len(name) <= 80 else name[:77] + "..."
@@ -361,9 +396,9 @@ def format_compare(res: dict) -> str:
             )
             continue
         out.append(
-            f"| {r['B']} | {r['T']} | {r['mode']} | {r['impl']} | {r['ms']:.3f} ({r['q25']:.3f}-{r['q75']:.3f}) | {r['tflops']:.1f} "
-            f"({100 * r['tflops'] / pk:.0f}%) | {r['gbs']:.0f} ({100 * r['gbs'] / bw:.0f}%) | {r['vs_fla']:.2f} "
-            f"| {compile_s} |"
+            f"| {r['B']} | {r['T']} | {r['mode']} | {r['impl']} | {r['ms']:.3f} ({r['q25']:.3f}-{r['q75']:.3f}) "
+            f"| {r['tflops']:.1f} ({100 * r['tflops'] / pk:.0f}%) | {r['gbs']:.0f} ({100 * r['gbs'] / bw:.0f}%) "
+            f"| {r['vs_fla']:.2f} | {compile_s} |"
         )
     s = res["small_case"]
     out.append(f"\nmax rel. error over o and every gradient, B={s['B']} T={s['T']} H={s['H']} bf16:")

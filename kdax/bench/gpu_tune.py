@@ -39,8 +39,15 @@ def tune(B=1, T=8192, H=16, K=128, V=128, repeats=10, kernels=None, blocks=None,
     args = [jnp.asarray(x, jnp.bfloat16) for x in (q, k, v, g, beta)]
 
     def loss(*a, cfg):
-        o, _ = kdax.chunk_kda(*a, A_log=jnp.asarray(A_log), dt_bias=jnp.asarray(dt_bias), use_qk_l2norm_in_kernel=True,
-                              use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, config=cfg)  # fmt: skip
+        o, _ = kdax.chunk_kda(
+            *a,
+            A_log=jnp.asarray(A_log),
+            dt_bias=jnp.asarray(dt_bias),
+            use_qk_l2norm_in_kernel=True,
+            use_gate_in_kernel=True,
+            use_beta_sigmoid_in_kernel=True,
+            config=cfg,
+        )
         return 0.5 * jnp.sum(jnp.square(o.astype(jnp.float32)))
 
     def measure(cfg) -> float:
@@ -64,9 +71,16 @@ def tune(B=1, T=8192, H=16, K=128, V=128, repeats=10, kernels=None, blocks=None,
     best = min((pallas_gpu.Config(block_v=bv, block_k=bk) for bv, bk in sweep), key=time_of)
     for kernel in pallas_gpu.LAUNCH if kernels is None else kernels:
         launch = {**pallas_gpu.LAUNCH, **dict(best.launch)}
-        trials = [dataclasses.replace(best, launch=tuple({**launch, kernel: ws}.items()))
-                  for ws in itertools.product(WARPS, STAGES)]  # fmt: skip
+        trials = [
+            dataclasses.replace(best, launch=tuple({**launch, kernel: ws}.items()))
+            for ws in itertools.product(WARPS, STAGES)
+        ]
         best = min(trials, key=time_of)
     shape = f"B={B} T={T} H={H} K={K} V={V} bf16"
-    return {"shape": shape, "block_v": best.block_v, "block_k": best.block_k, "launch": dict(best.launch),
-            "fwd_bwd_ms": timed[best]}  # fmt: skip
+    return {
+        "shape": shape,
+        "block_v": best.block_v,
+        "block_k": best.block_k,
+        "launch": dict(best.launch),
+        "fwd_bwd_ms": timed[best],
+    }

@@ -49,8 +49,22 @@ def default_backends() -> tuple[str, ...]:
     return ("xla",) if kernels is None else ("xla", kernels)
 
 
-def run(B=1, T=4096, L=16384, H=8, G=2, D=128, topk_percent=10, min_k=128, tile_size=32, dtype="float32",
-        repeats=5, progress=True, backends=None, decode_batch=None) -> list[Row]:  # fmt: skip
+def run(
+    B=1,
+    T=4096,
+    L=16384,
+    H=8,
+    G=2,
+    D=128,
+    topk_percent=10,
+    min_k=128,
+    tile_size=32,
+    dtype="float32",
+    repeats=5,
+    progress=True,
+    backends=None,
+    decode_batch=None,
+) -> list[Row]:
     """Time each layer kind at prefill length T (batch B) and decode cache length L.
 
     Args:
@@ -69,27 +83,31 @@ def run(B=1, T=4096, L=16384, H=8, G=2, D=128, topk_percent=10, min_k=128, tile_
     idx, _ = kdax.kascade_anchor(*_inputs(B, T, H, G, D, dtype, seed=1), **opts, tile_size=tile_size)
     prefill = {  # every array an argument: a closed-over array would be a constant XLA may fold
         "dense": lambda q, k, v, idx, b: jax.nn.dot_product_attention(q, k, v, is_causal=True),
-        "anchor (dense output)": lambda q, k, v, idx, b: kdax.kascade_anchor(q, k, v, **opts, tile_size=tile_size,
-                                                                            dense_output=True, backend=b),
+        "anchor (dense output)": lambda q, k, v, idx, b: kdax.kascade_anchor(
+            q, k, v, **opts, tile_size=tile_size, dense_output=True, backend=b
+        ),
         "anchor": lambda q, k, v, idx, b: kdax.kascade_anchor(q, k, v, **opts, tile_size=tile_size, backend=b),
-        "reuse": lambda q, k, v, idx, b: kdax.kascade_reuse(q, k, v, idx, head_map=head_map, tile_size=tile_size,
-                                                            backend=b),
-    }  # fmt: skip
+        "reuse": lambda q, k, v, idx, b: kdax.kascade_reuse(
+            q, k, v, idx, head_map=head_map, tile_size=tile_size, backend=b
+        ),
+    }
     Bd = B if decode_batch is None else decode_batch
     qd, kc, vc = _inputs(Bd, L, H, G, D, dtype, seed=2)
     qd, lengths = qd[:, -1], jnp.full((Bd,), L, jnp.int32)
     didx, _ = kdax.kascade_anchor_decode(qd * 0.5, kc, vc, lengths, **opts)
     decode = {
         "dense": lambda q, k, v, n, idx, b: jax.nn.dot_product_attention(q[:, None], k, v)[:, 0],
-        "anchor (dense output)": lambda q, k, v, n, idx, b: kdax.kascade_anchor_decode(q, k, v, n, **opts,
-                                                                                      dense_output=True, backend=b),
+        "anchor (dense output)": lambda q, k, v, n, idx, b: kdax.kascade_anchor_decode(
+            q, k, v, n, **opts, dense_output=True, backend=b
+        ),
         "anchor": lambda q, k, v, n, idx, b: kdax.kascade_anchor_decode(q, k, v, n, **opts, backend=b),
-        "reuse": lambda q, k, v, n, idx, b: kdax.kascade_reuse_decode(q, k, v, n, idx, head_map=head_map,
-                                                                      backend=b),
-    }  # fmt: skip
+        "reuse": lambda q, k, v, n, idx, b: kdax.kascade_reuse_decode(q, k, v, n, idx, head_map=head_map, backend=b),
+    }
     jobs = []
-    for phase, n, fns, args in (("prefill", T, prefill, (q, k, v, idx)), ("decode", L, decode,
-                                                                         (qd, kc, vc, lengths, didx))):  # fmt: skip
+    for phase, n, fns, args in (
+        ("prefill", T, prefill, (q, k, v, idx)),
+        ("decode", L, decode, (qd, kc, vc, lengths, didx)),
+    ):
         jobs.append((phase, n, "-", "dense", fns["dense"], args))
         jobs += [(phase, n, b, name, fn, args) for b in backends for name, fn in fns.items() if name != "dense"]
     bar = tqdm(jobs, desc="kdax bench --kascade", disable=not progress)
@@ -105,10 +123,23 @@ def run(B=1, T=4096, L=16384, H=8, G=2, D=128, topk_percent=10, min_k=128, tile_
         rows.append(Row(phase, n, backend, name, t.median, (t.q25, t.q75), dense_ms[phase] / t.median, err))
         if name == "reuse":  # the backend's last layer kind of this phase
             ms = {r.layer: r for r in rows if r.phase == phase and r.backend == backend}
-            avg = (ms["anchor (dense output)"].median_ms + (ANCHORS - 1) * ms["anchor"].median_ms
-                   + (LAYERS - ANCHORS) * ms["reuse"].median_ms) / LAYERS  # fmt: skip
-            rows.append(Row(phase, n, backend, f"{LAYERS}-layer average ({ANCHORS} anchors)", avg, (avg, avg),
-                            dense_ms[phase] / avg, None))  # fmt: skip
+            avg = (
+                ms["anchor (dense output)"].median_ms
+                + (ANCHORS - 1) * ms["anchor"].median_ms
+                + (LAYERS - ANCHORS) * ms["reuse"].median_ms
+            ) / LAYERS
+            rows.append(
+                Row(
+                    phase,
+                    n,
+                    backend,
+                    f"{LAYERS}-layer average ({ANCHORS} anchors)",
+                    avg,
+                    (avg, avg),
+                    dense_ms[phase] / avg,
+                    None,
+                )
+            )
     return rows
 
 
@@ -126,25 +157,44 @@ def _error(name, o, args, head_map, opts, tile_size):
             elif name == "dense":
                 ref = reference.naive_attention(q, k, v)
             else:
-                ref = reference.naive_kascade_anchor(q, k, v, **opts, tile_size=tile_size,
-                                                     dense_output=name != "anchor")[1]  # fmt: skip
+                ref = reference.naive_kascade_anchor(
+                    q, k, v, **opts, tile_size=tile_size, dense_output=name != "anchor"
+                )[1]
         else:
             lengths = arrays.pop()
             q, kc, vc = (x.astype(jnp.float64) for x in arrays)
             if name == "reuse":
                 ref = reference.naive_kascade_reuse_decode(q, kc, vc, lengths, idx, head_map=head_map)
             else:
-                ref = reference.naive_kascade_anchor_decode(q, kc, vc, lengths, **opts,
-                                                            dense_output=name != "anchor")[1]  # fmt: skip
+                ref = reference.naive_kascade_anchor_decode(q, kc, vc, lengths, **opts, dense_output=name != "anchor")[
+                    1
+                ]
         return rel_rms(o, ref)
 
 
 def format_table(rows: list[Row]) -> str:
     """The rows as a markdown table with a legend."""
-    head = ("phase", "tokens", "backend", "layer", "median ms (IQR)", "x faster than dense",
-            "rel. RMS error vs float64")  # fmt: skip
-    lines = [(r.phase, str(r.tokens), r.backend, r.layer, f"{r.median_ms:.2f} ({r.iqr_ms[0]:.2f}-{r.iqr_ms[1]:.2f})",
-              f"{r.vs_dense:.2f}x", "-" if r.rel_err is None else f"{r.rel_err:.2e}") for r in rows]  # fmt: skip
+    head = (
+        "phase",
+        "tokens",
+        "backend",
+        "layer",
+        "median ms (IQR)",
+        "x faster than dense",
+        "rel. RMS error vs float64",
+    )
+    lines = [
+        (
+            r.phase,
+            str(r.tokens),
+            r.backend,
+            r.layer,
+            f"{r.median_ms:.2f} ({r.iqr_ms[0]:.2f}-{r.iqr_ms[1]:.2f})",
+            f"{r.vs_dense:.2f}x",
+            "-" if r.rel_err is None else f"{r.rel_err:.2e}",
+        )
+        for r in rows
+    ]
     widths = [max(len(h), *(len(x[i]) for x in lines)) for i, h in enumerate(head)]
     fmt = lambda cols: "| " + " | ".join(c.ljust(w) for c, w in zip(cols, widths)) + " |"
     legend = (
@@ -154,5 +204,6 @@ def format_table(rows: list[Row]) -> str:
         f"weighs one dense-output anchor, {ANCHORS - 1} anchors and {LAYERS - ANCHORS} reuse layers. Error: against "
         "the float64 reference of the same layer (prefill up to T = 4096)."
     )
-    return "\n".join([fmt(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [fmt(x) for x in lines]
-                     + ["", legend])  # fmt: skip
+    return "\n".join(
+        [fmt(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [fmt(x) for x in lines] + ["", legend]
+    )

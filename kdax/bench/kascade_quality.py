@@ -87,8 +87,9 @@ def evaluate(model: KDAForCausalLM, schedule: KascadeSchedule, ids, topk_percent
     no_remap = dataclasses.replace(sched, head_maps={k: tuple(range(G)) for k in sched.head_maps})
     oracle = dataclasses.replace(sched, anchors=sched.layers, head_maps={})
     B, T = ids.shape
-    layers, probs, selections, _ = dense_pass(model, ids, topk_percent=topk_percent, min_k=sched.min_k,
-                                              tile_size=sched.tile_size)  # fmt: skip
+    layers, probs, selections, _ = dense_pass(
+        model, ids, topk_percent=topk_percent, min_k=sched.min_k, tile_size=sched.tile_size
+    )
     where = {layer: i for i, layer in enumerate(layers)}
     blind = {kind: baseline_indices(kind, B, G, T, sched, seed) for kind in ("sink_window", "random")}
     rows = []
@@ -114,8 +115,14 @@ def evaluate(model: KDAForCausalLM, schedule: KascadeSchedule, ids, topk_percent
                 per_layer.append(1.0)  # dense
             else:
                 per_layer.append(recall(probs[where[layer]], chosen(layer), sched.tile_size))
-        rows.append({"method": method, "topk_percent": topk_percent, "perplexity": _perplexity(logits, ids),
-                     "recall": [round(r, 4) for r in per_layer]})  # fmt: skip
+        rows.append(
+            {
+                "method": method,
+                "topk_percent": topk_percent,
+                "perplexity": _perplexity(logits, ids),
+                "recall": [round(r, 4) for r in per_layer],
+            }
+        )
     return rows
 
 
@@ -125,8 +132,11 @@ def format_table(rows: list[dict], layers: list[int]) -> str:
     lines = [head, "|" + "---|" * (3 + len(layers))]
     for r in rows:
         budget_txt = "-" if r["method"] == "dense" else f"{r['topk_percent']:g}%"
-        lines.append(f"| {budget_txt} | {r['method']} | {r['perplexity']:.3f} | "
-                     + " | ".join(f"{x:.3f}" for x in r["recall"]) + " |")  # fmt: skip
+        lines.append(
+            f"| {budget_txt} | {r['method']} | {r['perplexity']:.3f} | "
+            + " | ".join(f"{x:.3f}" for x in r["recall"])
+            + " |"
+        )
     return "\n".join(lines)
 
 
@@ -134,8 +144,11 @@ def main(argv: list[str] | None = None) -> int:
     from kdax.models import from_pretrained
     from kdax.train import load_corpus
 
-    p = argparse.ArgumentParser(prog="python -m kdax.bench.kascade_quality", description=__doc__.split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="python -m kdax.bench.kascade_quality",
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     p.add_argument("--checkpoint", required=True, help="the trained model (FLA format)")
     p.add_argument("--seq-len", type=int, default=2048, help="tokens per row, calibration and evaluation")
     p.add_argument("--calib-rows", type=int, default=4, help="calibration rows, from the start of the corpus")
@@ -162,15 +175,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"calibrating at {pct:g}% on {ns.calib_rows} x {L} tokens...", file=sys.stderr, flush=True)
         schedule = calibrate(model, calib, ns.anchors, topk_percent=pct, min_k=ns.min_k, tile_size=ns.tile_size)
         schedules[pct] = schedule
-        print(f"  anchors {list(schedule.anchors)}; evaluating on {ns.eval_rows} x {L} held-out tokens...",
-              file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"  anchors {list(schedule.anchors)}; evaluating on {ns.eval_rows} x {L} held-out tokens...",
+            file=sys.stderr,
+            flush=True,
+        )
         got = evaluate(model, schedule, ev, pct)
         rows += [r for r in got if r["method"] != "dense" or not rows]
     if ns.schedule_out:
         schedules[budgets[0]].save(ns.schedule_out)
     layers = list(schedules[budgets[0]].layers)
-    meta = {"jax": jax.__version__, "device": jax.devices()[0].device_kind, "command": " ".join(sys.argv),
-            "schedules": {str(k): json.loads(s.to_json()) for k, s in schedules.items()}}  # fmt: skip
+    meta = {
+        "jax": jax.__version__,
+        "device": jax.devices()[0].device_kind,
+        "command": " ".join(sys.argv),
+        "schedules": {str(k): json.loads(s.to_json()) for k, s in schedules.items()},
+    }
     print(json.dumps({"meta": meta, "rows": rows}, indent=1) if ns.json else format_table(rows, layers))
     return 0
 

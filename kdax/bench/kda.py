@@ -57,8 +57,19 @@ def _fns(backend: str, chunk_size: int):
     return fwd, jax.jit(jax.grad(loss, argnums=tuple(range(5))))
 
 
-def run(B=1, T=1024, H=4, K=64, V=64, dtype="float32", chunk_size=64, backends=("xla", "naive"),
-        repeats=5, check_error=True, progress=True) -> list[Row]:  # fmt: skip
+def run(
+    B=1,
+    T=1024,
+    H=4,
+    K=64,
+    V=64,
+    dtype="float32",
+    chunk_size=64,
+    backends=("xla", "naive"),
+    repeats=5,
+    check_error=True,
+    progress=True,
+) -> list[Row]:
     """Benchmark the given backends on one shape; returns one Row per backend and mode."""
     args = make_inputs(B, T, H, K, V, jnp.dtype(dtype))
     shape = f"B={B} T={T} H={H} K={K} V={V} {dtype}"
@@ -122,11 +133,16 @@ def format_table(rows: list[Row]) -> str:
         "rel. RMS error vs float64",
     )
     lines = [
-        (r.shape, r.backend, r.mode, f"{r.median_ms:.2f} ({r.iqr_ms[0]:.2f}-{r.iqr_ms[1]:.2f})",
-         "-" if r.speedup_vs_naive is None else f"{r.speedup_vs_naive:.2f}x",
-         "-" if r.rel_err is None else f"{r.rel_err:.2e}")
+        (
+            r.shape,
+            r.backend,
+            r.mode,
+            f"{r.median_ms:.2f} ({r.iqr_ms[0]:.2f}-{r.iqr_ms[1]:.2f})",
+            "-" if r.speedup_vs_naive is None else f"{r.speedup_vs_naive:.2f}x",
+            "-" if r.rel_err is None else f"{r.rel_err:.2e}",
+        )
         for r in rows
-    ]  # fmt: skip
+    ]
     widths = [max(len(h), *(len(x[i]) for x in lines)) for i, h in enumerate(head)]
     fmt = lambda cols: "| " + " | ".join(c.ljust(w) for c, w in zip(cols, widths)) + " |"
     sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"

@@ -12,8 +12,15 @@ from kdax.models import PRESETS, KDAForCausalLM
 from kdax.models.generation import decode_sample, prefill_sample
 
 
-def run(name: str, batch: int, prompt_len: int, decode_steps: int, repeats: int, dtype: str = "float32",
-        progress: bool = True) -> dict:  # fmt: skip
+def run(
+    name: str,
+    batch: int,
+    prompt_len: int,
+    decode_steps: int,
+    repeats: int,
+    dtype: str = "float32",
+    progress: bool = True,
+) -> dict:
     """Median wall time of a jit-compiled prefill of [batch, prompt_len] tokens and of
     ``decode_steps`` single-token steps after it (greedy, caches preallocated), with the
     weights in ``dtype`` (:meth:`KDAForCausalLM.astype`); ``progress``: a progress bar on stderr."""
@@ -47,10 +54,17 @@ def run(name: str, batch: int, prompt_len: int, decode_steps: int, repeats: int,
     step("done")
     bar.close()
     return {
-        "model": name, "dtype": dtype, "params": model.num_parameters(), "batch": batch, "prompt_len": prompt_len, "decode_steps": decode_steps,
-        "prefill_ms": 1e3 * t_prefill, "prefill_tok_s": batch * prompt_len / t_prefill,
-        "decode_ms_per_step": 1e3 * t_decode / decode_steps, "decode_tok_s": batch * decode_steps / t_decode,
-    }  # fmt: skip
+        "model": name,
+        "dtype": dtype,
+        "params": model.num_parameters(),
+        "batch": batch,
+        "prompt_len": prompt_len,
+        "decode_steps": decode_steps,
+        "prefill_ms": 1e3 * t_prefill,
+        "prefill_tok_s": batch * prompt_len / t_prefill,
+        "decode_ms_per_step": 1e3 * t_decode / decode_steps,
+        "decode_tok_s": batch * decode_steps / t_decode,
+    }
 
 
 def _rate(x: float) -> str:
@@ -61,6 +75,9 @@ def _rate(x: float) -> str:
 def format_row(r: dict) -> str:
     head = "| model | dtype | params | batch | prompt | prefill ms | prefill tok/s | decode ms/step | decode tok/s |"
     rule = "|" + "---|" * 9
-    row = (f"| {r['model']} | {r['dtype']} | {r['params'] / 1e6:.1f}M | {r['batch']} | {r['prompt_len']} | {r['prefill_ms']:.1f} | "
-           f"{_rate(r['prefill_tok_s'])} | {r['decode_ms_per_step']:.2f} | {_rate(r['decode_tok_s'])} |")  # fmt: skip
+    row = (
+        f"| {r['model']} | {r['dtype']} | {r['params'] / 1e6:.1f}M | {r['batch']} | {r['prompt_len']} "
+        f"| {r['prefill_ms']:.1f} | {_rate(r['prefill_tok_s'])} | {r['decode_ms_per_step']:.2f} "
+        f"| {_rate(r['decode_tok_s'])} |"
+    )
     return f"{head}\n{rule}\n{row}"

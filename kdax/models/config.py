@@ -125,8 +125,9 @@ class KDAConfig:
         if self.num_v_heads is not None:
             _positive_int("num_v_heads", self.num_v_heads)
             if self.num_v_heads % self.num_heads:
-                raise ValueError(f"num_v_heads: expected a multiple of num_heads={self.num_heads}, "
-                                 f"got {self.num_v_heads}")  # fmt: skip
+                raise ValueError(
+                    f"num_v_heads: expected a multiple of num_heads={self.num_heads}, got {self.num_v_heads}"
+                )
         v = self.head_dim * self.expand_v
         if not (v >= 1 and math.isclose(v, round(v), rel_tol=1e-5)):
             raise ValueError(f"expand_v: expected head_dim * expand_v to be a positive int, got {v}")
@@ -143,8 +144,10 @@ class KDAConfig:
         if not (isinstance(self.norm_eps, (int, float)) and self.norm_eps > 0):
             raise ValueError(f"norm_eps: expected a positive float, got {self.norm_eps!r}")
         if self.attnres_block_size is not None:
-            raise ValueError(f"attnres_block_size: expected None (attention residuals are not supported), "
-                             f"got {self.attnres_block_size!r}")  # fmt: skip
+            raise ValueError(
+                f"attnres_block_size: expected None (attention residuals are not supported), "
+                f"got {self.attnres_block_size!r}"
+            )
         for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, int) and 0 <= value < self.vocab_size):
@@ -179,11 +182,15 @@ class KDAConfig:
             for name in ("num_heads", "num_kv_heads"):
                 _positive_int(f"attn.{name}", spec[name])
             if self.hidden_size % spec["num_heads"] or (self.hidden_size // spec["num_heads"]) % 2:
-                raise ValueError(f"attn.num_heads: expected a divisor of hidden_size={self.hidden_size} "
-                                 f"giving an even head dim, got {spec['num_heads']}")  # fmt: skip
+                raise ValueError(
+                    f"attn.num_heads: expected a divisor of hidden_size={self.hidden_size} "
+                    f"giving an even head dim, got {spec['num_heads']}"
+                )
             if spec["num_heads"] % spec["num_kv_heads"]:
-                raise ValueError(f"attn.num_kv_heads: expected a divisor of num_heads={spec['num_heads']}, "
-                                 f"got {spec['num_kv_heads']}")  # fmt: skip
+                raise ValueError(
+                    f"attn.num_kv_heads: expected a divisor of num_heads={spec['num_heads']}, "
+                    f"got {spec['num_kv_heads']}"
+                )
             spec.setdefault("qkv_bias", False)
             if spec.setdefault("window_size", None) is not None:
                 _positive_int("attn.window_size", spec["window_size"])

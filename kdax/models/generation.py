@@ -47,8 +47,9 @@ def sample_logits(logits, rng, temperature: float, top_k: int | None, top_p: flo
 
 # The two steps of generate(), compiled; ``ctx``: the dispatch context to run under (part of the cache key).
 @functools.partial(jax.jit, static_argnums=(0, 4, 5, 6, 7), static_argnames=("ctx", "kascade"))
-def prefill_sample(graphdef, state, ids, lengths, max_length, temperature, top_k, top_p, rng, ctx=("auto", None),
-                   kascade=None):  # fmt: skip
+def prefill_sample(
+    graphdef, state, ids, lengths, max_length, temperature, top_k, top_p, rng, ctx=("auto", None), kascade=None
+):
     """:meth:`KDAForCausalLM.prefill` of ``ids`` [B, T] (row b's ``lengths[b]`` tokens first) into
     a fresh cache of ``max_length`` tokens, then :func:`sample_logits` at each row's last token.
 
@@ -93,9 +94,19 @@ def _check_args(model, max_new_tokens, temperature, top_k, top_p, eos_token_id, 
         raise ValueError("rng: expected a jax.random key when temperature > 0 (sampling)")
 
 
-def generate(model: KDAForCausalLM, input_ids, max_new_tokens: int, *, temperature: float = 0.0,
-             top_k: int | None = None, top_p: float | None = None, eos_token_id: int | None = None,
-             attention_mask=None, rng=None, kascade=None):  # fmt: skip
+def generate(
+    model: KDAForCausalLM,
+    input_ids,
+    max_new_tokens: int,
+    *,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    eos_token_id: int | None = None,
+    attention_mask=None,
+    rng=None,
+    kascade=None,
+):
     """Extend each prompt by up to ``max_new_tokens`` tokens: a chunked prefill, then one
     compiled decode step per token (compiled once per batch shape and option, none per step).
 

@@ -79,8 +79,9 @@ def layer_statistics(model: KDAForCausalLM, input_ids, *, topk_percent=10, min_k
         ValueError: the model has no full-attention layer, or their KV head counts differ.
     """
     _, G = _check_layers(model)
-    layers, probs, selections, importance = dense_pass(model, input_ids, topk_percent=topk_percent, min_k=min_k,
-                                                       tile_size=tile_size)  # fmt: skip
+    layers, probs, selections, importance = dense_pass(
+        model, input_ids, topk_percent=topk_percent, min_k=min_k, tile_size=tile_size
+    )
     L = len(layers)
     pairs = np.zeros((L, L, G, G))
     for a in range(L):
@@ -109,8 +110,9 @@ def forward_with(model: KDAForCausalLM, input_ids, steps: dict) -> jax.Array:
     return model._logits(model.model.norm(x))
 
 
-def calibrate(model: KDAForCausalLM, input_ids, n_anchors: int, *, topk_percent=10, min_k=128,
-              tile_size=32) -> KascadeSchedule:  # fmt: skip
+def calibrate(
+    model: KDAForCausalLM, input_ids, n_anchors: int, *, topk_percent=10, min_k=128, tile_size=32
+) -> KascadeSchedule:
     """A Kascade schedule for ``model`` from calibration tokens.
 
     Args:
@@ -122,7 +124,9 @@ def calibrate(model: KDAForCausalLM, input_ids, n_anchors: int, *, topk_percent=
     Returns:
         The :class:`kdax.KascadeSchedule`.
     """
-    layers, pairs, importance = layer_statistics(model, input_ids, topk_percent=topk_percent, min_k=min_k,
-                                                 tile_size=tile_size)  # fmt: skip
-    return build_schedule(layers, pairs, importance, n_anchors, topk_percent=topk_percent, min_k=min_k,
-                          tile_size=tile_size)  # fmt: skip
+    layers, pairs, importance = layer_statistics(
+        model, input_ids, topk_percent=topk_percent, min_k=min_k, tile_size=tile_size
+    )
+    return build_schedule(
+        layers, pairs, importance, n_anchors, topk_percent=topk_percent, min_k=min_k, tile_size=tile_size
+    )

@@ -101,14 +101,35 @@ class KDABlock(nnx.Module):
         self.attn_norm = RMSNorm(c.hidden_size, eps=c.norm_eps)
         spec = c.attention_spec(layer_idx)
         if spec is not None:
-            self.attn = Attention(c.hidden_size, spec["num_heads"], spec["num_kv_heads"], spec["qkv_bias"],
-                                  spec["window_size"], spec["rope_theta"], c.max_position_embeddings, layer_idx,
-                                  rngs=rngs)  # fmt: skip
+            self.attn = Attention(
+                c.hidden_size,
+                spec["num_heads"],
+                spec["num_kv_heads"],
+                spec["qkv_bias"],
+                spec["window_size"],
+                spec["rope_theta"],
+                c.max_position_embeddings,
+                layer_idx,
+                rngs=rngs,
+            )
         else:
-            self.attn = KimiDeltaAttention(c.hidden_size, c.expand_v, c.head_dim, c.num_heads, c.num_v_heads,
-                                           c.attn_mode, c.use_short_conv, c.allow_neg_eigval, c.safe_gate,
-                                           c.lower_bound, c.conv_size, layer_idx=layer_idx, norm_eps=c.norm_eps,
-                                           backend=backend, rngs=rngs)  # fmt: skip
+            self.attn = KimiDeltaAttention(
+                c.hidden_size,
+                c.expand_v,
+                c.head_dim,
+                c.num_heads,
+                c.num_v_heads,
+                c.attn_mode,
+                c.use_short_conv,
+                c.allow_neg_eigval,
+                c.safe_gate,
+                c.lower_bound,
+                c.conv_size,
+                layer_idx=layer_idx,
+                norm_eps=c.norm_eps,
+                backend=backend,
+                rngs=rngs,
+            )
         self.mlp_norm = RMSNorm(c.hidden_size, eps=c.norm_eps)
         self.mlp = GatedMLP(c.hidden_size, c.hidden_ratio, c.intermediate_size, c.hidden_act, rngs=rngs)
 
@@ -131,8 +152,9 @@ class KDABlock(nnx.Module):
         h = self.attn_norm(x)
         indices = None
         if isinstance(self.attn, Attention) and kascade is not None:
-            h, cache, indices = self.attn(h, positions=seg.positions, segment_ids=seg.segment_ids, cache=cache,
-                                          kascade=kascade)  # fmt: skip
+            h, cache, indices = self.attn(
+                h, positions=seg.positions, segment_ids=seg.segment_ids, cache=cache, kascade=kascade
+            )
         elif isinstance(self.attn, Attention):
             h, cache = self.attn(h, positions=seg.positions, segment_ids=seg.segment_ids, cache=cache)
         else:
@@ -310,8 +332,9 @@ class KDAForCausalLM(nnx.Module):
             raise ValueError(f"kascade: expected None or a kdax.KascadeSchedule, got {type(kascade).__name__}")
         full = full_attention_layers(self)
         if set(kascade.layers) - set(full):
-            raise ValueError(f"kascade: expected a schedule over the full-attention layers {full}, got layers "
-                             f"{list(kascade.layers)}")  # fmt: skip
+            raise ValueError(
+                f"kascade: expected a schedule over the full-attention layers {full}, got layers {list(kascade.layers)}"
+            )
         widths = {len(m) for m in kascade.head_maps.values()}
         heads = {self.model.layers[i].attn.num_kv_heads for i in kascade.layers}
         if widths and widths != heads:

@@ -17,8 +17,17 @@ def tiny_config(**overrides) -> KDAConfig:
     Returns:
         The config.
     """
-    args = {"hidden_size": 128, "head_dim": 32, "num_heads": 4, "num_hidden_layers": 4, "vocab_size": 256,
-            "attn": {"layers": [2], "num_heads": 4}, "bos_token_id": 0, "eos_token_id": 0, "tie_word_embeddings": True}  # fmt: skip
+    args = {
+        "hidden_size": 128,
+        "head_dim": 32,
+        "num_heads": 4,
+        "num_hidden_layers": 4,
+        "vocab_size": 256,
+        "attn": {"layers": [2], "num_heads": 4},
+        "bos_token_id": 0,
+        "eos_token_id": 0,
+        "tie_word_embeddings": True,
+    }
     return KDAConfig(**{**args, **overrides})
 
 
@@ -32,9 +41,17 @@ def attn8_config(**overrides) -> KDAConfig:
     Returns:
         The config.
     """
-    args = {"hidden_size": 128, "head_dim": 32, "num_heads": 4, "num_hidden_layers": 8, "vocab_size": 256,
-            "attn": {"layers": [0, 1, 2, 4, 5, 6], "num_heads": 4, "num_kv_heads": 2},
-            "bos_token_id": 0, "eos_token_id": 0, "tie_word_embeddings": True}  # fmt: skip
+    args = {
+        "hidden_size": 128,
+        "head_dim": 32,
+        "num_heads": 4,
+        "num_hidden_layers": 8,
+        "vocab_size": 256,
+        "attn": {"layers": [0, 1, 2, 4, 5, 6], "num_heads": 4, "num_kv_heads": 2},
+        "bos_token_id": 0,
+        "eos_token_id": 0,
+        "tie_word_embeddings": True,
+    }
     return KDAConfig(**{**args, **overrides})
 
 

@@ -40,8 +40,10 @@ def make_mesh(spec: str) -> jax.sharding.Mesh:
         name, _, size = part.partition("=")
         name = name.strip()
         if name not in MESH_AXES or name in sizes or not size.strip().isdigit() or int(size) < 1:
-            raise ValueError(f"mesh: expected comma-separated axis=size with axes among {MESH_AXES} (each once, "
-                             f"sizes positive), got {spec!r}")  # fmt: skip
+            raise ValueError(
+                f"mesh: expected comma-separated axis=size with axes among {MESH_AXES} (each once, "
+                f"sizes positive), got {spec!r}"
+            )
         sizes[name] = int(size)
     n, have = math.prod(sizes.values()), jax.device_count()
     if n != have:
@@ -60,8 +62,10 @@ def _rules(module: nnx.Module, L: Layout) -> dict[tuple, tuple]:
     if isinstance(module, KimiDeltaAttention):
         for what, n in (("num_heads", module.num_heads), ("num_v_heads", module.num_v_heads)):
             if n % L.size(M):
-                raise ValueError(f"mesh: expected a model axis dividing every KDA layer's heads, got {L.size(M)} "
-                                 f"devices for {what}={n}")  # fmt: skip
+                raise ValueError(
+                    f"mesh: expected a model axis dividing every KDA layer's heads, got {L.size(M)} "
+                    f"devices for {what}={n}"
+                )
         rules = {("A_log",): (M,), ("dt_bias",): (M,)}
         for name in ("q_proj", "k_proj", "v_proj", "b_proj"):
             rules |= under(name, column(M))
@@ -79,7 +83,10 @@ def _rules(module: nnx.Module, L: Layout) -> dict[tuple, tuple]:
         m = L.heads(module.intermediate_size)
         return {("gate_proj", "kernel"): (D, m), ("up_proj", "kernel"): (D, m), ("down_proj", "kernel"): (m, D)}
     if isinstance(module, KDAForCausalLM):
-        return {("model", "embeddings", "embedding"): (None, D), ("lm_head", "kernel"): (D, L.heads(module.config.vocab_size))}  # fmt: skip
+        return {
+            ("model", "embeddings", "embedding"): (None, D),
+            ("lm_head", "kernel"): (D, L.heads(module.config.vocab_size)),
+        }
     return {}
 
 

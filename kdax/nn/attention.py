@@ -74,13 +74,24 @@ class Attention(nnx.Module):
             positive; ``rope_theta`` is not positive.
     """
 
-    def __init__(self, hidden_size: int = 2048, num_heads: int = 32, num_kv_heads: int | None = None,
-                 qkv_bias: bool = False, window_size: int | None = None, rope_theta: float = 10000.0,
-                 max_position_embeddings: int | None = None, layer_idx: int | None = None, *, rngs: nnx.Rngs):  # fmt: skip
+    def __init__(
+        self,
+        hidden_size: int = 2048,
+        num_heads: int = 32,
+        num_kv_heads: int | None = None,
+        qkv_bias: bool = False,
+        window_size: int | None = None,
+        rope_theta: float = 10000.0,
+        max_position_embeddings: int | None = None,
+        layer_idx: int | None = None,
+        *,
+        rngs: nnx.Rngs,
+    ):
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         if num_heads < 1 or hidden_size % num_heads or (hidden_size // num_heads) % 2:
-            raise ValueError(f"num_heads: expected a divisor of hidden_size={hidden_size} giving an even head dim, "
-                             f"got {num_heads}")  # fmt: skip
+            raise ValueError(
+                f"num_heads: expected a divisor of hidden_size={hidden_size} giving an even head dim, got {num_heads}"
+            )
         if num_kv_heads < 1 or num_heads % num_kv_heads:
             raise ValueError(f"num_kv_heads: expected a divisor of num_heads={num_heads}, got {num_kv_heads}")
         if window_size is not None and window_size < 1:
@@ -202,8 +213,15 @@ class Attention(nnx.Module):
             kc, vc = (c.astype(q.dtype) for c in cache)
             lengths = first[:, 0] + 1
             if step.role == "anchor":
-                indices, o = kascade_anchor_decode(q[:, 0], kc, vc, lengths, topk_percent=sched.topk_percent,
-                                                   min_k=sched.min_k, dense_output=step.dense_output)  # fmt: skip
+                indices, o = kascade_anchor_decode(
+                    q[:, 0],
+                    kc,
+                    vc,
+                    lengths,
+                    topk_percent=sched.topk_percent,
+                    min_k=sched.min_k,
+                    dense_output=step.dense_output,
+                )
             else:
                 indices = None
                 o = kascade_reuse_decode(q[:, 0], kc, vc, lengths, step.indices, head_map=step.head_map)
@@ -216,8 +234,9 @@ class Attention(nnx.Module):
                 cache = tuple(_store(c, new, first, first + lengths[:, None] - 1) for c, new in zip(cache, (k, v)))
             opts = {"tile_size": sched.tile_size, "lengths": lengths}
             if step.role == "anchor":
-                indices, o = kascade_anchor(q, k, v, topk_percent=sched.topk_percent, min_k=sched.min_k,
-                                            dense_output=step.dense_output, **opts)  # fmt: skip
+                indices, o = kascade_anchor(
+                    q, k, v, topk_percent=sched.topk_percent, min_k=sched.min_k, dense_output=step.dense_output, **opts
+                )
             else:
                 indices = None
                 o = kascade_reuse(q, k, v, step.indices, head_map=step.head_map, **opts)

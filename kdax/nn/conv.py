@@ -29,8 +29,9 @@ class ShortConvolution(nnx.Module):
             ``hidden_size`` is not positive.
     """
 
-    def __init__(self, hidden_size: int, kernel_size: int, bias: bool = False, activation: str | None = "silu", *,
-                 rngs: nnx.Rngs):  # fmt: skip
+    def __init__(
+        self, hidden_size: int, kernel_size: int, bias: bool = False, activation: str | None = "silu", *, rngs: nnx.Rngs
+    ):
         if activation not in (None, "silu", "swish"):
             raise ValueError(f"activation: expected None, 'silu' or 'swish', got {activation!r}")
         if kernel_size < 1 or hidden_size < 1:
@@ -93,8 +94,9 @@ def short_conv(x, weight, bias=None, activation=None, cache=None, output_final_s
     past = jnp.zeros((N, W, D), jnp.float32) if cache is None else jnp.swapaxes(cache, 1, 2).astype(jnp.float32)
 
     def at(n, p):  # input at position p of sequence n (p < 0: from the cache)
-        return jnp.where((p >= 0)[..., None], flat[jnp.clip(cu[n] + p, 0, B * T - 1)],
-                         past[n, jnp.clip(W + p, 0, W - 1)])  # fmt: skip
+        return jnp.where(
+            (p >= 0)[..., None], flat[jnp.clip(cu[n] + p, 0, B * T - 1)], past[n, jnp.clip(W + p, 0, W - 1)]
+        )
 
     t = jnp.arange(B * T, dtype=jnp.int32)
     seq = jnp.searchsorted(cu[1:], t, side="right").astype(jnp.int32)

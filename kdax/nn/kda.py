@@ -76,11 +76,27 @@ class KimiDeltaAttention(nnx.Module):
             or is None with ``safe_gate``.
     """
 
-    def __init__(self, hidden_size: int = 2048, expand_v: float = 1.0, head_dim: int = 128, num_heads: int = 16,
-                 num_v_heads: int | None = None, mode: str = "chunk", use_short_conv: bool = True,
-                 allow_neg_eigval: bool = False, safe_gate: bool = False, lower_bound: float | None = None,
-                 conv_size: int = 4, conv_bias: bool = False, layer_idx: int | None = None, norm_eps: float = 1e-5,
-                 *, backend: str = "auto", chunk_size: int = 64, rngs: nnx.Rngs):  # fmt: skip
+    def __init__(
+        self,
+        hidden_size: int = 2048,
+        expand_v: float = 1.0,
+        head_dim: int = 128,
+        num_heads: int = 16,
+        num_v_heads: int | None = None,
+        mode: str = "chunk",
+        use_short_conv: bool = True,
+        allow_neg_eigval: bool = False,
+        safe_gate: bool = False,
+        lower_bound: float | None = None,
+        conv_size: int = 4,
+        conv_bias: bool = False,
+        layer_idx: int | None = None,
+        norm_eps: float = 1e-5,
+        *,
+        backend: str = "auto",
+        chunk_size: int = 64,
+        rngs: nnx.Rngs,
+    ):
         num_v_heads = num_heads if num_v_heads is None else num_v_heads
         head_v_dim = round(head_dim * expand_v)
         if mode not in MODES:
@@ -134,8 +150,10 @@ class KimiDeltaAttention(nnx.Module):
         K, V, HV = self.head_k_dim, self.head_v_dim, self.num_v_heads
         conv = None
         if self.use_short_conv:
-            conv = tuple(jnp.zeros((num_seqs, c.hidden_size, self.conv_size), dtype)
-                         for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d))  # fmt: skip
+            conv = tuple(
+                jnp.zeros((num_seqs, c.hidden_size, self.conv_size), dtype)
+                for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)
+            )
         return KDACache(jnp.zeros((num_seqs, HV, K, V), jnp.float32), conv)
 
     def pick_mode(self, num_tokens: int) -> str:
@@ -149,8 +167,9 @@ class KimiDeltaAttention(nnx.Module):
         """
         return "fused_recurrent" if self.deterministic and num_tokens <= RECURRENT_MAX_TOKENS else self.mode
 
-    def __call__(self, x, *, cu_seqlens=None, cache: KDACache | None = None, output_cache: bool = False,
-                 mode: str | None = None):  # fmt: skip
+    def __call__(
+        self, x, *, cu_seqlens=None, cache: KDACache | None = None, output_cache: bool = False, mode: str | None = None
+    ):
         """Run the layer over each sequence, continuing from ``cache``.
 
         Args:
@@ -177,9 +196,15 @@ class KimiDeltaAttention(nnx.Module):
         if mode not in MODES:
             raise ValueError(f"mode: expected None or one of {MODES}, got {mode!r}")
         K, HV = self.head_k_dim, self.num_v_heads
-        options = {"A_log": self.A_log[...], "dt_bias": self.dt_bias[...], "lower_bound": self.lower_bound,
-                   "use_qk_l2norm_in_kernel": True, "use_gate_in_kernel": True, "use_beta_sigmoid_in_kernel": True,
-                   "allow_neg_eigval": self.allow_neg_eigval}  # fmt: skip
+        options = {
+            "A_log": self.A_log[...],
+            "dt_bias": self.dt_bias[...],
+            "lower_bound": self.lower_bound,
+            "use_qk_l2norm_in_kernel": True,
+            "use_gate_in_kernel": True,
+            "use_beta_sigmoid_in_kernel": True,
+            "allow_neg_eigval": self.allow_neg_eigval,
+        }
         raw = [proj(x) for proj in (self.q_proj, self.k_proj, self.v_proj)]
         g, beta = self.f_proj(x), self.b_proj(x)
         if self.layout is not None and mode == "chunk" and cache is None and cu_seqlens is None and not output_cache:
@@ -196,8 +221,11 @@ class KimiDeltaAttention(nnx.Module):
                 conv_out = None
             q, k = q.reshape(B, T, self.num_heads, K), k.reshape(B, T, self.num_heads, K)
             v = v.reshape(B, T, HV, self.head_v_dim)
-            options.update(initial_state=None if cache is None else cache.recurrent, output_final_state=output_cache,
-                           cu_seqlens=cu_seqlens)  # fmt: skip
+            options.update(
+                initial_state=None if cache is None else cache.recurrent,
+                output_final_state=output_cache,
+                cu_seqlens=cu_seqlens,
+            )
             backend = scoped_backend() if self.backend == "auto" else self.backend
             g = g.reshape(B, T, HV, K)
             if mode == "fused_recurrent" and backend in ("auto", *PORTABLE):
@@ -228,11 +256,15 @@ class KimiDeltaAttention(nnx.Module):
         """
         L, (B, T) = self.layout, q.shape[:2]
         if B % L.size(L.data):
-            raise ValueError(f"x: expected a batch size that is a multiple of the {L.size(L.data)} devices of mesh "
-                             f"axis {L.data!r}, got {B}")  # fmt: skip
+            raise ValueError(
+                f"x: expected a batch size that is a multiple of the {L.size(L.data)} devices of mesh "
+                f"axis {L.data!r}, got {B}"
+            )
         if L.context and T % (L.size(L.context) * self.chunk_size):
-            raise ValueError(f"x: expected a length that is a multiple of {L.size(L.context) * self.chunk_size} (the "
-                             f"{L.size(L.context)} devices of mesh axis {L.context!r} x chunk_size), got {T}")  # fmt: skip
+            raise ValueError(
+                f"x: expected a length that is a multiple of {L.size(L.context) * self.chunk_size} (the "
+                f"{L.size(L.context)} devices of mesh axis {L.context!r} x chunk_size), got {T}"
+            )
         convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d) if self.use_short_conv else ()
         weights = [(c.weight[...], None if c.bias is None else c.bias[...]) for c in convs]
         A_log, dt_bias = options.pop("A_log"), options.pop("dt_bias")
@@ -241,17 +273,36 @@ class KimiDeltaAttention(nnx.Module):
         def local(q, k, v, g, beta, weights, A_log, dt_bias):
             xs = (q, k, v)
             if convs:
-                xs = [short_conv(x, w, b, c.activation, from_previous_device(x, L.context, c.kernel_size)
-                                 if L.context else None)[0] for x, (w, b), c in zip(xs, weights, convs)]  # fmt: skip
+                xs = [
+                    short_conv(
+                        x, w, b, c.activation, from_previous_device(x, L.context, c.kernel_size) if L.context else None
+                    )[0]
+                    for x, (w, b), c in zip(xs, weights, convs)
+                ]
             else:
                 xs = [jax.nn.silu(x) for x in xs]
             Bl, Tl = q.shape[:2]
             q, k, v = (x.reshape(Bl, Tl, -1, d) for x, d in zip(xs, (K, K, self.head_v_dim)))
             cp = ContextParallel(L.context) if L.context else None
-            return chunk_kda(q, k, v, g.reshape(Bl, Tl, -1, K), beta, A_log=A_log, dt_bias=dt_bias, context_parallel=cp,
-                             chunk_size=self.chunk_size, backend=self.backend, **options)[0]  # fmt: skip
+            return chunk_kda(
+                q,
+                k,
+                v,
+                g.reshape(Bl, Tl, -1, K),
+                beta,
+                A_log=A_log,
+                dt_bias=dt_bias,
+                context_parallel=cp,
+                chunk_size=self.chunk_size,
+                backend=self.backend,
+                **options,
+            )[0]
 
         rows, heads = P(L.data, L.context, L.model), P(L.model)
-        return jax.shard_map(local, mesh=L.mesh, in_specs=(rows,) * 5 + (heads, heads, heads),
-                             out_specs=P(L.data, L.context, L.model, None), check_vma=False)(
-            q, k, v, g, beta, weights, A_log, dt_bias)  # fmt: skip
+        return jax.shard_map(
+            local,
+            mesh=L.mesh,
+            in_specs=(rows,) * 5 + (heads, heads, heads),
+            out_specs=P(L.data, L.context, L.model, None),
+            check_vma=False,
+        )(q, k, v, g, beta, weights, A_log, dt_bias)

@@ -21,8 +21,15 @@ class GatedMLP(nnx.Module):
         ValueError: ``hidden_act`` is not "swish".
     """
 
-    def __init__(self, hidden_size: int, hidden_ratio: int | None = None, intermediate_size: int | None = None,
-                 hidden_act: str = "swish", *, rngs: nnx.Rngs):  # fmt: skip
+    def __init__(
+        self,
+        hidden_size: int,
+        hidden_ratio: int | None = None,
+        intermediate_size: int | None = None,
+        hidden_act: str = "swish",
+        *,
+        rngs: nnx.Rngs,
+    ):
         if hidden_act != "swish":
             raise ValueError(f"hidden_act: expected 'swish', got {hidden_act!r}")
         hidden_ratio = 4 if hidden_ratio is None else hidden_ratio

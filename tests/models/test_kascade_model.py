@@ -14,8 +14,14 @@ from kdax import KascadeSchedule
 from kdax.models import KDAConfig, KDAForCausalLM, generate
 
 # Layers 0, 1, 3, 4 softmax attention (2 KV heads), layer 2 KDA.
-CONFIG = KDAConfig(hidden_size=32, head_dim=8, num_heads=4, num_hidden_layers=5, vocab_size=64,
-                   attn={"layers": [0, 1, 3, 4], "num_heads": 4, "num_kv_heads": 2})  # fmt: skip
+CONFIG = KDAConfig(
+    hidden_size=32,
+    head_dim=8,
+    num_heads=4,
+    num_hidden_layers=5,
+    vocab_size=64,
+    attn={"layers": [0, 1, 3, 4], "num_heads": 4, "num_kv_heads": 2},
+)
 SPARSE = KascadeSchedule((0, 1, 3, 4), (0, 3), {1: (0, 1), 4: (1, 0)}, topk_percent=10, min_k=2, tile_size=16)
 FULL = KascadeSchedule((0, 1, 3, 4), (0, 3), {1: (0, 1), 4: (1, 0)}, topk_percent=100, min_k=10_000, tile_size=16)
 
@@ -33,8 +39,9 @@ def test_a_schedule_that_selects_every_key_is_dense(model):
     ids = _ids()
     np.testing.assert_allclose(model(ids, kascade=FULL), model(ids), atol=2e-5)
     mask = jnp.ones_like(ids).at[1, 50:].set(0)
-    np.testing.assert_allclose(model(ids, attention_mask=mask, kascade=FULL), model(ids, attention_mask=mask),
-                               atol=2e-5)  # fmt: skip
+    np.testing.assert_allclose(
+        model(ids, attention_mask=mask, kascade=FULL), model(ids, attention_mask=mask), atol=2e-5
+    )
     prompt = _ids(2, 20)
     np.testing.assert_array_equal(generate(model, prompt, 8, kascade=FULL), generate(model, prompt, 8))
 
@@ -109,8 +116,24 @@ def test_kdax_kascade_calibrate_writes_a_schedule(model, tmp_path, capsys):
     bytes_model = KDAForCausalLM(dataclasses.replace(CONFIG, vocab_size=256), rngs=nnx.Rngs(1))
     save_pretrained(bytes_model, tmp_path / "model")
     out = tmp_path / "schedule.json"
-    argv = ["kascade", "calibrate", "--checkpoint", str(tmp_path / "model"), "--rows", "1", "--seq-len", "64",
-            "--anchors", "3", "--min-k", "4", "--tile-size", "16", "--out", str(out)]  # fmt: skip
+    argv = [
+        "kascade",
+        "calibrate",
+        "--checkpoint",
+        str(tmp_path / "model"),
+        "--rows",
+        "1",
+        "--seq-len",
+        "64",
+        "--anchors",
+        "3",
+        "--min-k",
+        "4",
+        "--tile-size",
+        "16",
+        "--out",
+        str(out),
+    ]
     assert main(argv) == 0
     schedule = KascadeSchedule.load(out)
     assert schedule.layers == (0, 1, 3, 4) and len(schedule.anchors) == 3 and schedule.tile_size == 16

@@ -81,7 +81,7 @@ def test_attention_mask_and_cu_seqlens_equal_per_sequence_runs(model):
         ids = ids.at[b, start : start + L].set(s[0])
         mask[b, start : start + L] = 1
     out = forward(model, ids, mask)
-    for b, L in enumerate(lengths):
+    for b in range(len(lengths)):
         assert rel_rms(out[b][mask[b] == 1], singles[b]) <= 1e-5
         assert float(jnp.abs(out[b][mask[b] == 0]).max(initial=0.0)) == 0.0
     cu = jnp.array(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
@@ -181,12 +181,19 @@ def test_sample_logits_top_p_keeps_the_smallest_set():
 
 @pytest.mark.parametrize(
     "kw, field",
-    [({"max_new_tokens": -1}, "max_new_tokens"), ({"temperature": -0.5}, "temperature"),
-     ({"top_k": 0}, "top_k"), ({"top_p": 1.5}, "top_p"), ({"eos_token_id": VOCAB}, "eos_token_id"),
-     ({"temperature": 1.0}, "rng"), ({"input_ids": jnp.zeros((2, 3, 1), jnp.int32)}, "input_ids"),
-     ({"input_ids": jnp.full((1, 3), VOCAB, jnp.int32)}, "input_ids"),
-     ({"attention_mask": np.zeros((2, 4))}, "attention_mask"), ({"attention_mask": np.ones((2, 3))}, "attention_mask")],
-)  # fmt: skip
+    [
+        ({"max_new_tokens": -1}, "max_new_tokens"),
+        ({"temperature": -0.5}, "temperature"),
+        ({"top_k": 0}, "top_k"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"eos_token_id": VOCAB}, "eos_token_id"),
+        ({"temperature": 1.0}, "rng"),
+        ({"input_ids": jnp.zeros((2, 3, 1), jnp.int32)}, "input_ids"),
+        ({"input_ids": jnp.full((1, 3), VOCAB, jnp.int32)}, "input_ids"),
+        ({"attention_mask": np.zeros((2, 4))}, "attention_mask"),
+        ({"attention_mask": np.ones((2, 3))}, "attention_mask"),
+    ],
+)
 def test_generate_bad_arguments_name_the_field(model, kw, field):
     args = {"input_ids": jnp.zeros((2, 4), jnp.int32), "max_new_tokens": 2, **kw}
     with pytest.raises(ValueError, match=field):
@@ -195,13 +202,22 @@ def test_generate_bad_arguments_name_the_field(model, kw, field):
 
 @pytest.mark.parametrize(
     "kw, field",
-    [({"hidden_size": 0}, "hidden_size"), ({"num_v_heads": 3}, "num_v_heads"), ({"expand_v": 0.3}, "expand_v"),
-     ({"attn_mode": "parallel"}, "attn_mode"), ({"safe_gate": True}, "lower_bound"), ({"hidden_act": "gelu"}, "hidden_act"),
-     ({"attn": {"layers": [5], "num_heads": 4}}, "attn.layers"), ({"attn": {"layers": [0], "num_heads": 5}}, "attn.num_heads"),
-     ({"attn": {"layers": [0], "num_heads": 4, "num_kv_heads": 3}}, "attn.num_kv_heads"),
-     ({"attn": {"layers": [0], "num_heads": 4, "window": 3}}, "attn"), ({"attnres_block_size": 2}, "attnres_block_size"),
-     ({"eos_token_id": VOCAB}, "eos_token_id"), ({"head_dim": 320}, "head_dim: expected at most 256")],
-)  # fmt: skip
+    [
+        ({"hidden_size": 0}, "hidden_size"),
+        ({"num_v_heads": 3}, "num_v_heads"),
+        ({"expand_v": 0.3}, "expand_v"),
+        ({"attn_mode": "parallel"}, "attn_mode"),
+        ({"safe_gate": True}, "lower_bound"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"attn": {"layers": [5], "num_heads": 4}}, "attn.layers"),
+        ({"attn": {"layers": [0], "num_heads": 5}}, "attn.num_heads"),
+        ({"attn": {"layers": [0], "num_heads": 4, "num_kv_heads": 3}}, "attn.num_kv_heads"),
+        ({"attn": {"layers": [0], "num_heads": 4, "window": 3}}, "attn"),
+        ({"attnres_block_size": 2}, "attnres_block_size"),
+        ({"eos_token_id": VOCAB}, "eos_token_id"),
+        ({"head_dim": 320}, "head_dim: expected at most 256"),
+    ],
+)
 def test_bad_configs_name_the_field(kw, field):
     with pytest.raises(ValueError, match=field):
         _config(**kw)

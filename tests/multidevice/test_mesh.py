@@ -15,8 +15,14 @@ BAR = 1e-5  # fp32 rel. RMS of outputs, final states and every gradient
 
 def test_context_parallel_and_sharded_ops_on_8_devices():
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
-    run = subprocess.run([sys.executable, "-m", "tests.multidevice.worker"], capture_output=True, text=True, env=env,
-                         timeout=900, check=False)  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, "-m", "tests.multidevice.worker"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+        check=False,
+    )
     assert run.returncode == 0, run.stderr[-4000:]
     r = json.loads(run.stdout.strip().splitlines()[-1])
     failures = []
@@ -61,9 +67,14 @@ def test_context_parallel_and_sharded_ops_on_8_devices():
             failures.append(f"{run} losses {losses} vs one device {m['one_device']}")
     if m["restored_meshes"] != [str({"data": 4, "model": 2})]:
         failures.append(f"restored onto meshes {m['restored_meshes']}")
-    for case, words in (("mesh_size", "product is the 8 devices"), ("mesh_axis", "axes among"),
-                        ("heads", "num_heads=4"), ("explicit", "Auto axes"),
-                        ("batch_size", "batch_size"), ("seq_len", "multiple of 256")):  # fmt: skip
+    for case, words in (
+        ("mesh_size", "product is the 8 devices"),
+        ("mesh_axis", "axes among"),
+        ("heads", "num_heads=4"),
+        ("explicit", "Auto axes"),
+        ("batch_size", "batch_size"),
+        ("seq_len", "multiple of 256"),
+    ):
         if words not in m[case]:
             failures.append(f"{case}: {m[case]}")
     assert not failures, "\n".join(failures)

@@ -40,8 +40,9 @@ def compare(args, **kw):
     """rel. RMS of (o, final, dq, dk, dv, dg, dbeta, dh0): context parallel (mesh form) vs one device."""
 
     def loss(q, k, v, g, b, h0, cp):
-        o, fin = kdax.chunk_kda(q, k, v, g, b, initial_state=h0, output_final_state=True, chunk_size=C,
-                                context_parallel=cp, **kw)  # fmt: skip
+        o, fin = kdax.chunk_kda(
+            q, k, v, g, b, initial_state=h0, output_final_state=True, chunk_size=C, context_parallel=cp, **kw
+        )
         return jnp.sum(jnp.sin(o)) + jnp.sum(jnp.cos(fin)), (o, fin)
 
     grad = jax.value_and_grad(loss, argnums=range(6), has_aux=True)
@@ -57,8 +58,14 @@ def in_shard_map():
     out = []
     for B, cu, more in ((2, None, {"return_intermediate_states": True}), (1, np.array([0, 40, 41, 256]), {})):
         q, k, v, g, beta, h0 = inputs(B, 256, N=None if cu is None else 3, seed=3)
-        opts = dict(initial_state=jnp.swapaxes(h0, -1, -2), output_final_state=True, chunk_size=C, cu_seqlens=cu,
-                    state_v_first=True, **more)  # fmt: skip
+        opts = dict(
+            initial_state=jnp.swapaxes(h0, -1, -2),
+            output_final_state=True,
+            chunk_size=C,
+            cu_seqlens=cu,
+            state_v_first=True,
+            **more,
+        )
         want = kdax.chunk_kda(q, k, v, g, beta, **opts)
         local = lambda *a, opts=opts: kdax.chunk_kda(*a, **opts, context_parallel=kdax.ContextParallel("context"))
         specs = (time, P(), time)[: len(want)]
@@ -98,13 +105,17 @@ def errors():
     q, k, v, g, beta, _ = inputs(2, 256)
     cases = {
         "axis": lambda: kdax.chunk_kda(q, k, v, g, beta, context_parallel=kdax.ContextParallel("seq", MESH)),
-        "cu_seqlens_B2": lambda: kdax.chunk_kda(q, k, v, g, beta, cu_seqlens=np.array([0, 100, 256]),
-                                                context_parallel=CP),
+        "cu_seqlens_B2": lambda: kdax.chunk_kda(
+            q, k, v, g, beta, cu_seqlens=np.array([0, 100, 256]), context_parallel=CP
+        ),
         "local_T": lambda: jax.shard_map(
             lambda *a: kdax.chunk_kda(*a, chunk_size=C, context_parallel=kdax.ContextParallel("context"))[0],
-            mesh=MESH, in_specs=(P(None, "context"),) * 5, out_specs=P(None, "context"), check_vma=False,
+            mesh=MESH,
+            in_specs=(P(None, "context"),) * 5,
+            out_specs=P(None, "context"),
+            check_vma=False,
         )(*(jax.device_put(x[:, :200], NamedSharding(MESH, P(None, "context"))) for x in (q, k, v, g, beta))),
-    }  # fmt: skip
+    }
     return messages(cases)
 
 
@@ -119,20 +130,38 @@ def sharded_ops():
     didx, _ = kdax.kascade_anchor_decode(qa[:, 0], ka, va, jnp.full((4,), 64), min_k=8)
     n = jnp.asarray([64, 1, 30, 0], jnp.int32)
     cases = {
-        "chunk_kda": (lambda *a: kdax.chunk_kda(*a, output_final_state=True, chunk_size=C), (q, k, v, g, beta),
-                      (bth,) * 4 + (bt,)),
-        "chunk_kda_grad": (jax.grad(lambda *a: jnp.sum(kdax.chunk_kda(*a, chunk_size=C)[0] ** 2), argnums=(0, 1, 2, 3, 4)),
-                           (q, k, v, g, beta), (bth,) * 4 + (bt,)),
-        "fused_recurrent_kda": (lambda *a: kdax.fused_recurrent_kda(*a, output_final_state=True), (q, k, v, g, beta),
-                                (bth,) * 4 + (bt,)),
+        "chunk_kda": (
+            lambda *a: kdax.chunk_kda(*a, output_final_state=True, chunk_size=C),
+            (q, k, v, g, beta),
+            (bth,) * 4 + (bt,),
+        ),
+        "chunk_kda_grad": (
+            jax.grad(lambda *a: jnp.sum(kdax.chunk_kda(*a, chunk_size=C)[0] ** 2), argnums=(0, 1, 2, 3, 4)),
+            (q, k, v, g, beta),
+            (bth,) * 4 + (bt,),
+        ),
+        "fused_recurrent_kda": (
+            lambda *a: kdax.fused_recurrent_kda(*a, output_final_state=True),
+            (q, k, v, g, beta),
+            (bth,) * 4 + (bt,),
+        ),
         "kascade_anchor": (lambda *a: kdax.kascade_anchor(*a, min_k=8, tile_size=16), (qa, ka, va), (bth,) * 3),
-        "kascade_reuse": (lambda *a: kdax.kascade_reuse(*a, tile_size=16), (qa, ka, va, idx),
-                          (bth,) * 3 + (P("data", "model"),)),
-        "kascade_anchor_decode": (lambda *a: kdax.kascade_anchor_decode(*a, min_k=8), (qa[:, 0], ka, va, n),
-                                  (P("data", "model"), bth, bth, P("data"))),
-        "kascade_reuse_decode": (kdax.kascade_reuse_decode, (qa[:, 0], ka, va, n, didx),
-                                 (P("data", "model"), bth, bth, P("data"), P("data", "model"))),
-    }  # fmt: skip
+        "kascade_reuse": (
+            lambda *a: kdax.kascade_reuse(*a, tile_size=16),
+            (qa, ka, va, idx),
+            (bth,) * 3 + (P("data", "model"),),
+        ),
+        "kascade_anchor_decode": (
+            lambda *a: kdax.kascade_anchor_decode(*a, min_k=8),
+            (qa[:, 0], ka, va, n),
+            (P("data", "model"), bth, bth, P("data")),
+        ),
+        "kascade_reuse_decode": (
+            kdax.kascade_reuse_decode,
+            (qa[:, 0], ka, va, n, didx),
+            (P("data", "model"), bth, bth, P("data"), P("data", "model")),
+        ),
+    }
     out = {}
     for name, (fn, args, specs) in cases.items():
         sharded = [jax.device_put(x, NamedSharding(mesh, s)) for x, s in zip(args, specs)]
@@ -157,11 +186,15 @@ def model_on_mesh():
     mesh = sharding.make_mesh("data=2,model=2,context=2")
     batch = np.random.default_rng(0).integers(0, 256, (4, 129)).astype(np.int32)
     grad = nnx.jit(nnx.value_and_grad(train.loss_fn))
-    (l1, g1), (l8, g8) = grad(fresh(), jnp.asarray(batch)), grad(sharding.shard(fresh(), mesh),
-                                                                 sharding.global_batch(batch, mesh))  # fmt: skip
+    (l1, g1), (l8, g8) = (
+        grad(fresh(), jnp.asarray(batch)),
+        grad(sharding.shard(fresh(), mesh), sharding.global_batch(batch, mesh)),
+    )
     pairs = zip(nnx.to_flat_state(g1), nnx.to_flat_state(g8))
-    out = {"loss_err": abs(float(l8) / float(l1) - 1),
-           "grad_err": max(rel_rms(b.get_value(), a.get_value()) for (_, a), (_, b) in pairs)}  # fmt: skip
+    out = {
+        "loss_err": abs(float(l8) / float(l1) - 1),
+        "grad_err": max(rel_rms(b.get_value(), a.get_value()) for (_, a), (_, b) in pairs),
+    }
     # the paths that run the one-device code on the sharded weights: a padded batch, packed sequences
     one, on_mesh = fresh(), sharding.shard(fresh(), mesh)
     ids = jnp.asarray(batch[:, :100])
@@ -185,11 +218,13 @@ def model_on_mesh():
         "mesh_axis": lambda: sharding.make_mesh("data=2,seq=4"),
         "heads": lambda: sharding.shard(fresh(), sharding.make_mesh("model=8")),
         "explicit": lambda: sharding.shard(fresh(), jax.make_mesh((8,), ("data",), (jax.sharding.AxisType.Explicit,))),
-        "batch_size": lambda: train.train(fresh(), tokens, train.TrainConfig(**{**cfg, "batch_size": 3},
-                                                                            mesh="data=2,model=4"), progress=False),
-        "seq_len": lambda: train.train(fresh(), tokens, train.TrainConfig(**{**cfg, "seq_len": 100},
-                                                                         mesh="data=2,context=4"), progress=False),
-    }  # fmt: skip
+        "batch_size": lambda: train.train(
+            fresh(), tokens, train.TrainConfig(**{**cfg, "batch_size": 3}, mesh="data=2,model=4"), progress=False
+        ),
+        "seq_len": lambda: train.train(
+            fresh(), tokens, train.TrainConfig(**{**cfg, "seq_len": 100}, mesh="data=2,context=4"), progress=False
+        ),
+    }
     return out | messages(cases)
 
 
@@ -197,8 +232,12 @@ def main():
     results = {
         "dense_T250_padded": compare(inputs(2, 250)),
         "varlen_in_kernel_options": compare(  # raw gate logits: g of -30 is a decay rate of about 30 a token
-            inputs(1, 256, N=5, seed=1), cu_seqlens=np.array([0, 5, 5, 100, 101, 256]), use_gate_in_kernel=True,
-            A_log=jnp.linspace(-1.0, 1.0, 4), dt_bias=jnp.linspace(-2.0, 2.0, 64), use_qk_l2norm_in_kernel=True,
+            inputs(1, 256, N=5, seed=1),
+            cu_seqlens=np.array([0, 5, 5, 100, 101, 256]),
+            use_gate_in_kernel=True,
+            A_log=jnp.linspace(-1.0, 1.0, 4),
+            dt_bias=jnp.linspace(-2.0, 2.0, 64),
+            use_qk_l2norm_in_kernel=True,
             use_beta_sigmoid_in_kernel=True,
         ),
         # the GPU kernels (Pallas interpreter) as the local op: small, the interpreter is slow
@@ -208,7 +247,7 @@ def main():
         "errors": errors(),
         "sharded_ops": sharded_ops(),
         "model": model_on_mesh(),
-    }  # fmt: skip
+    }
     print(json.dumps(results))
 
 

@@ -33,8 +33,12 @@ def test_short_conv_varlen_matches_token_by_token(bias, with_cache):
     x = rng.standard_normal((sum(lengths), D))
     cache = rng.standard_normal((len(lengths), D, W)) if with_cache else None
     cu = jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
-    y, final = conv(jnp.asarray(x, jnp.float32)[None], None if cache is None else jnp.asarray(cache, jnp.float32),
-                    output_final_state=True, cu_seqlens=cu)  # fmt: skip
+    y, final = conv(
+        jnp.asarray(x, jnp.float32)[None],
+        None if cache is None else jnp.asarray(cache, jnp.float32),
+        output_final_state=True,
+        cu_seqlens=cu,
+    )
     b = None if conv.bias is None else np.asarray(conv.bias[...])
     y_ref, final_ref = _conv_reference(x, np.asarray(conv.weight[...]), b, lengths, cache)
     np.testing.assert_allclose(y[0], y_ref, rtol=1e-5, atol=1e-5)

@@ -24,13 +24,23 @@ def test_kda_parameters_follow_fla_layout():
     shapes = {".".join(map(str, p)): v.shape for p, v in nnx.to_flat_state(nnx.state(layer, nnx.Param))}
     K, HV, Vd, D = 16, 4, 20, 48
     assert shapes == {
-        "q_proj.kernel": (D, 2 * K), "k_proj.kernel": (D, 2 * K), "v_proj.kernel": (D, HV * Vd),
-        "q_conv1d.weight": (2 * K, 1, 4), "k_conv1d.weight": (2 * K, 1, 4), "v_conv1d.weight": (HV * Vd, 1, 4),
-        "f_proj.layers.0.kernel": (D, Vd), "f_proj.layers.1.kernel": (Vd, HV * K), "b_proj.kernel": (D, HV),
-        "A_log": (HV,), "dt_bias": (HV * K,),
-        "g_proj.layers.0.kernel": (D, Vd), "g_proj.layers.1.kernel": (Vd, HV * Vd), "g_proj.layers.1.bias": (HV * Vd,),
-        "o_norm.weight": (Vd,), "o_proj.kernel": (HV * Vd, D),
-    }  # fmt: skip
+        "q_proj.kernel": (D, 2 * K),
+        "k_proj.kernel": (D, 2 * K),
+        "v_proj.kernel": (D, HV * Vd),
+        "q_conv1d.weight": (2 * K, 1, 4),
+        "k_conv1d.weight": (2 * K, 1, 4),
+        "v_conv1d.weight": (HV * Vd, 1, 4),
+        "f_proj.layers.0.kernel": (D, Vd),
+        "f_proj.layers.1.kernel": (Vd, HV * K),
+        "b_proj.kernel": (D, HV),
+        "A_log": (HV,),
+        "dt_bias": (HV * K,),
+        "g_proj.layers.0.kernel": (D, Vd),
+        "g_proj.layers.1.kernel": (Vd, HV * Vd),
+        "g_proj.layers.1.bias": (HV * Vd,),
+        "o_norm.weight": (Vd,),
+        "o_proj.kernel": (HV * Vd, D),
+    }
     a = np.exp(np.asarray(layer.A_log[...]))
     assert np.all((a >= 1) & (a <= 16))
     dt = np.asarray(jax.nn.softplus(layer.dt_bias[...]))
@@ -104,9 +114,14 @@ def test_kda_grad_and_jit():
 
 @pytest.mark.parametrize(
     "kw, field",
-    [({"mode": "parallel"}, "mode"), ({"num_v_heads": 3}, "num_v_heads"), ({"expand_v": 0.3}, "expand_v"),
-     ({"lower_bound": 1.0}, "lower_bound"), ({"safe_gate": True}, "lower_bound")],
-)  # fmt: skip
+    [
+        ({"mode": "parallel"}, "mode"),
+        ({"num_v_heads": 3}, "num_v_heads"),
+        ({"expand_v": 0.3}, "expand_v"),
+        ({"lower_bound": 1.0}, "lower_bound"),
+        ({"safe_gate": True}, "lower_bound"),
+    ],
+)
 def test_kda_bad_arguments_name_the_field(kw, field):
     with pytest.raises(ValueError, match=field):
         _kda(**kw)
@@ -195,9 +210,13 @@ def test_attention_segments_equal_separate_sequences():
 
 @pytest.mark.parametrize(
     "kw, field",
-    [({"num_heads": 5}, "num_heads"), ({"num_kv_heads": 3}, "num_kv_heads"), ({"window_size": 0}, "window_size"),
-     ({"rope_theta": -1.0}, "rope_theta")],
-)  # fmt: skip
+    [
+        ({"num_heads": 5}, "num_heads"),
+        ({"num_kv_heads": 3}, "num_kv_heads"),
+        ({"window_size": 0}, "window_size"),
+        ({"rope_theta": -1.0}, "rope_theta"),
+    ],
+)
 def test_attention_bad_arguments_name_the_field(kw, field):
     with pytest.raises(ValueError, match=field):
         Attention(**{"hidden_size": 32, "num_heads": 4, **kw}, rngs=nnx.Rngs(0))

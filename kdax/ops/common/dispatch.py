@@ -221,8 +221,13 @@ def register(op: OpBackends) -> OpBackends:
     return op
 
 
-def explain_backend(dtype=jnp.float32, chunk_size: int | None = 64, config=None, op: str = "chunk_kda",
-                    head_dims: tuple[int, int] = (128, 128)) -> tuple[str, str]:  # fmt: skip
+def explain_backend(
+    dtype=jnp.float32,
+    chunk_size: int | None = 64,
+    config=None,
+    op: str = "chunk_kda",
+    head_dims: tuple[int, int] = (128, 128),
+) -> tuple[str, str]:
     """Which backend ``backend="auto"`` runs for an op's inputs of ``dtype`` here, and why.
 
     "auto" takes the kernels a config names, else those :func:`kdax.use_backend` names,

@@ -12,8 +12,9 @@ from kdax.ops.common.validation import fail
 PLATFORMS = {"cuda": "gpu", "tpu": "tpu"}  # lowering platform -> the device platform it builds for
 
 
-def lower(fn: Callable, *args, platform: str, device_kind: str = "NVIDIA H100", num_cores: int = 132,
-          **jit_kwargs) -> jax.stages.Lowered:  # fmt: skip
+def lower(
+    fn: Callable, *args, platform: str, device_kind: str = "NVIDIA H100", num_cores: int = 132, **jit_kwargs
+) -> jax.stages.Lowered:
     """``jax.jit(fn, **jit_kwargs)`` lowered for ``platform`` with ``args`` (arrays or
     ``jax.ShapeDtypeStruct``), on any machine: kdax's ops inside ``fn`` build as they would on
     that device (``backend="auto"`` picks its kernels where it would there; Pallas kernels

@@ -52,10 +52,14 @@ def per_shard(fn: Callable, arrays: Sequence, roles: Sequence, out_roles):
             full[i] = x
         return fn(*full)
 
-    out_specs = jax.tree.map(spec, out_roles, is_leaf=lambda r: r is None or isinstance(r, tuple) and
-                             all(isinstance(n, (str, type(None))) for n in r))  # fmt: skip
-    return jax.shard_map(run, mesh=mesh, in_specs=tuple(spec(roles[i]) for i in present), out_specs=out_specs,
-                         check_vma=False)(*local)  # fmt: skip
+    out_specs = jax.tree.map(
+        spec,
+        out_roles,
+        is_leaf=lambda r: r is None or isinstance(r, tuple) and all(isinstance(n, (str, type(None))) for n in r),
+    )
+    return jax.shard_map(
+        run, mesh=mesh, in_specs=tuple(spec(roles[i]) for i in present), out_specs=out_specs, check_vma=False
+    )(*local)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -151,5 +151,15 @@ def chunk_layout(num_tokens: int, chunk_size: int, cu_seqlens: jax.Array | None 
     t = jnp.arange(T, dtype=i32)
     seq_of_token = jnp.searchsorted(cu[1:], t, side="right").astype(i32)
     token_slot = chunk_start[seq_of_token] * C + t - cu[seq_of_token]
-    return ChunkLayout(slot_token, slot_valid, token_slot, chunk_seq, chunk_first, chunk_last, chunk_start.astype(i32),
-                       chunk_end.astype(i32), C, T)  # fmt: skip
+    return ChunkLayout(
+        slot_token,
+        slot_valid,
+        token_slot,
+        chunk_seq,
+        chunk_first,
+        chunk_last,
+        chunk_start.astype(i32),
+        chunk_end.astype(i32),
+        C,
+        T,
+    )

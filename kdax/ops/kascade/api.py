@@ -22,11 +22,17 @@ Config = xla.Config | pallas_tpu.Config | pallas_gpu.Config
 _CORES = {
     "anchor": (xla.kascade_anchor_xla, pallas_tpu.kascade_anchor_tpu, pallas_gpu.kascade_anchor_gpu),
     "reuse": (xla.kascade_reuse_xla, pallas_tpu.kascade_reuse_tpu, pallas_gpu.kascade_reuse_gpu),
-    "anchor_decode": (xla.kascade_anchor_decode_xla, pallas_tpu.kascade_anchor_decode_tpu,
-                      pallas_gpu.kascade_anchor_decode_gpu),
-    "reuse_decode": (xla.kascade_reuse_decode_xla, pallas_tpu.kascade_reuse_decode_tpu,
-                     pallas_gpu.kascade_reuse_decode_gpu),
-}  # fmt: skip
+    "anchor_decode": (
+        xla.kascade_anchor_decode_xla,
+        pallas_tpu.kascade_anchor_decode_tpu,
+        pallas_gpu.kascade_anchor_decode_gpu,
+    ),
+    "reuse_decode": (
+        xla.kascade_reuse_decode_xla,
+        pallas_tpu.kascade_reuse_decode_tpu,
+        pallas_gpu.kascade_reuse_decode_gpu,
+    ),
+}
 
 
 def _refuse(kernels, dtype, config, asked, **_) -> str | None:
@@ -87,10 +93,19 @@ def _scale(q, scale) -> float:
 
 
 def kascade_anchor(
-    q: jax.Array, k: jax.Array, v: jax.Array, *, topk_percent: float = 10, min_k: int = 128, tile_size: int = 32,
-    scale: float | None = None, dense_output: bool = False, lengths: jax.Array | None = None, backend: str = "auto",
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    topk_percent: float = 10,
+    min_k: int = 128,
+    tile_size: int = 32,
+    scale: float | None = None,
+    dense_output: bool = False,
+    lengths: jax.Array | None = None,
+    backend: str = "auto",
     config: Config | None = None,
-) -> tuple[jax.Array, jax.Array]:  # fmt: skip
+) -> tuple[jax.Array, jax.Array]:
     """A Kascade anchor layer (prefill): exact attention picks each query tile's top-k keys.
 
     Query tile t (queries s_t = t * tile_size onward) pools the exact causal softmax
@@ -127,8 +142,19 @@ def kascade_anchor(
     tenths, _ = check_call(q, k, v, lengths, topk_percent=topk_percent, min_k=min_k, tile_size=tile_size, scale=scale)
     B, T = q.shape[:2]
     backend, config = _OPS["kascade_anchor"].resolve(backend, q.dtype, config)
-    return _anchor(q, k, v, row_lengths(lengths, B, T), backend=backend, config=config, tenths=tenths, min_k=int(min_k),
-                   tile_size=tile_size, scale=_scale(q, scale), dense_output=bool(dense_output))  # fmt: skip
+    return _anchor(
+        q,
+        k,
+        v,
+        row_lengths(lengths, B, T),
+        backend=backend,
+        config=config,
+        tenths=tenths,
+        min_k=int(min_k),
+        tile_size=tile_size,
+        scale=_scale(q, scale),
+        dense_output=bool(dense_output),
+    )
 
 
 _ANCHOR_STATIC = ("backend", "config", "tenths", "min_k", "tile_size", "scale", "dense_output")
@@ -137,18 +163,46 @@ _ANCHOR_STATIC = ("backend", "config", "tenths", "min_k", "tile_size", "scale", 
 @functools.partial(jax.jit, static_argnames=_ANCHOR_STATIC)
 def _anchor(q, k, v, lengths, *, backend, config, tenths, min_k, tile_size, scale, dense_output):
     if backend == "naive":
-        return reference.naive_kascade_anchor(q, k, v, topk_percent=tenths / 10, min_k=min_k, tile_size=tile_size,
-                                              scale=scale, dense_output=dense_output, lengths=lengths)  # fmt: skip
+        return reference.naive_kascade_anchor(
+            q,
+            k,
+            v,
+            topk_percent=tenths / 10,
+            min_k=min_k,
+            tile_size=tile_size,
+            scale=scale,
+            dense_output=dense_output,
+            lengths=lengths,
+        )
     k_max = prefill_k_max(q.shape[1], tile_size, tenths, min_k)
-    return _core("anchor", backend)(q, k, v, lengths, tenths=tenths, min_k=min_k, k_max=k_max, tile_size=tile_size,
-                                  scale=scale, dense_output=dense_output, cfg=config)  # fmt: skip
+    return _core("anchor", backend)(
+        q,
+        k,
+        v,
+        lengths,
+        tenths=tenths,
+        min_k=min_k,
+        k_max=k_max,
+        tile_size=tile_size,
+        scale=scale,
+        dense_output=dense_output,
+        cfg=config,
+    )
 
 
 def kascade_reuse(
-    q: jax.Array, k: jax.Array, v: jax.Array, indices: jax.Array, *, head_map: jax.Array | None = None,
-    tile_size: int = 32, scale: float | None = None, lengths: jax.Array | None = None, backend: str = "auto",
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    indices: jax.Array,
+    *,
+    head_map: jax.Array | None = None,
+    tile_size: int = 32,
+    scale: float | None = None,
+    lengths: jax.Array | None = None,
+    backend: str = "auto",
     config: Config | None = None,
-) -> jax.Array:  # fmt: skip
+) -> jax.Array:
     """A Kascade reuse layer (prefill): attend an anchor's selection, remapped per KV head.
 
     Query i of tile t, head h of KV head g, attends the keys indices[b, head_map[g], t] (those
@@ -174,24 +228,44 @@ def kascade_reuse(
     _, head_map = check_call(q, k, v, lengths, indices=indices, head_map=head_map, tile_size=tile_size, scale=scale)
     B, T, _, _ = q.shape
     backend, config = _OPS["kascade_reuse"].resolve(backend, q.dtype, config)
-    return _reuse(q, k, v, jnp.asarray(indices, jnp.int32), head_map, row_lengths(lengths, B, T), backend=backend,
-                  config=config, tile_size=tile_size, scale=_scale(q, scale))  # fmt: skip
+    return _reuse(
+        q,
+        k,
+        v,
+        jnp.asarray(indices, jnp.int32),
+        head_map,
+        row_lengths(lengths, B, T),
+        backend=backend,
+        config=config,
+        tile_size=tile_size,
+        scale=_scale(q, scale),
+    )
 
 
 @functools.partial(jax.jit, static_argnames=("backend", "config", "tile_size", "scale"))
 def _reuse(q, k, v, indices, head_map, lengths, *, backend, config, tile_size, scale):
     if backend == "naive":
-        return reference.naive_kascade_reuse(q, k, v, indices, head_map=head_map, tile_size=tile_size, scale=scale,
-                                             lengths=lengths)  # fmt: skip
-    return _core("reuse", backend)(q, k, v, lengths, _remapped(indices, head_map), tile_size=tile_size, scale=scale,
-                                   cfg=config)  # fmt: skip
+        return reference.naive_kascade_reuse(
+            q, k, v, indices, head_map=head_map, tile_size=tile_size, scale=scale, lengths=lengths
+        )
+    return _core("reuse", backend)(
+        q, k, v, lengths, _remapped(indices, head_map), tile_size=tile_size, scale=scale, cfg=config
+    )
 
 
 def kascade_anchor_decode(
-    q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengths: jax.Array, *, topk_percent: float = 10,
-    min_k: int = 128, scale: float | None = None, dense_output: bool = False, backend: str = "auto",
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    lengths: jax.Array,
+    *,
+    topk_percent: float = 10,
+    min_k: int = 128,
+    scale: float | None = None,
+    dense_output: bool = False,
+    backend: str = "auto",
     config: Config | None = None,
-) -> tuple[jax.Array, jax.Array]:  # fmt: skip
+) -> tuple[jax.Array, jax.Array]:
     """A Kascade anchor layer, one decode step: exact attention of the new token picks the top-k keys.
 
     The score of key j < lengths[b] pools the softmax probabilities of the KV head's H/G query
@@ -213,29 +287,58 @@ def kascade_anchor_decode(
         NotImplementedError: a backend this op lacks.
     """
     _check_common(backend, dense_output, q.dtype)
-    tenths, _ = check_call(q, k_cache, v_cache, lengths, decode=True, topk_percent=topk_percent, min_k=min_k,
-                           scale=scale)  # fmt: skip
+    tenths, _ = check_call(
+        q, k_cache, v_cache, lengths, decode=True, topk_percent=topk_percent, min_k=min_k, scale=scale
+    )
     backend, config = _OPS["kascade_anchor_decode"].resolve(backend, q.dtype, config)
     lengths = row_lengths(lengths, q.shape[0], k_cache.shape[1])
-    return _anchor_decode(q, k_cache, v_cache, lengths, backend=backend, config=config,
-                          tenths=tenths, min_k=int(min_k), scale=_scale(q, scale), dense_output=bool(dense_output))  # fmt: skip
+    return _anchor_decode(
+        q,
+        k_cache,
+        v_cache,
+        lengths,
+        backend=backend,
+        config=config,
+        tenths=tenths,
+        min_k=int(min_k),
+        scale=_scale(q, scale),
+        dense_output=bool(dense_output),
+    )
 
 
 @functools.partial(jax.jit, static_argnames=("backend", "config", "tenths", "min_k", "scale", "dense_output"))
 def _anchor_decode(q, k_cache, v_cache, lengths, *, backend, config, tenths, min_k, scale, dense_output):
     if backend == "naive":
-        return reference.naive_kascade_anchor_decode(q, k_cache, v_cache, lengths, topk_percent=tenths / 10,
-                                                     min_k=min_k, scale=scale, dense_output=dense_output)  # fmt: skip
+        return reference.naive_kascade_anchor_decode(
+            q, k_cache, v_cache, lengths, topk_percent=tenths / 10, min_k=min_k, scale=scale, dense_output=dense_output
+        )
     k_max = decode_k_max(k_cache.shape[1], tenths, min_k)
-    return _core("anchor_decode", backend)(q, k_cache, v_cache, lengths, tenths=tenths, min_k=min_k, k_max=k_max,
-                                         scale=scale, dense_output=dense_output, cfg=config)  # fmt: skip
+    return _core("anchor_decode", backend)(
+        q,
+        k_cache,
+        v_cache,
+        lengths,
+        tenths=tenths,
+        min_k=min_k,
+        k_max=k_max,
+        scale=scale,
+        dense_output=dense_output,
+        cfg=config,
+    )
 
 
 def kascade_reuse_decode(
-    q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengths: jax.Array, indices: jax.Array, *,
-    head_map: jax.Array | None = None, scale: float | None = None, backend: str = "auto",
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    lengths: jax.Array,
+    indices: jax.Array,
+    *,
+    head_map: jax.Array | None = None,
+    scale: float | None = None,
+    backend: str = "auto",
     config: Config | None = None,
-) -> jax.Array:  # fmt: skip
+) -> jax.Array:
     """A Kascade reuse layer, one decode step: attend an anchor's selection only, remapped per KV head.
 
     Args:
@@ -254,17 +357,28 @@ def kascade_reuse_decode(
     _, head_map = check_call(q, k_cache, v_cache, lengths, decode=True, indices=indices, head_map=head_map, scale=scale)
     backend, config = _OPS["kascade_reuse_decode"].resolve(backend, q.dtype, config)
     lengths = row_lengths(lengths, q.shape[0], k_cache.shape[1])
-    return _reuse_decode(q, k_cache, v_cache, lengths, jnp.asarray(indices, jnp.int32),
-                         head_map, backend=backend, config=config, scale=_scale(q, scale))  # fmt: skip
+    return _reuse_decode(
+        q,
+        k_cache,
+        v_cache,
+        lengths,
+        jnp.asarray(indices, jnp.int32),
+        head_map,
+        backend=backend,
+        config=config,
+        scale=_scale(q, scale),
+    )
 
 
 @functools.partial(jax.jit, static_argnames=("backend", "config", "scale"))
 def _reuse_decode(q, k_cache, v_cache, lengths, indices, head_map, *, backend, config, scale):
     if backend == "naive":
-        return reference.naive_kascade_reuse_decode(q, k_cache, v_cache, lengths, indices, head_map=head_map,
-                                                    scale=scale)  # fmt: skip
-    return _core("reuse_decode", backend)(q, k_cache, v_cache, lengths, _remapped(indices, head_map), scale=scale,
-                                          cfg=config)  # fmt: skip
+        return reference.naive_kascade_reuse_decode(
+            q, k_cache, v_cache, lengths, indices, head_map=head_map, scale=scale
+        )
+    return _core("reuse_decode", backend)(
+        q, k_cache, v_cache, lengths, _remapped(indices, head_map), scale=scale, cfg=config
+    )
 
 
 def _remapped(indices, head_map):

@@ -161,8 +161,20 @@ def _traced(x) -> bool:
     return isinstance(x, jax.core.Tracer)
 
 
-def check_call(q, k, v, lengths=None, *, decode=False, indices=None, head_map=None, topk_percent=10, min_k=0,
-               tile_size=32, scale=None):  # fmt: skip
+def check_call(
+    q,
+    k,
+    v,
+    lengths=None,
+    *,
+    decode=False,
+    indices=None,
+    head_map=None,
+    topk_percent=10,
+    min_k=0,
+    tile_size=32,
+    scale=None,
+):
     """Every check of one Kascade call (prefill, or ``decode`` with k, v the caches).
 
     Args:

@@ -185,45 +185,81 @@ def _attend(qp, kp, vp, lengths, indices, plan: bl.Plan, *, cfg):
         args[1] = bl.selection_blocks(indices, bk)
         args.append(bl.pad_selection(indices, Kp))
         in_specs.append(pl.BlockSpec((None, None, None, Kp), lambda t, g, b: (b, g, t, 0)))
-    kernel = functools.partial(_attend_kernel, tile=plan.tile_size, R=plan.R, Rp=plan.Rp, bk=bk, sparse=sparse,
-                               scale2=plan.scale2, prec=_precision(qp.dtype, cfg))  # fmt: skip
+    kernel = functools.partial(
+        _attend_kernel,
+        tile=plan.tile_size,
+        R=plan.R,
+        Rp=plan.Rp,
+        bk=bk,
+        sparse=sparse,
+        scale2=plan.scale2,
+        prec=_precision(qp.dtype, cfg),
+    )
     return pl.pallas_call(
-        kernel, grid=(NT, G, B), name="kascade_attend", in_specs=in_specs,
+        kernel,
+        grid=(NT, G, B),
+        name="kascade_attend",
+        in_specs=in_specs,
         out_specs=[qspec, pl.BlockSpec((None, None, plan.rows, 1), lambda t, g, b: (b, g, t, 0))],
         out_shape=[jax.ShapeDtypeStruct(qp.shape, qp.dtype), jax.ShapeDtypeStruct((*qp.shape[:3], 1), jnp.float32)],
-        compiler_params=_params(cfg, "attend"), interpret=cfg.interpret,
-    )(*args)  # fmt: skip
+        compiler_params=_params(cfg, "attend"),
+        interpret=cfg.interpret,
+    )(*args)
 
 
 def _scores(qp, kp, lse2, lengths, plan: bl.Plan, *, cfg):
     """Pooled probabilities P [B, G, NT, Tp] (in q's dtype; only keys before each tile written)."""
     B, G, Tp, Dp = kp.shape
     row = lambda t, g, b: (b, g, t, 0)
-    kernel = functools.partial(_scores_kernel, tile=plan.tile_size, R=plan.R, Rp=plan.Rp, bs=cfg.block_scores,
-                               scale2=plan.scale2, prec=_precision(qp.dtype, cfg))  # fmt: skip
+    kernel = functools.partial(
+        _scores_kernel,
+        tile=plan.tile_size,
+        R=plan.R,
+        Rp=plan.Rp,
+        bs=cfg.block_scores,
+        scale2=plan.scale2,
+        prec=_precision(qp.dtype, cfg),
+    )
     return pl.pallas_call(
-        kernel, grid=(plan.NT, G, B), name="kascade_scores",
-        in_specs=[_whole((B,)), pl.BlockSpec((None, None, plan.rows, Dp), row),
-                  pl.BlockSpec((None, None, plan.rows, 1), row),
-                  pl.BlockSpec((None, None, Tp, Dp), lambda t, g, b: (b, g, 0, 0))],
+        kernel,
+        grid=(plan.NT, G, B),
+        name="kascade_scores",
+        in_specs=[
+            _whole((B,)),
+            pl.BlockSpec((None, None, plan.rows, Dp), row),
+            pl.BlockSpec((None, None, plan.rows, 1), row),
+            pl.BlockSpec((None, None, Tp, Dp), lambda t, g, b: (b, g, 0, 0)),
+        ],
         out_specs=pl.BlockSpec((None, None, None, Tp), row),
         out_shape=jax.ShapeDtypeStruct((B, G, plan.NT, Tp), qp.dtype),
-        compiler_params=_params(cfg, "scores"), interpret=cfg.interpret,
-    )(lengths, qp, lse2, kp)  # fmt: skip
+        compiler_params=_params(cfg, "scores"),
+        interpret=cfg.interpret,
+    )(lengths, qp, lse2, kp)
 
 
 def _plan(q, k, tile_size, scale, cfg) -> bl.Plan:
     H, D, G = q.shape[2], q.shape[3], k.shape[2]
-    return bl.Plan.make(q, k, tile_size, scale, Rp=bl.pow2(H // G), Dp=bl.pow2(D, 16),
-                        block=max(cfg.block_k, cfg.block_scores))  # fmt: skip
+    return bl.Plan.make(
+        q, k, tile_size, scale, Rp=bl.pow2(H // G), Dp=bl.pow2(D, 16), block=max(cfg.block_k, cfg.block_scores)
+    )
 
 
 def kascade_anchor_gpu(q, k, v, lengths, *, tenths, min_k, k_max, tile_size, scale, dense_output, cfg):
     """See :func:`kdax.kascade_anchor`. Returns (indices [B, G, NT, k_max] int32, o [B, T, H, D])."""
     cfg = for_dtype(cfg, q.dtype)
-    return bl.anchor(functools.partial(_attend, cfg=cfg), functools.partial(_scores, cfg=cfg), q, k, v, lengths,
-                     _plan(q, k, tile_size, scale, cfg), tenths=tenths, min_k=min_k, k_max=k_max,
-                     dense_output=dense_output)  # fmt: skip
+    return bl.anchor(
+        functools.partial(_attend, cfg=cfg),
+        functools.partial(_scores, cfg=cfg),
+        q,
+        k,
+        v,
+        lengths,
+        _plan(q, k, tile_size, scale, cfg),
+        tenths=tenths,
+        min_k=min_k,
+        k_max=k_max,
+        dense_output=dense_output,
+    )
 
 
 def kascade_reuse_gpu(q, k, v, lengths, indices, *, tile_size, scale, cfg):
@@ -261,8 +297,9 @@ def _decode_scores_kernel(lengths_ref, q_ref, k_ref, *rest, R, bd, Ls, scale2, p
         parts[0][...], parts[1][...], parts[2][...] = acc, m, l
 
 
-def _decode_attend_kernel(lengths_ref, nblk_ref, q_ref, k_ref, v_ref, idx_ref, acc_ref, m_ref, l_ref, *, R, bd,
-                          per_split, prec, scale2):  # fmt: skip
+def _decode_attend_kernel(
+    lengths_ref, nblk_ref, q_ref, k_ref, v_ref, idx_ref, acc_ref, m_ref, l_ref, *, R, bd, per_split, prec, scale2
+):
     """Grid (splits, G, B). q [Rq, Dp]; k, v [L, Dp] in place; idx [Ks] the split's share of
     the selection; out: the split's softmax partial acc [Rq, Dp], m, l [Rq, 1]."""
     sp, g, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -324,12 +361,25 @@ def kascade_anchor_decode_gpu(q, k_cache, v_cache, lengths, *, tenths, min_k, k_
         args.append(_cache_in_place(v_cache, Dp, bd))
         specs, shapes = _partial_specs(B, G, S, Rq, Dp)
         out_specs, out_shape = out_specs + specs, out_shape + shapes
-    kernel = functools.partial(_decode_scores_kernel, R=H // G, bd=bd, Ls=Ls,
-                               scale2=scale * LOG2E, prec=_precision(q.dtype, cfg), with_output=dense_output)  # fmt: skip
+    kernel = functools.partial(
+        _decode_scores_kernel,
+        R=H // G,
+        bd=bd,
+        Ls=Ls,
+        scale2=scale * LOG2E,
+        prec=_precision(q.dtype, cfg),
+        with_output=dense_output,
+    )
     s2, *parts = pl.pallas_call(
-        kernel, grid=(S, G, B), name="kascade_decode_scores", in_specs=in_specs, out_specs=out_specs,
-        out_shape=out_shape, compiler_params=_params(cfg, "decode_scores"), interpret=cfg.interpret,
-    )(*args)  # fmt: skip
+        kernel,
+        grid=(S, G, B),
+        name="kascade_decode_scores",
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=_params(cfg, "decode_scores"),
+        interpret=cfg.interpret,
+    )(*args)
     idx, _ = bl.decode_selection(s2, lengths, R=H // G, L=L, tenths=tenths, min_k=min_k, k_max=k_max)
     if dense_output:
         return idx, bl.decode_output(*parts, q)
@@ -345,13 +395,31 @@ def kascade_reuse_decode_gpu(q, k_cache, v_cache, lengths, indices, *, scale, cf
     kc, vc = _cache_in_place(k_cache, Dp, bd), _cache_in_place(v_cache, Dp, bd)
     cache = pl.BlockSpec((None, kc.shape[1], None, Dp), lambda sp, g, b: (b, 0, g, 0))
     specs, shapes = _partial_specs(B, G, S, Rq, Dp)
-    kernel = functools.partial(_decode_attend_kernel, R=H // G, bd=bd, per_split=Ks // bd, prec=_precision(q.dtype, cfg),
-                               scale2=scale * LOG2E)  # fmt: skip
+    kernel = functools.partial(
+        _decode_attend_kernel, R=H // G, bd=bd, per_split=Ks // bd, prec=_precision(q.dtype, cfg), scale2=scale * LOG2E
+    )
     parts = pl.pallas_call(
-        kernel, grid=(S, G, B), name="kascade_decode_attend",
-        in_specs=[_whole((B,)), _whole((B, G)), pl.BlockSpec((None, None, Rq, Dp), lambda sp, g, b: (b, g, 0, 0)),
-                  cache, cache, pl.BlockSpec((None, None, Ks), lambda sp, g, b: (b, g, sp))],
-        out_specs=specs, out_shape=shapes, compiler_params=_params(cfg, "decode_attend"), interpret=cfg.interpret,
-    )(lengths, bl.selection_blocks(indices, bd), bl.pack_decode_queries(q, G, Rq, Dp),
-      kc, vc, bl.pad_selection(indices, S * Ks))  # fmt: skip
+        kernel,
+        grid=(S, G, B),
+        name="kascade_decode_attend",
+        in_specs=[
+            _whole((B,)),
+            _whole((B, G)),
+            pl.BlockSpec((None, None, Rq, Dp), lambda sp, g, b: (b, g, 0, 0)),
+            cache,
+            cache,
+            pl.BlockSpec((None, None, Ks), lambda sp, g, b: (b, g, sp)),
+        ],
+        out_specs=specs,
+        out_shape=shapes,
+        compiler_params=_params(cfg, "decode_attend"),
+        interpret=cfg.interpret,
+    )(
+        lengths,
+        bl.selection_blocks(indices, bd),
+        bl.pack_decode_queries(q, G, Rq, Dp),
+        kc,
+        vc,
+        bl.pad_selection(indices, S * Ks),
+    )
     return bl.decode_output(*parts, q)

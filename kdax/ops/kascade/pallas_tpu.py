@@ -104,12 +104,22 @@ class _Blocks:
 
     def __init__(self, k_hbm, v_hbm, src, kbuf, vbuf, sems, n, sel=None):
         self.k, self.v, self.src, self.kbuf, self.vbuf, self.sems, self.n, self.sel = (
-            k_hbm, v_hbm, src, kbuf, vbuf, sems, n, sel)  # fmt: skip
+            k_hbm,
+            v_hbm,
+            src,
+            kbuf,
+            vbuf,
+            sems,
+            n,
+            sel,
+        )
 
     def _copies(self, slot, j, r, rows):
         pairs = ((self.k, self.kbuf), (self.v, self.vbuf))[: 1 if self.v is None else 2]
-        return [pltpu.make_async_copy(self.src(x, j, rows), buf.at[slot, pl.ds(r, rows)], self.sems.at[a, slot])
-                for a, (x, buf) in enumerate(pairs)]  # fmt: skip
+        return [
+            pltpu.make_async_copy(self.src(x, j, rows), buf.at[slot, pl.ds(r, rows)], self.sems.at[a, slot])
+            for a, (x, buf) in enumerate(pairs)
+        ]
 
     def start(self, i, slot):
         if self.sel is None:
@@ -175,8 +185,9 @@ def _scratch(n, D, dtype, sparse):
 # ----------------------------------------------------------------------------- prefill kernels
 
 
-def _attend_kernel(lengths_ref, nblk_ref, q_ref, k_hbm, v_hbm, kd_ref, vd_ref, *rest, tile, R, Rp, bk, sparse, scale2,
-                   prec):  # fmt: skip
+def _attend_kernel(
+    lengths_ref, nblk_ref, q_ref, k_hbm, v_hbm, kd_ref, vd_ref, *rest, tile, R, Rp, bk, sparse, scale2, prec
+):
     """Grid (B, G, NT). q, o [tile * Rp, D]; k, v [B, G, Tp, D] in HBM; kd, vd [tile, D] the
     tile's own keys; lse [rows, 1]; with ``sparse`` idx [B, G, NT, 1, Kp] in HBM."""
     if sparse:
@@ -199,8 +210,11 @@ def _attend_kernel(lengths_ref, nblk_ref, q_ref, k_hbm, v_hbm, kd_ref, vd_ref, *
     src = lambda x, j, n: x.at[b, g, pl.ds(j, n)]
     reads = _Blocks(k_hbm, v_hbm, src, kbuf, vbuf, sems, bk, sel)
     count = nblk_ref[0, 0] if sparse else bl.cdiv(start, bk)
-    state = reads.scan(count, lambda s, i, keys, kb, vb: attend(s, (keys >= 0) & (keys < start), kb, vb),
-                       bl.start_softmax(rows, q.shape[1]))  # fmt: skip
+    state = reads.scan(
+        count,
+        lambda s, i, keys, kb, vb: attend(s, (keys >= 0) & (keys < start), kb, vb),
+        bl.start_softmax(rows, q.shape[1]),
+    )
     keys = start + lax.broadcasted_iota(jnp.int32, (1, tile), 1)
     o, lse2 = bl.finish_softmax(attend(state, keys <= pos, kd_ref[...], vd_ref[...]))
     o_ref[...] = jnp.where(row_ok, o, 0.0).astype(o_ref.dtype)
@@ -239,53 +253,90 @@ def _attend(qp, kp, vp, lengths, indices, plan: bl.Plan, *, cfg):
         nblk = bl.selection_blocks(indices, bk)
         args.append(bl.pad_selection(indices, round_up(max(indices.shape[-1], 1), bk))[:, :, :, None])
         in_specs.append(hbm)
-    kernel = functools.partial(_attend_kernel, tile=tile_size, R=plan.R, Rp=plan.Rp, bk=bk, sparse=sparse,
-                               scale2=plan.scale2, prec=bl.precision(qp.dtype))  # fmt: skip
+    kernel = functools.partial(
+        _attend_kernel,
+        tile=tile_size,
+        R=plan.R,
+        Rp=plan.Rp,
+        bk=bk,
+        sparse=sparse,
+        scale2=plan.scale2,
+        prec=bl.precision(qp.dtype),
+    )
     # one count per program, [.., 1, 1] blocks: the last two dims of a TPU block are the array's or tiled
     nblk_spec = pl.BlockSpec((None, None, None, 1, 1), lambda b, g, t, *_: (b, g, t, 0, 0), memory_space=pltpu.SMEM)
     return _call(
-        kernel, name="kascade_attend",
+        kernel,
+        name="kascade_attend",
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=1, grid=(B, G, NT), in_specs=[nblk_spec, *in_specs],
+            num_scalar_prefetch=1,
+            grid=(B, G, NT),
+            in_specs=[nblk_spec, *in_specs],
             out_specs=[qspec, pl.BlockSpec((None, None, rows, 1), lambda b, g, t, *_: (b, g, t, 0))],
-            scratch_shapes=_scratch(bk, D, qp.dtype, sparse)),
+            scratch_shapes=_scratch(bk, D, qp.dtype, sparse),
+        ),
         out_shape=[jax.ShapeDtypeStruct(qp.shape, qp.dtype), jax.ShapeDtypeStruct((*qp.shape[:3], 1), jnp.float32)],
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",) * 3), interpret=_interpret(cfg),
-    )(lengths, nblk[..., None, None], *args)  # fmt: skip
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",) * 3),
+        interpret=_interpret(cfg),
+    )(lengths, nblk[..., None, None], *args)
 
 
 def _scores(qp, kp, lse2, lengths, plan: bl.Plan, *, cfg):
     """Pooled probabilities P [B, G, NT, Tp] (in q's dtype; only keys before each tile written)."""
     B, G, Tp, D = kp.shape
     NT, rows, bs = plan.NT, plan.rows, cfg.block_scores
-    kernel = functools.partial(_scores_kernel, tile=plan.tile_size, R=plan.R, Rp=plan.Rp, bs=bs, scale2=plan.scale2,
-                               prec=bl.precision(qp.dtype))  # fmt: skip
+    kernel = functools.partial(
+        _scores_kernel,
+        tile=plan.tile_size,
+        R=plan.R,
+        Rp=plan.Rp,
+        bs=bs,
+        scale2=plan.scale2,
+        prec=bl.precision(qp.dtype),
+    )
     P = _call(
-        kernel, name="kascade_scores",
+        kernel,
+        name="kascade_scores",
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=1, grid=(B, G, NT),
-            in_specs=[pl.BlockSpec((None, None, rows, D), lambda b, g, t, *_: (b, g, t, 0)),
-                      pl.BlockSpec((None, None, rows, 1), lambda b, g, t, *_: (b, g, t, 0)),
-                      pl.BlockSpec(memory_space=pl.ANY)],
+            num_scalar_prefetch=1,
+            grid=(B, G, NT),
+            in_specs=[
+                pl.BlockSpec((None, None, rows, D), lambda b, g, t, *_: (b, g, t, 0)),
+                pl.BlockSpec((None, None, rows, 1), lambda b, g, t, *_: (b, g, t, 0)),
+                pl.BlockSpec(memory_space=pl.ANY),
+            ],
             out_specs=pl.BlockSpec((None, None, None, Tp // bs, bs), lambda b, g, t, *_: (b, g, t, 0, 0)),
-            scratch_shapes=[pltpu.VMEM((2, bs, D), qp.dtype), pltpu.SemaphoreType.DMA((4, 2))]),
+            scratch_shapes=[pltpu.VMEM((2, bs, D), qp.dtype), pltpu.SemaphoreType.DMA((4, 2))],
+        ),
         out_shape=jax.ShapeDtypeStruct((B, G, NT, Tp // bs, bs), qp.dtype),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",) * 3), interpret=_interpret(cfg),
-    )(lengths, qp, lse2, kp)  # fmt: skip
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",) * 3),
+        interpret=_interpret(cfg),
+    )(lengths, qp, lse2, kp)
     return P.reshape(B, G, NT, Tp)
 
 
 def _plan(q, k, tile_size, scale, cfg) -> bl.Plan:
     # tile_size >= 16: a tile's rows fill whole sublanes with R rows a token; D needs no padding
-    return bl.Plan.make(q, k, tile_size, scale, Rp=q.shape[2] // k.shape[2], Dp=q.shape[3],
-                        block=max(cfg.block_k, cfg.block_scores))  # fmt: skip
+    return bl.Plan.make(
+        q, k, tile_size, scale, Rp=q.shape[2] // k.shape[2], Dp=q.shape[3], block=max(cfg.block_k, cfg.block_scores)
+    )
 
 
 def kascade_anchor_tpu(q, k, v, lengths, *, tenths, min_k, k_max, tile_size, scale, dense_output, cfg):
     """See :func:`kdax.kascade_anchor`. Returns (indices [B, G, NT, k_max] int32, o [B, T, H, D])."""
-    return bl.anchor(functools.partial(_attend, cfg=cfg), functools.partial(_scores, cfg=cfg), q, k, v, lengths,
-                     _plan(q, k, tile_size, scale, cfg), tenths=tenths, min_k=min_k, k_max=k_max,
-                     dense_output=dense_output)  # fmt: skip
+    return bl.anchor(
+        functools.partial(_attend, cfg=cfg),
+        functools.partial(_scores, cfg=cfg),
+        q,
+        k,
+        v,
+        lengths,
+        _plan(q, k, tile_size, scale, cfg),
+        tenths=tenths,
+        min_k=min_k,
+        k_max=k_max,
+        dense_output=dense_output,
+    )
 
 
 def kascade_reuse_tpu(q, k, v, lengths, indices, *, tile_size, scale, cfg):
@@ -324,8 +375,28 @@ def _decode_scores_kernel(lengths_ref, q_ref, k_hbm, *rest, R, bd, nl, scale2, p
         acc_ref[...], m_ref[...], l_ref[...] = acc, m, l
 
 
-def _decode_attend_kernel(lengths_ref, nblk_ref, q_ref, k_hbm, v_hbm, idx_hbm, acc_ref, m_ref, l_ref, kbuf, vbuf,
-                          sems, idx_smem, idx_vmem, *, R, bd, per_split, scale2, prec):  # fmt: skip
+def _decode_attend_kernel(
+    lengths_ref,
+    nblk_ref,
+    q_ref,
+    k_hbm,
+    v_hbm,
+    idx_hbm,
+    acc_ref,
+    m_ref,
+    l_ref,
+    kbuf,
+    vbuf,
+    sems,
+    idx_smem,
+    idx_vmem,
+    *,
+    R,
+    bd,
+    per_split,
+    scale2,
+    prec,
+):
     """Grid (B, G, splits). q [Rq, D]; k, v [B, Lp, G, D] and idx [B, G, 1, Kp] in HBM; out:
     the split's partial acc [Rq, D], m, l [Rq, 1]."""
     b, g, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -380,16 +451,29 @@ def kascade_anchor_decode_tpu(q, k_cache, v_cache, lengths, *, tenths, min_k, k_
         specs, shapes = bl.decode_partials(B, G, S, Rq, D, lambda b, g, s, *_: (b, g, s, 0, 0))
         out_specs, out_shape = out_specs + specs, out_shape + shapes
         scratch.append(pltpu.VMEM((2, bd, D), q.dtype))
-    kernel = functools.partial(_decode_scores_kernel, R=H // G, bd=bd, nl=nl, scale2=scale * LOG2E,
-                               prec=bl.precision(q.dtype), with_output=dense_output)  # fmt: skip
+    kernel = functools.partial(
+        _decode_scores_kernel,
+        R=H // G,
+        bd=bd,
+        nl=nl,
+        scale2=scale * LOG2E,
+        prec=bl.precision(q.dtype),
+        with_output=dense_output,
+    )
     s2, *parts = _call(
-        kernel, name="kascade_decode_scores",
-        grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=1, grid=(B, G, S), in_specs=in_specs,
-                                               out_specs=out_specs,
-                                               scratch_shapes=[*scratch, pltpu.SemaphoreType.DMA((4, 2))]),
-        out_shape=out_shape, interpret=_interpret(cfg),
+        kernel,
+        name="kascade_decode_scores",
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,
+            grid=(B, G, S),
+            in_specs=in_specs,
+            out_specs=out_specs,
+            scratch_shapes=[*scratch, pltpu.SemaphoreType.DMA((4, 2))],
+        ),
+        out_shape=out_shape,
+        interpret=_interpret(cfg),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",) * 3),
-    )(lengths, *args)  # fmt: skip
+    )(lengths, *args)
     s2 = s2.transpose(0, 1, 3, 2, 4, 5).reshape(B, G, Rq, S * nl * bd)
     idx, _ = bl.decode_selection(s2, lengths, R=H // G, L=L, tenths=tenths, min_k=min_k, k_max=k_max)
     if dense_output:
@@ -405,16 +489,22 @@ def kascade_reuse_decode_tpu(q, k_cache, v_cache, lengths, indices, *, scale, cf
     Rq, S, per_split = _decode_plan(q, k_cache, dataclasses.replace(cfg, block_decode=bd), indices.shape[-1])
     hbm = pl.BlockSpec(memory_space=pl.ANY)
     specs, shapes = bl.decode_partials(B, G, S, Rq, D, lambda b, g, s, *_: (b, g, s, 0, 0))
-    kernel = functools.partial(_decode_attend_kernel, R=H // G, bd=bd, per_split=per_split, scale2=scale * LOG2E,
-                               prec=bl.precision(q.dtype))  # fmt: skip
+    kernel = functools.partial(
+        _decode_attend_kernel, R=H // G, bd=bd, per_split=per_split, scale2=scale * LOG2E, prec=bl.precision(q.dtype)
+    )
     idx = bl.pad_selection(indices, S * per_split * bd)[:, :, None]
     parts = _call(
-        kernel, name="kascade_decode_attend",
+        kernel,
+        name="kascade_decode_attend",
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2, grid=(B, G, S),
+            num_scalar_prefetch=2,
+            grid=(B, G, S),
             in_specs=[pl.BlockSpec((None, None, Rq, D), lambda b, g, s, *_: (b, g, 0, 0)), hbm, hbm, hbm],
-            out_specs=specs, scratch_shapes=_scratch(bd, D, q.dtype, True)),
-        out_shape=shapes, interpret=_interpret(cfg),
+            out_specs=specs,
+            scratch_shapes=_scratch(bd, D, q.dtype, True),
+        ),
+        out_shape=shapes,
+        interpret=_interpret(cfg),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",) * 3),
-    )(lengths, bl.selection_blocks(indices, bd), bl.pack_decode_queries(q, G, Rq, D), k_cache, v_cache, idx)  # fmt: skip
+    )(lengths, bl.selection_blocks(indices, bd), bl.pack_decode_queries(q, G, Rq, D), k_cache, v_cache, idx)
     return bl.decode_output(*parts, q)

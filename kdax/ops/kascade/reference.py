@@ -141,8 +141,9 @@ def sparse_mask(indices, *, T, tile_size, head_map=None, lengths=None) -> jax.Ar
     return ((chosen | diagonal) & _causal(B, T, row_lengths(lengths, B, T))[:, 0])[:, :, None]
 
 
-def naive_kascade_anchor(q, k, v, *, topk_percent=10, min_k=128, tile_size=32, scale=None, dense_output=False,
-                         lengths=None) -> tuple[jax.Array, jax.Array]:  # fmt: skip
+def naive_kascade_anchor(
+    q, k, v, *, topk_percent=10, min_k=128, tile_size=32, scale=None, dense_output=False, lengths=None
+) -> tuple[jax.Array, jax.Array]:
     """A Kascade anchor layer (prefill): select each query tile's keys from exact attention.
 
     Args:
@@ -194,8 +195,9 @@ def _decode_scores(q, k_cache, lengths, scale):
     return scores, valid[:, None, None]
 
 
-def naive_kascade_anchor_decode(q, k_cache, v_cache, lengths, *, topk_percent=10, min_k=128, scale=None,
-                                dense_output=False) -> tuple[jax.Array, jax.Array]:  # fmt: skip
+def naive_kascade_anchor_decode(
+    q, k_cache, v_cache, lengths, *, topk_percent=10, min_k=128, scale=None, dense_output=False
+) -> tuple[jax.Array, jax.Array]:
     """A Kascade anchor layer (one decode step): select keys from the exact attention of the token.
 
     Args:
@@ -208,8 +210,9 @@ def naive_kascade_anchor_decode(q, k_cache, v_cache, lengths, *, topk_percent=10
     Returns:
         (indices [B, G, k_max] int32, ascending then -1; o [B, H, D] in q's dtype).
     """
-    tenths, _ = check_call(q, k_cache, v_cache, lengths, decode=True, topk_percent=topk_percent, min_k=min_k,
-                           scale=scale)  # fmt: skip
+    tenths, _ = check_call(
+        q, k_cache, v_cache, lengths, decode=True, topk_percent=topk_percent, min_k=min_k, scale=scale
+    )
     scores, valid = _decode_scores(q, k_cache, lengths, scale)
     P = masked_softmax(scores, valid).sum(axis=2)  # [B, G, L]
     lengths = jnp.asarray(lengths, jnp.int32)

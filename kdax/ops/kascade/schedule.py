@@ -254,8 +254,9 @@ def layer_importance(x, attn) -> float:
     return float(jnp.mean(1 - cos))
 
 
-def build_schedule(layers, pairs, importance, n_anchors: int, *, topk_percent=10, min_k=128,
-                   tile_size=32) -> KascadeSchedule:  # fmt: skip
+def build_schedule(
+    layers, pairs, importance, n_anchors: int, *, topk_percent=10, min_k=128, tile_size=32
+) -> KascadeSchedule:
     """A schedule from calibration statistics.
 
     Args:

@@ -178,8 +178,13 @@ def _decode_scores(q, k_cache, lengths, scale):
     """Scores [B, G, R, L] (float32) of one token per row and the valid keys [B, L]."""
     B, H, D = q.shape
     G = k_cache.shape[2]
-    s = jnp.einsum("bgrd,bsgd->bgrs", q.reshape(B, G, H // G, D), k_cache,
-                   preferred_element_type=_acc(q.dtype), precision=_precision(q.dtype))  # fmt: skip
+    s = jnp.einsum(
+        "bgrd,bsgd->bgrs",
+        q.reshape(B, G, H // G, D),
+        k_cache,
+        preferred_element_type=_acc(q.dtype),
+        precision=_precision(q.dtype),
+    )
     return s * scale, jnp.arange(k_cache.shape[1])[None, :] < lengths[:, None]
 
 

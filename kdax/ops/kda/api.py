@@ -61,8 +61,18 @@ def _validate(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, o: Op
     for name in ("safe_gate", "disable_recompute", "return_intermediate_states", "state_v_first"):
         if not isinstance(val := getattr(o, name), (bool, np.bool_)):
             fail(name, "a bool", f"{type(val).__name__} {val!r}")
-    N = check_inputs(q, k, v, g, beta, scale=o.scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
-                     chunk_size=o.chunk_size, state_v_first=o.state_v_first)  # fmt: skip
+    N = check_inputs(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        scale=o.scale,
+        initial_state=initial_state,
+        cu_seqlens=cu_seqlens,
+        chunk_size=o.chunk_size,
+        state_v_first=o.state_v_first,
+    )
     if o.backend.startswith("pallas") and q.dtype == jnp.float64:
         fail("q", f"float32 or bfloat16 inputs with backend={o.backend!r} (the kernels have no float64)", "float64")
     HV, K = g.shape[2:]
@@ -102,8 +112,9 @@ def _refuse(kernels, dtype, config, asked, chunk_size=None, head_dims=(128, 128)
     """Why these kernels do not take the inputs (None: they do); see OpBackends.refuse."""
     if kernels == "pallas_gpu" and not asked and not pallas_gpu.VERIFIED_ON_GPU:
         return "the GPU kernels are not yet verified on a GPU (pallas_gpu.VERIFIED_ON_GPU)"
-    if kernels == "pallas_gpu" and (why := pallas_gpu.chunk_fits(dtype, chunk_size, config or pallas_gpu.Config(),
-                                                                 *head_dims)):  # fmt: skip
+    if kernels == "pallas_gpu" and (
+        why := pallas_gpu.chunk_fits(dtype, chunk_size, config or pallas_gpu.Config(), *head_dims)
+    ):
         return f"chunk_size={chunk_size} with {jnp.dtype(dtype)} inputs does not fit the GPU kernels: {why}"
     return None
 
@@ -140,15 +151,32 @@ def _run(core, o: Options, N, q, k, v, g, beta, initial_state, cu_seqlens):
 
 
 def chunk_kda(
-    q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, *, scale: float | None = None,
-    initial_state: jax.Array | None = None, output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False,
-    use_gate_in_kernel: bool = False, A_log: jax.Array | None = None, dt_bias: jax.Array | None = None,
-    lower_bound: float | None = None, use_beta_sigmoid_in_kernel: bool = False, allow_neg_eigval: bool = False,
-    safe_gate: bool = False, disable_recompute: bool = False, return_intermediate_states: bool = False,
-    state_v_first: bool = False, cu_seqlens: jax.Array | Sequence[int] | None = None, chunk_size: int = 64,
-    backend: str = "auto", config: xla.Config | pallas_tpu.Config | pallas_gpu.Config | None = None,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    *,
+    scale: float | None = None,
+    initial_state: jax.Array | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    A_log: jax.Array | None = None,
+    dt_bias: jax.Array | None = None,
+    lower_bound: float | None = None,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    safe_gate: bool = False,
+    disable_recompute: bool = False,
+    return_intermediate_states: bool = False,
+    state_v_first: bool = False,
+    cu_seqlens: jax.Array | Sequence[int] | None = None,
+    chunk_size: int = 64,
+    backend: str = "auto",
+    config: xla.Config | pallas_tpu.Config | pallas_gpu.Config | None = None,
     context_parallel: ContextParallel | None = None,
-) -> tuple[jax.Array, jax.Array | None] | tuple[jax.Array, jax.Array | None, jax.Array]:  # fmt: skip
+) -> tuple[jax.Array, jax.Array | None] | tuple[jax.Array, jax.Array | None, jax.Array]:
     """Chunked Kimi Delta Attention (training and prefill), with FLA's ``chunk_kda`` keywords.
 
     Compiled once per shape, dtype and static option (``jax.jit``), so an eager call costs what a
@@ -207,16 +235,41 @@ def chunk_kda(
         NotImplementedError: a backend this op lacks.
     """
     cu_seqlens = offsets(cu_seqlens)
-    opts = Options("chunk", backend, config, scale, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
-                   lower_bound, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, disable_recompute,
-                   return_intermediate_states, state_v_first, chunk_size)  # fmt: skip
+    opts = Options(
+        "chunk",
+        backend,
+        config,
+        scale,
+        output_final_state,
+        use_qk_l2norm_in_kernel,
+        use_gate_in_kernel,
+        lower_bound,
+        use_beta_sigmoid_in_kernel,
+        allow_neg_eigval,
+        safe_gate,
+        disable_recompute,
+        return_intermediate_states,
+        state_v_first,
+        chunk_size,
+    )
     if context_parallel is not None:
         return _context_parallel(context_parallel, opts, q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias)
     N = _validate(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, opts)
     head_dims = (q.shape[-1], v.shape[-1])
     backend, config = _OPS["chunk_kda"].resolve(backend, q.dtype, config, chunk_size=chunk_size, head_dims=head_dims)
-    out = _call(dataclasses.replace(opts, backend=backend, config=config), N, q, k, v, g, beta, initial_state, A_log,
-                dt_bias, cu_seqlens)  # fmt: skip
+    out = _call(
+        dataclasses.replace(opts, backend=backend, config=config),
+        N,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        initial_state,
+        A_log,
+        dt_bias,
+        cu_seqlens,
+    )
     if return_intermediate_states and cu_seqlens is not None and not isinstance(cu_seqlens, jax.core.Tracer):
         n_chunks = int(np.sum(-(-np.diff(np.asarray(cu_seqlens)) // chunk_size)))  # FLA's NT: sum of ceil(L_n / C)
         out = (*out[:2], out[2][:, :n_chunks])
@@ -228,8 +281,12 @@ def _context_parallel(cp, opts: Options, q, k, v, g, beta, initial_state, cu_seq
     context_parallel.check(cp, q.shape[1], opts.chunk_size)
     intermediate = opts.return_intermediate_states
     if intermediate and cu_seqlens is not None:
-        fail("return_intermediate_states", "False with cu_seqlens under context_parallel (a sequence's chunks "
-             "restart at each device boundary, so FLA's chunk list does not apply)", "True")  # fmt: skip
+        fail(
+            "return_intermediate_states",
+            "False with cu_seqlens under context_parallel (a sequence's chunks "
+            "restart at each device boundary, so FLA's chunk list does not apply)",
+            "True",
+        )
     T = q.shape[1] * (lax.axis_size(cp.axis) if cp.mesh is None else 1)  # the global time axis
     spec = lambda x: jax.ShapeDtypeStruct((x.shape[0], T, *x.shape[2:]), x.dtype)
     _validate(*(spec(x) for x in (q, k, v, g, beta)), initial_state, A_log, dt_bias, cu_seqlens, opts)
@@ -238,18 +295,42 @@ def _context_parallel(cp, opts: Options, q, k, v, g, beta, initial_state, cu_seq
     local_opts = dataclasses.replace(opts, output_final_state=True, state_v_first=False).keywords()
 
     def local(q, k, v, g, beta, params, h0, cu):
-        return chunk_kda(q, k, v, g, beta, initial_state=h0, cu_seqlens=cu, A_log=params[0], dt_bias=params[1],
-                         **local_opts)  # fmt: skip
+        return chunk_kda(
+            q, k, v, g, beta, initial_state=h0, cu_seqlens=cu, A_log=params[0], dt_bias=params[1], **local_opts
+        )
 
     if cp.mesh is None:
-        out = context_parallel.on_device(local, cp.axis, q, k, v, g, beta, (A_log, dt_bias), initial_state, cu_seqlens,
-                                         return_intermediate_states=intermediate,
-                                         final_states=opts.output_final_state)  # fmt: skip
+        out = context_parallel.on_device(
+            local,
+            cp.axis,
+            q,
+            k,
+            v,
+            g,
+            beta,
+            (A_log, dt_bias),
+            initial_state,
+            cu_seqlens,
+            return_intermediate_states=intermediate,
+            final_states=opts.output_final_state,
+        )
     else:
-        out = context_parallel.sharded(local, cp, q, k, v, g, beta, (A_log, dt_bias), initial_state, cu_seqlens,
-                                       pad_gate=-jnp.inf if opts.use_gate_in_kernel else 0.0,
-                                       chunk_size=opts.chunk_size, return_intermediate_states=intermediate,
-                                       final_states=opts.output_final_state)  # fmt: skip
+        out = context_parallel.sharded(
+            local,
+            cp,
+            q,
+            k,
+            v,
+            g,
+            beta,
+            (A_log, dt_bias),
+            initial_state,
+            cu_seqlens,
+            pad_gate=-jnp.inf if opts.use_gate_in_kernel else 0.0,
+            chunk_size=opts.chunk_size,
+            return_intermediate_states=intermediate,
+            final_states=opts.output_final_state,
+        )
     o, final, *h = out
     if opts.state_v_first:
         final = None if final is None else jnp.swapaxes(final, -1, -2)
@@ -258,13 +339,29 @@ def _context_parallel(cp, opts: Options, q, k, v, g, beta, initial_state, cu_seq
 
 
 def fused_recurrent_kda(
-    q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, *, scale: float | None = None,
-    initial_state: jax.Array | None = None, output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False,
-    use_gate_in_kernel: bool = False, A_log: jax.Array | None = None, dt_bias: jax.Array | None = None,
-    lower_bound: float | None = None, use_beta_sigmoid_in_kernel: bool = False, allow_neg_eigval: bool = False,
-    safe_gate: bool = False, disable_recompute: bool = False, return_intermediate_states: bool = False,
-    state_v_first: bool = False, cu_seqlens: jax.Array | Sequence[int] | None = None, backend: str = "auto",
-) -> tuple[jax.Array, jax.Array | None]:  # fmt: skip
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    *,
+    scale: float | None = None,
+    initial_state: jax.Array | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    A_log: jax.Array | None = None,
+    dt_bias: jax.Array | None = None,
+    lower_bound: float | None = None,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    safe_gate: bool = False,
+    disable_recompute: bool = False,
+    return_intermediate_states: bool = False,
+    state_v_first: bool = False,
+    cu_seqlens: jax.Array | Sequence[int] | None = None,
+    backend: str = "auto",
+) -> tuple[jax.Array, jax.Array | None]:
     """Token-by-token Kimi Delta Attention (decoding, short T), with FLA's ``fused_recurrent_kda`` keywords.
 
     Differentiable by autodiff through the scan over tokens, which stores one state per token.
@@ -286,9 +383,23 @@ def fused_recurrent_kda(
         NotImplementedError: a backend this op lacks.
     """
     cu_seqlens = offsets(cu_seqlens)
-    opts = Options("recurrent", backend, None, scale, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
-                   lower_bound, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, disable_recompute,
-                   return_intermediate_states, state_v_first, None)  # fmt: skip
+    opts = Options(
+        "recurrent",
+        backend,
+        None,
+        scale,
+        output_final_state,
+        use_qk_l2norm_in_kernel,
+        use_gate_in_kernel,
+        lower_bound,
+        use_beta_sigmoid_in_kernel,
+        allow_neg_eigval,
+        safe_gate,
+        disable_recompute,
+        return_intermediate_states,
+        state_v_first,
+        None,
+    )
     N = _validate(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, opts)
     backend, _ = _OPS["fused_recurrent_kda"].resolve(backend, q.dtype)
     opts = dataclasses.replace(opts, backend=backend, disable_recompute=False, return_intermediate_states=False)
@@ -308,13 +419,27 @@ def _core(o: Options):
     backend."""
     if o.op == "recurrent":
         return _repeated_qk(fused_recurrent_kda_xla)
-    kernels = {"xla": xla.chunk_kda_xla, "pallas_tpu": pallas_tpu.chunk_kda_pallas_tpu,
-               "pallas_gpu": pallas_gpu.chunk_kda_pallas_gpu}  # fmt: skip
+    kernels = {
+        "xla": xla.chunk_kda_xla,
+        "pallas_tpu": pallas_tpu.chunk_kda_pallas_tpu,
+        "pallas_gpu": pallas_gpu.chunk_kda_pallas_gpu,
+    }
 
     def run(q, k, v, g, beta, h0, cu, **options):
         layout = chunk_layout(q.shape[1], o.chunk_size, cu)
-        return kernels[o.backend](q, k, v, g, beta, h0, layout, cfg=o.config, disable_recompute=o.disable_recompute,
-                                  intermediate_states=o.return_intermediate_states, **options)  # fmt: skip
+        return kernels[o.backend](
+            q,
+            k,
+            v,
+            g,
+            beta,
+            h0,
+            layout,
+            cfg=o.config,
+            disable_recompute=o.disable_recompute,
+            intermediate_states=o.return_intermediate_states,
+            **options,
+        )
 
     return _repeated_qk(run) if o.backend == "xla" else run
 
@@ -329,15 +454,25 @@ def _apply(o: Options, N, q, k, v, g, beta, initial_state, A_log, dt_bias, cu_se
     core = None if o.backend == "naive" else _core(o)
     if o.backend == "pallas_gpu":
         gate = (A_log, dt_bias, o.lower_bound) if o.use_gate_in_kernel else None
-        core = functools.partial(core, input_dtype=q.dtype, g_dtype=g.dtype, gate=gate,
-                                 l2norm_qk=o.use_qk_l2norm_in_kernel, scale=o.scale)  # fmt: skip
+        core = functools.partial(
+            core, input_dtype=q.dtype, g_dtype=g.dtype, gate=gate, l2norm_qk=o.use_qk_l2norm_in_kernel, scale=o.scale
+        )
         o = dataclasses.replace(o, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, scale=None)
     q, k, g, beta = _preprocess(q, k, g, beta, A_log, dt_bias, o)
     if o.backend == "naive":
-        out = naive_recurrent_kda(q, k, v, g, beta, scale=o.scale, initial_state=initial_state,
-                                  output_final_state=o.output_final_state, cu_seqlens=cu_seqlens,
-                                  return_intermediate_states=o.return_intermediate_states,
-                                  chunk_size=o.chunk_size or 64)  # fmt: skip
+        out = naive_recurrent_kda(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            scale=o.scale,
+            initial_state=initial_state,
+            output_final_state=o.output_final_state,
+            cu_seqlens=cu_seqlens,
+            return_intermediate_states=o.return_intermediate_states,
+            chunk_size=o.chunk_size or 64,
+        )
     else:
         out = _run(core, o, N, q, k, v, g, beta, initial_state, cu_seqlens)
     return out[0], *(jnp.swapaxes(x, -1, -2) if o.state_v_first and x is not None else x for x in out[1:])

@@ -16,8 +16,9 @@ def offsets(cu_seqlens):
     return np.asarray(cu_seqlens) if isinstance(cu_seqlens, (list, tuple)) else cu_seqlens
 
 
-def check_inputs(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=None, chunk_size=None,
-                 state_v_first: bool = False) -> int:  # fmt: skip
+def check_inputs(
+    q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=None, chunk_size=None, state_v_first: bool = False
+) -> int:
     """Check the arrays of a KDA call against each other.
 
     Args:

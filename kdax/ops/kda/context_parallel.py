@@ -68,8 +68,23 @@ def check(cp, T: int, chunk_size: int) -> None:
         fail("q", f"a local time axis that is a multiple of chunk_size={chunk_size} inside shard_map", f"T={T}")
 
 
-def sharded(local, cp: ContextParallel, q, k, v, g, beta, params, initial_state, cu_seqlens, *, pad_gate: float,
-            return_intermediate_states: bool, chunk_size: int, final_states: bool = True):  # fmt: skip
+def sharded(
+    local,
+    cp: ContextParallel,
+    q,
+    k,
+    v,
+    g,
+    beta,
+    params,
+    initial_state,
+    cu_seqlens,
+    *,
+    pad_gate: float,
+    return_intermediate_states: bool,
+    chunk_size: int,
+    final_states: bool = True,
+):
     """The mesh form: pad T, ``jax.shard_map`` :func:`on_device` over ``cp.axis``, unpad.
 
     Args:
@@ -97,11 +112,14 @@ def sharded(local, cp: ContextParallel, q, k, v, g, beta, params, initial_state,
         cu_seqlens = jnp.asarray(cu_seqlens, jnp.int32).at[-1].set(Tp)
     time = P(None, cp.axis)
     run = jax.shard_map(
-        functools.partial(on_device, local, cp.axis, return_intermediate_states=return_intermediate_states,
-                          final_states=final_states),
-        mesh=cp.mesh, in_specs=(time, time, time, time, time, P(), P(), P()),
-        out_specs=(time, P()) + ((time,) if return_intermediate_states else ()), check_vma=False,
-    )  # fmt: skip
+        functools.partial(
+            on_device, local, cp.axis, return_intermediate_states=return_intermediate_states, final_states=final_states
+        ),
+        mesh=cp.mesh,
+        in_specs=(time, time, time, time, time, P(), P(), P()),
+        out_specs=(time, P()) + ((time,) if return_intermediate_states else ()),
+        check_vma=False,
+    )
     args = (pad(q), pad(k), pad(v), pad(g, pad_gate), pad(beta), params, initial_state, cu_seqlens)
     # onto the layout shard_map takes (its specs must match the inputs' types on a mesh of Explicit axes)
     shardings = [NamedSharding(cp.mesh, time)] * 5 + [NamedSharding(cp.mesh, P())] * 3
@@ -113,8 +131,21 @@ def sharded(local, cp: ContextParallel, q, k, v, g, beta, params, initial_state,
     return (o[:, :T], final, *(x[:, : -(-T // chunk_size)] for x in h))
 
 
-def on_device(local, axis: str, q, k, v, g, beta, params, initial_state, cu_seqlens, *,
-              return_intermediate_states: bool, final_states: bool = True):  # fmt: skip
+def on_device(
+    local,
+    axis: str,
+    q,
+    k,
+    v,
+    g,
+    beta,
+    params,
+    initial_state,
+    cu_seqlens,
+    *,
+    return_intermediate_states: bool,
+    final_states: bool = True,
+):
     """One device's part (inside ``shard_map`` over ``axis``): its slice [B, Tl, ...] of the time axis.
 
     Returns:

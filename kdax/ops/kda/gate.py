@@ -17,8 +17,17 @@ L2NORM_EPS = 1e-6
 
 # log1p(t) / t on [0, 1], lowest degree first: a degree-8 Chebyshev least-squares fit at 4001 Chebyshev
 # points (numpy.polynomial.Chebyshev.fit), rounded to float32; 2e-7 relative error in float32 Horner.
-_LOG1P_OVER_T = (1.0, -0.49999502301216125, 0.33319273591041565, -0.24844388663768768, 0.1911148577928543,
-                 -0.13674858212471008, 0.07836245745420456, -0.02958887256681919, 0.005253523122519255)  # fmt: skip
+_LOG1P_OVER_T = (
+    1.0,
+    -0.49999502301216125,
+    0.33319273591041565,
+    -0.24844388663768768,
+    0.1911148577928543,
+    -0.13674858212471008,
+    0.07836245745420456,
+    -0.02958887256681919,
+    0.005253523122519255,
+)
 
 
 def _f32(x: jax.Array) -> jax.Array:
@@ -79,8 +88,9 @@ def softplus_exp2(x: jax.Array) -> jax.Array:
     return jnp.maximum(x, 0.0) + t * p
 
 
-def log_decay(x: jax.Array, a: jax.Array | None, b: jax.Array | None, lower_bound: float | None,
-              softplus=jax.nn.softplus) -> jax.Array:  # fmt: skip
+def log_decay(
+    x: jax.Array, a: jax.Array | None, b: jax.Array | None, lower_bound: float | None, softplus=jax.nn.softplus
+) -> jax.Array:
     """:func:`kda_gate` on logits x with ``a = exp(A_log)`` and ``b = dt_bias`` broadcast to x
     (None: 1 and 0). Plain jnp, so the GPU kernels apply it to their tiles as XLA does (they pass
     ``softplus=softplus_exp2``).

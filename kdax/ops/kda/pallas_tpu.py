@@ -234,14 +234,16 @@ def _forward(q, k, v, g, beta, h0t, sched, groups: int, cfg: Config, save_states
             functools.partial(_fused_kernel, save_states),
             name="kda_fused",
             grid_spec=pltpu.PrefetchScalarGridSpec(
-                num_scalar_prefetch=3, grid=(B, HV, NV, NC),
+                num_scalar_prefetch=3,
+                grid=(B, HV, NV, NC),
                 in_specs=[qk_spec, qk_spec, v_spec, k_spec, b_spec, st_spec],
                 out_specs=[v_spec, st_spec] + [sin_spec] * save_states + [kept_spec(n) for n in kept],
                 scratch_shapes=[pltpu.VMEM((BV, Kp), f32)],
             ),
             out_shape=[o_shape, fin_shape] + [sin_shape] * save_states + [field_shape(n) for n in kept],
-            compiler_params=sequential, interpret=interpret,
-        )(*sched, q, k, v, g, beta, h0t)  # fmt: skip
+            compiler_params=sequential,
+            interpret=interpret,
+        )(*sched, q, k, v, g, beta, h0t)
         return outs[0], outs[1], (outs[2] if save_states else None), (tuple(outs[2 + save_states :]) if keep else None)
 
     # staged: intra (parallel) -> state (sequential over chunks) -> output (parallel)
@@ -257,24 +259,29 @@ def _forward(q, k, v, g, beta, h0t, sched, groups: int, cfg: Config, save_states
         functools.partial(_intra_kernel, names),
         name="kda_intra",
         grid=(B, HV, NC),
-        in_specs=[spec3(Kp, lambda b, h, c: (b, lax.div(h, jnp.int32(groups)), c, 0))] * 2 + [spec3(Vp), spec3(Kp), spec3(1)],
+        in_specs=[spec3(Kp, lambda b, h, c: (b, lax.div(h, jnp.int32(groups)), c, 0))] * 2
+        + [spec3(Vp), spec3(Kp), spec3(1)],
         out_specs=[chunk_spec(n) for n in names],
         out_shape=[field_shape(n) for n in names],
-        compiler_params=par3, interpret=interpret,
-    )(q, k, v, g, beta)  # fmt: skip
+        compiler_params=par3,
+        interpret=interpret,
+    )(q, k, v, g, beta)
     f = dict(zip(names, staged))
     dec_spec = pl.BlockSpec((1, 1, 8, Kp), lambda b, h, vb, c, *_: (b, h, c, 0))
     v_new, s_in, final = pl.pallas_call(
         _state_kernel,
         name="kda_state",
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=3, grid=(B, HV, NV, NC),
+            num_scalar_prefetch=3,
+            grid=(B, HV, NV, NC),
             in_specs=[k_spec, v_spec, k_spec, dec_spec, st_spec],
-            out_specs=[v_spec, sin_spec, st_spec], scratch_shapes=[pltpu.VMEM((BV, Kp), f32)],
+            out_specs=[v_spec, sin_spec, st_spec],
+            scratch_shapes=[pltpu.VMEM((BV, Kp), f32)],
         ),
         out_shape=[jax.ShapeDtypeStruct((B, HV, L, Vp), f32), sin_shape, fin_shape],
-        compiler_params=sequential, interpret=interpret,
-    )(*sched, f["w"], f["u"], f["k_d"], f["decay"], h0t)  # fmt: skip
+        compiler_params=sequential,
+        interpret=interpret,
+    )(*sched, f["w"], f["u"], f["k_d"], f["decay"], h0t)
     o = pl.pallas_call(
         _output_kernel,
         name="kda_output",
@@ -287,8 +294,9 @@ def _forward(q, k, v, g, beta, h0t, sched, groups: int, cfg: Config, save_states
         ],
         out_specs=pl.BlockSpec((1, 1, C, BV), lambda b, h, c, vb: (b, h, c, vb)),
         out_shape=o_shape,
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",) * 4), interpret=interpret,
-    )(f["Aqk"], f["q_g"], v_new, s_in)  # fmt: skip
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",) * 4),
+        interpret=interpret,
+    )(f["Aqk"], f["q_g"], v_new, s_in)
     kept = tuple({**f, "v_new": v_new}[n] for n in _KEPT) if keep else None
     return o, final, (s_in if save_states else None), kept
 
@@ -315,7 +323,8 @@ def _backward(q, k, v, g, beta, sched, S_in, kept, do, dfinal_t, dS_in, groups: 
         functools.partial(_bwd_kernel, dS_in is not None),
         name="kda_backward",
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=3, grid=(B, HV, NC),
+            num_scalar_prefetch=3,
+            grid=(B, HV, NC),
             in_specs=[qk, qk, spec(Vp), spec(Kp), spec(1), sin, spec(Vp), st] + [sin] * len(dh) + fields,
             out_specs=[spec(Kp), spec(Kp), spec(Vp), spec(Kp), spec(1), st],
             scratch_shapes=[pltpu.VMEM((Vp, Kp), f32)],
@@ -324,7 +333,7 @@ def _backward(q, k, v, g, beta, sched, S_in, kept, do, dfinal_t, dS_in, groups: 
         + [jax.ShapeDtypeStruct(dfinal_t.shape, f32)],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
         interpret=_interpret(cfg),
-    )(*sched, q, k, v, g, beta, S_in, do, dfinal_t, *dh, *(kept or ()))  # fmt: skip
+    )(*sched, q, k, v, g, beta, S_in, do, dfinal_t, *dh, *(kept or ()))
     dq, dk = (x.reshape(B, H, groups, L, Kp).sum(2) for x in (dq, dk))
     return dq, dk, dv, dg, dbeta, dh0t
 
@@ -356,8 +365,18 @@ def _core_bwd(groups, cfg, keep, states, res, cts):
 _core.defvjp(_core_fwd, _core_bwd)
 
 
-def chunk_kda_pallas_tpu(q, k, v, g, beta, h0, layout: ChunkLayout, cfg: Config = Config(),
-                         disable_recompute: bool = False, intermediate_states: bool = False):  # fmt: skip
+def chunk_kda_pallas_tpu(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    h0,
+    layout: ChunkLayout,
+    cfg: Config = Config(),
+    disable_recompute: bool = False,
+    intermediate_states: bool = False,
+):
     """Core chunked KDA with the TPU kernels, on prepared float32 inputs.
 
     q, k: [B, T, H, K] (q scaled, not repeated over value heads); v: [B, T, HV, V];
@@ -378,8 +397,9 @@ def chunk_kda_pallas_tpu(q, k, v, g, beta, h0, layout: ChunkLayout, cfg: Config 
     h0t = pad_last(jnp.swapaxes(pad_last(h0, Vp), -1, -2), Kp)  # [B, N, HV, Vp, Kp]
     i32 = jnp.int32
     sched = (layout.chunk_first.astype(i32), layout.chunk_last.astype(i32), layout.chunk_seq)
-    o, final, S_in = _core(qh, kh, vh, gh, bh, h0t, sched, layout.seq_empty, HV // H, cfg, disable_recompute,
-                           intermediate_states)  # fmt: skip
+    o, final, S_in = _core(
+        qh, kh, vh, gh, bh, h0t, sched, layout.seq_empty, HV // H, cfg, disable_recompute, intermediate_states
+    )
     o = layout.unpack(jnp.moveaxis(o[..., :V], 1, 2))
     final = jnp.swapaxes(final, -1, -2)[..., :K, :V]
     if not intermediate_states:

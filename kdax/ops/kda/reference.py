@@ -111,8 +111,9 @@ def _run(one: Callable, q, k, v, g, beta, scale, initial_state, output_final_sta
     """(o, final state or None, per-chunk states or None as ``one`` gives them, for every sequence),
     the arguments checked as every entry point checks them (:func:`check_inputs`)."""
     cu_seqlens = offsets(cu_seqlens)
-    check_inputs(q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
-                 chunk_size=chunk_size)  # fmt: skip
+    check_inputs(
+        q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size
+    )
     if isinstance(cu_seqlens, jax.core.Tracer):
         fail("cu_seqlens", "a concrete array with the references (they loop over sequences)", "a tracer")
     out_dtype = q.dtype
@@ -142,10 +143,19 @@ def _run(one: Callable, q, k, v, g, beta, scale, initial_state, output_final_sta
 
 
 def naive_recurrent_kda(
-    q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, *, scale: float | None = None,
-    initial_state: jax.Array | None = None, output_final_state: bool = False,
-    cu_seqlens: jax.Array | Sequence[int] | None = None, return_intermediate_states: bool = False, chunk_size: int = 64,
-) -> tuple[jax.Array, jax.Array | None] | tuple[jax.Array, jax.Array | None, jax.Array]:  # fmt: skip
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    *,
+    scale: float | None = None,
+    initial_state: jax.Array | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: jax.Array | Sequence[int] | None = None,
+    return_intermediate_states: bool = False,
+    chunk_size: int = 64,
+) -> tuple[jax.Array, jax.Array | None] | tuple[jax.Array, jax.Array | None, jax.Array]:
     """KDA by the token-by-token recurrence of SPEC.md (``lax.scan`` over time): the reference,
     float64-capable, differentiable by autodiff (it stores every state).
 
@@ -172,10 +182,18 @@ def naive_recurrent_kda(
 
 
 def naive_chunk_kda(
-    q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, *, scale: float | None = None,
-    initial_state: jax.Array | None = None, output_final_state: bool = False,
-    cu_seqlens: jax.Array | Sequence[int] | None = None, chunk_size: int = 64,
-) -> tuple[jax.Array, jax.Array | None]:  # fmt: skip
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    *,
+    scale: float | None = None,
+    initial_state: jax.Array | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: jax.Array | Sequence[int] | None = None,
+    chunk_size: int = 64,
+) -> tuple[jax.Array, jax.Array | None]:
     """KDA by the plain chunked algorithm: pairwise ``exp(G_i - G_j)``, exact triangular solve.
     A second reference (it overflows in float32 under strong decay; use float64).
 

@@ -300,8 +300,12 @@ class Tiles:
     def state_products(self, St, dSt, do, v_new, dv_new) -> StateProducts:
         """St, dSt: [BV, BK] blocks of the entering state and of the cotangent of the leaving
         one (transposed); do, v_new, dv_new: [C, BV] (as :meth:`grads_values`)."""
-        return StateProducts(self.dot(do, St), self.dot(v_new, dSt), -self.dot(dv_new, St),
-                             jnp.sum(St.astype(jnp.float32) * dSt, axis=0, keepdims=True))  # fmt: skip
+        return StateProducts(
+            self.dot(do, St),
+            self.dot(v_new, dSt),
+            -self.dot(dv_new, St),
+            jnp.sum(St.astype(jnp.float32) * dSt, axis=0, keepdims=True),
+        )
 
     def grads_keys(self, q, k, beta, G, R, T, w, P: StateProducts, d) -> KeyGrads:
         """The backward's terms of a block of key columns (every [C, BK] output is column by

@@ -372,8 +372,18 @@ def _chunk_core_bwd(gs, keep_intra, states, res, cts):
 _chunk_core.defvjp(_chunk_core_fwd, _chunk_core_bwd)
 
 
-def chunk_kda_xla(q, k, v, g, beta, h0, layout: ChunkLayout, cfg: Config = Config(), disable_recompute: bool = False,
-                  intermediate_states: bool = False):  # fmt: skip
+def chunk_kda_xla(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    h0,
+    layout: ChunkLayout,
+    cfg: Config = Config(),
+    disable_recompute: bool = False,
+    intermediate_states: bool = False,
+):
     """Core chunked KDA on prepared inputs.
 
     q, k: [B, T, HV, K] (q already scaled, both repeated to HV heads); v: [B, T, HV, V];

@@ -51,8 +51,16 @@ def test_auto_logs_its_choice_and_pallas_off_device_says_it_interprets(caplog):
 
 
 def _tiny(**kw):
-    return KDAConfig(hidden_size=32, head_dim=8, num_heads=2, num_hidden_layers=2, vocab_size=40,
-                     attn={"layers": [1], "num_heads": 2}, intermediate_size=48, **kw)  # fmt: skip
+    return KDAConfig(
+        hidden_size=32,
+        head_dim=8,
+        num_heads=2,
+        num_hidden_layers=2,
+        vocab_size=40,
+        attn={"layers": [1], "num_heads": 2},
+        intermediate_size=48,
+        **kw,
+    )
 
 
 def test_a_model_runs_the_scoped_backend_and_compiles_per_scope(caplog):

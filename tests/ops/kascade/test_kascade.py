@@ -63,10 +63,12 @@ def options(case: Case):
 )
 def test_anchor_matches_definition_in_float64(case, dense_output):
     q, k, v, lengths = inputs(case)
-    want_idx, want = reference.naive_kascade_anchor(q, k, v, **options(case), dense_output=dense_output,
-                                                    lengths=lengths)  # fmt: skip
-    idx, o = kdax.kascade_anchor(q, k, v, **options(case), dense_output=dense_output, lengths=lengths,
-                                 config=xla.Config(case.block_bytes))  # fmt: skip
+    want_idx, want = reference.naive_kascade_anchor(
+        q, k, v, **options(case), dense_output=dense_output, lengths=lengths
+    )
+    idx, o = kdax.kascade_anchor(
+        q, k, v, **options(case), dense_output=dense_output, lengths=lengths, config=xla.Config(case.block_bytes)
+    )
     assert idx.dtype == jnp.int32 and idx.shape == want_idx.shape
     np.testing.assert_array_equal(idx, want_idx)
     np.testing.assert_allclose(o, want, atol=1e-12)
@@ -80,10 +82,19 @@ def test_reuse_matches_definition_with_a_head_map(case):
     q, k, v, lengths = inputs(case)
     anchor_idx, _ = reference.naive_kascade_anchor(*inputs(case, seed=1)[:3], **options(case), lengths=lengths)
     head_map = np.arange(case.G)[::-1].copy()
-    want = reference.naive_kascade_reuse(q, k, v, anchor_idx, head_map=head_map, tile_size=case.tile_size,
-                                         lengths=lengths)  # fmt: skip
-    o = kdax.kascade_reuse(q, k, v, anchor_idx, head_map=list(head_map), tile_size=case.tile_size, lengths=lengths,
-                           config=xla.Config(case.block_bytes))  # fmt: skip
+    want = reference.naive_kascade_reuse(
+        q, k, v, anchor_idx, head_map=head_map, tile_size=case.tile_size, lengths=lengths
+    )
+    o = kdax.kascade_reuse(
+        q,
+        k,
+        v,
+        anchor_idx,
+        head_map=list(head_map),
+        tile_size=case.tile_size,
+        lengths=lengths,
+        config=xla.Config(case.block_bytes),
+    )
     np.testing.assert_allclose(o, want, atol=1e-12)
 
 
@@ -130,8 +141,9 @@ def test_low_precision_within_bars(dtype):
     assert o.dtype == dtype
     assert rel_rms(o, want) < (1e-5 if dtype == jnp.float32 else 1e-2)
     idx, _ = kdax.kascade_anchor(*low, **options(case), lengths=lengths)
-    P = reference.pooled_probabilities(*[x.astype(jnp.float64) for x in low[:2]], tile_size=case.tile_size,
-                                       lengths=lengths)  # fmt: skip
+    P = reference.pooled_probabilities(
+        *[x.astype(jnp.float64) for x in low[:2]], tile_size=case.tile_size, lengths=lengths
+    )
 
     def mass(sel):
         return np.take_along_axis(np.asarray(P), np.maximum(np.asarray(sel), 0), -1).sum(-1, where=np.asarray(sel) >= 0)
@@ -148,8 +160,9 @@ def test_decode_matches_definition(lengths, dense_output):
     q, k, v, _ = inputs(case)
     lengths = jnp.asarray(lengths, jnp.int32)
     qt = q[:, 7]
-    want_idx, want = reference.naive_kascade_anchor_decode(qt, k, v, lengths, topk_percent=20, min_k=4,
-                                                           dense_output=dense_output)  # fmt: skip
+    want_idx, want = reference.naive_kascade_anchor_decode(
+        qt, k, v, lengths, topk_percent=20, min_k=4, dense_output=dense_output
+    )
     idx, o = kdax.kascade_anchor_decode(qt, k, v, lengths, topk_percent=20, min_k=4, dense_output=dense_output)
     np.testing.assert_array_equal(idx, want_idx)
     np.testing.assert_allclose(o, want, atol=1e-12)
@@ -208,8 +221,19 @@ def test_anchor_memory_is_one_block_of_scores():
     kv = jax.ShapeDtypeStruct((B, T, G, D), jnp.float32)
     lengths = jax.ShapeDtypeStruct((B,), jnp.int32)
     cfg = xla.Config(block_bytes=4 << 20)
-    anchor = api._anchor.lower(q, kv, kv, lengths, backend="xla", config=cfg, tenths=100, min_k=128, tile_size=32,
-                               scale=0.2, dense_output=False).compile()  # fmt: skip
+    anchor = api._anchor.lower(
+        q,
+        kv,
+        kv,
+        lengths,
+        backend="xla",
+        config=cfg,
+        tenths=100,
+        min_k=128,
+        tile_size=32,
+        scale=0.2,
+        dense_output=False,
+    ).compile()
     temp = anchor.memory_analysis().temp_size_in_bytes
     assert temp < 32 << 20, temp / 2**20  # dense scores of all heads: 256 MiB
 
@@ -239,7 +263,10 @@ def test_traced_lengths_are_clipped_to_the_tokens():
     ("call", "match"),
     [
         (lambda q, k, v: kdax.kascade_anchor(q, k, v[:, :, :1]), "v: expected shape"),
-        (lambda q, k, v: kdax.kascade_anchor(q, k[:, :, :1].repeat(3, 2), v[:, :, :1].repeat(3, 2)), "k: expected a number of KV heads"),
+        (
+            lambda q, k, v: kdax.kascade_anchor(q, k[:, :, :1].repeat(3, 2), v[:, :, :1].repeat(3, 2)),
+            "k: expected a number of KV heads",
+        ),
         (lambda q, k, v: kdax.kascade_anchor(q, k, v.astype(jnp.float32)), "k, v: expected the dtype of q"),
         (lambda q, k, v: kdax.kascade_anchor(q, k, v, topk_percent=0), "topk_percent"),
         (lambda q, k, v: kdax.kascade_anchor(q, k, v, topk_percent=10.25), "topk_percent"),
@@ -259,10 +286,15 @@ def test_traced_lengths_are_clipped_to_the_tokens():
         (lambda q, k, v: kdax.kascade_reuse(q, k, v, jnp.zeros((2, 2, 4, 4), jnp.int32), head_map=[0, 2]), "head_map"),
         (lambda q, k, v: kdax.kascade_anchor_decode(q, k, v, jnp.asarray([1, 1])), "q: expected a 3-d"),
         (lambda q, k, v: kdax.kascade_anchor_decode(q[:, 0], k, v, jnp.asarray([1])), "lengths: expected shape"),
-        (lambda q, k, v: kdax.kascade_reuse_decode(q[:, 0], k, v, jnp.asarray([1, 1]), jnp.zeros((2, 1, 3), jnp.int32)), "indices: expected shape"),
+        (
+            lambda q, k, v: kdax.kascade_reuse_decode(
+                q[:, 0], k, v, jnp.asarray([1, 1]), jnp.zeros((2, 1, 3), jnp.int32)
+            ),
+            "indices: expected shape",
+        ),
     ],
     ids=lambda x: x if isinstance(x, str) else "",
-)  # fmt: skip
+)
 def test_bad_arguments_raise_value_errors_naming_them(call, match):
     q, k, v, _ = inputs(Case("bad"))  # T = 100, tile 32 (the default): 4 tiles
     with pytest.raises(ValueError, match=match):
@@ -287,8 +319,9 @@ def test_auto_picks_the_devices_kernels_and_names_kascade_ops():
     with dispatch.building_for("gpu"):  # not yet verified on a GPU: asked for, not chosen
         assert kdax.explain_backend(op="kascade_reuse")[0] == ("pallas_gpu" if pallas_gpu.VERIFIED_ON_GPU else "xla")
     with pytest.raises(ValueError, match="q: expected float32 or bfloat16 inputs with backend='pallas_tpu'"):
-        kdax.kascade_reuse(*inputs(Case("x"))[:3], jnp.zeros((2, 2, 7, 4), jnp.int32), tile_size=16,
-                           backend="pallas_tpu")  # fmt: skip
+        kdax.kascade_reuse(
+            *inputs(Case("x"))[:3], jnp.zeros((2, 2, 7, 4), jnp.int32), tile_size=16, backend="pallas_tpu"
+        )
 
 
 def test_a_planted_key_is_kept_by_kascade_and_lost_by_a_window():

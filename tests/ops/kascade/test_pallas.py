@@ -65,19 +65,20 @@ def test_prefill_matches_definition_in_fp32(backend, case):
     lengths, opts = _lengths(case), dict(OPTIONS, tile_size=case.tile_size)
     want_idx, want = reference.naive_kascade_anchor(*exact, **opts, lengths=lengths)
     head_map = np.arange(case.G)[::-1].copy()
-    want_reuse = reference.naive_kascade_reuse(*exact, want_idx, head_map=head_map, tile_size=case.tile_size,
-                                               lengths=lengths)  # fmt: skip
+    want_reuse = reference.naive_kascade_reuse(
+        *exact, want_idx, head_map=head_map, tile_size=case.tile_size, lengths=lengths
+    )
     want_dense = reference.naive_attention(*exact, lengths=lengths)
     cfg = KERNELS[backend]
     idx, o = kdax.kascade_anchor(q, k, v, **opts, lengths=lengths, backend=backend, config=cfg)
     np.testing.assert_array_equal(idx, want_idx)
     assert o.dtype == jnp.float32 and rel_rms(o, want) <= 1e-5
     if lengths is not None:  # the dense output once per backend (CI time)
-        _, dense = kdax.kascade_anchor(q, k, v, **opts, lengths=lengths, dense_output=True, backend=backend,
-                                       config=cfg)  # fmt: skip
+        _, dense = kdax.kascade_anchor(q, k, v, **opts, lengths=lengths, dense_output=True, backend=backend, config=cfg)
         assert rel_rms(dense, want_dense) <= 1e-5
-    o = kdax.kascade_reuse(q, k, v, want_idx, head_map=head_map, tile_size=case.tile_size, lengths=lengths,
-                           backend=backend, config=cfg)  # fmt: skip
+    o = kdax.kascade_reuse(
+        q, k, v, want_idx, head_map=head_map, tile_size=case.tile_size, lengths=lengths, backend=backend, config=cfg
+    )
     assert rel_rms(o, want_reuse) <= 1e-5
     if lengths is not None:
         assert not np.asarray(o)[np.arange(case.T)[None, :] >= np.asarray(lengths)[:, None]].any()
@@ -92,16 +93,17 @@ def test_decode_matches_definition(backend, dtype):
     lengths = jnp.asarray([40, 1, 0], jnp.int32)
     head_map = np.asarray([1, 0])
     want_idx, want = reference.naive_kascade_anchor_decode(exact[0][:, 9], *exact[1:], lengths, **OPTIONS)
-    _, want_dense = reference.naive_kascade_anchor_decode(exact[0][:, 9], *exact[1:], lengths, **OPTIONS,
-                                                          dense_output=True)  # fmt: skip
-    want_reuse = reference.naive_kascade_reuse_decode(exact[0][:, 9], *exact[1:], lengths, want_idx,
-                                                      head_map=head_map)  # fmt: skip
+    _, want_dense = reference.naive_kascade_anchor_decode(
+        exact[0][:, 9], *exact[1:], lengths, **OPTIONS, dense_output=True
+    )
+    want_reuse = reference.naive_kascade_reuse_decode(exact[0][:, 9], *exact[1:], lengths, want_idx, head_map=head_map)
     cfg, bar = KERNELS[backend], 1e-5 if dtype == jnp.float32 else 1e-2
     idx, o = kdax.kascade_anchor_decode(q[:, 9], k, v, lengths, **OPTIONS, backend=backend, config=cfg)
     np.testing.assert_array_equal(idx, want_idx)
     assert o.dtype == dtype and rel_rms(o, want) <= bar and not np.asarray(o[2]).any()
-    _, dense = kdax.kascade_anchor_decode(q[:, 9], k, v, lengths, **OPTIONS, dense_output=True, backend=backend,
-                                          config=cfg)  # fmt: skip
+    _, dense = kdax.kascade_anchor_decode(
+        q[:, 9], k, v, lengths, **OPTIONS, dense_output=True, backend=backend, config=cfg
+    )
     assert rel_rms(dense, want_dense) <= bar
     o = kdax.kascade_reuse_decode(q[:, 9], k, v, lengths, want_idx, head_map=head_map, backend=backend, config=cfg)
     assert rel_rms(o, want_reuse) <= bar
@@ -125,8 +127,9 @@ def test_kernels_are_forward_only_with_a_clear_error():
     case = Case("grad", B=1, T=16)
     (q, k, v), _ = inputs(case, jnp.float32)
     idx = -jnp.ones((1, case.G, 1, 4), jnp.int32)
-    loss = lambda q: kdax.kascade_reuse(q, k, v, idx, tile_size=16, backend="pallas_gpu",
-                                        config=KERNELS["pallas_gpu"]).sum()  # fmt: skip
+    loss = lambda q: kdax.kascade_reuse(
+        q, k, v, idx, tile_size=16, backend="pallas_gpu", config=KERNELS["pallas_gpu"]
+    ).sum()
     with pytest.raises(NotImplementedError, match="forward-only"):
         jax.grad(loss)(q)
 
@@ -139,16 +142,24 @@ def _all_ops(q, k, v, qt, kc, vc, lengths):
     return o, dense, reuse, d, kdax.kascade_reuse_decode(qt, kc, vc, lengths, d_idx)
 
 
-@pytest.mark.parametrize(("dtype", "D", "G"), [(jnp.bfloat16, 128, 4), (jnp.float32, 64, 1)], ids=["bf16_D128_G4",
-                                                                                             "fp32_D64_G1"])  # fmt: skip
+@pytest.mark.parametrize(
+    ("dtype", "D", "G"), [(jnp.bfloat16, 128, 4), (jnp.float32, 64, 1)], ids=["bf16_D128_G4", "fp32_D64_G1"]
+)
 @pytest.mark.parametrize(("platform", "marker"), [("tpu", "tpu_custom_call"), ("cuda", "__gpu$xla.gpu.triton")])
 def test_every_kernel_lowers_for_its_platform(platform, marker, dtype, D, G):
     """The four ops under backend="auto" as built for the device (GPU: asked by config, since the
     kernels are not yet verified there), lowered from this CPU-only machine."""
     B, T, H, L = 1, 1000, 8, 4096
     s = lambda *shape: jax.ShapeDtypeStruct(shape, dtype)
-    args = (s(B, T, H, D), s(B, T, G, D), s(B, T, G, D), s(2, H, D), s(2, L, G, D), s(2, L, G, D),
-            jax.ShapeDtypeStruct((2,), jnp.int32))  # fmt: skip
+    args = (
+        s(B, T, H, D),
+        s(B, T, G, D),
+        s(B, T, G, D),
+        s(2, H, D),
+        s(2, L, G, D),
+        s(2, L, G, D),
+        jax.ShapeDtypeStruct((2,), jnp.int32),
+    )
     scope = kdax.use_backend("pallas_gpu") if platform == "cuda" else kdax.use_backend("auto")
     with scope:
         text = kdax.lower(_all_ops, *args, platform=platform).as_text()

@@ -60,8 +60,11 @@ def test_chunk_fp16(backend):
     assert_close_to_reference(functools.partial(kdax.chunk_kda, backend=backend), case, jnp.float16)
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c.name in ("T65_gva_h0", "varlen", "strong_decay_varlen",
-                                                                 "chunk32_varlen", "T1000")], ids=str)  # fmt: skip
+@pytest.mark.parametrize(
+    "case",
+    [c for c in CASES if c.name in ("T65_gva_h0", "varlen", "strong_decay_varlen", "chunk32_varlen", "T1000")],
+    ids=str,
+)
 def test_chunk_xla_all_chunks_per_step(case):
     """The accelerator schedule of the xla backend (every chunk in one scan step), run here."""
     assert_close_to_reference(functools.partial(kdax.chunk_kda, config=xla.Config("all_chunks")), case, jnp.float32)
@@ -80,8 +83,14 @@ def test_safe_gate_changes_nothing_and_state_v_first_transposes_states(backend, 
     fn = functools.partial(kdax.chunk_kda if op == "chunk" else _recurrent, backend=backend)
     o, s, *h = fn(*args, **kwargs, return_intermediate_states=True)
     h0_vk = jnp.swapaxes(kwargs["initial_state"], -1, -2)
-    o_vk, s_vk, *h_vk = fn(*args, **{**kwargs, "initial_state": h0_vk}, safe_gate=True, state_v_first=True,
-                           disable_recompute=True, return_intermediate_states=True)  # fmt: skip
+    o_vk, s_vk, *h_vk = fn(
+        *args,
+        **{**kwargs, "initial_state": h0_vk},
+        safe_gate=True,
+        state_v_first=True,
+        disable_recompute=True,
+        return_intermediate_states=True,
+    )
     assert len(h) == len(h_vk) == (op == "chunk")
     np.testing.assert_array_equal(o_vk, o)
     np.testing.assert_array_equal(s_vk, jnp.swapaxes(s, -1, -2))
@@ -147,10 +156,18 @@ def test_intermediate_states_with_traced_cu_seqlens(backend):
     assert not np.any(np.asarray(h_traced[:, 4:]))
 
 
-@pytest.mark.parametrize("backend,config", [("xla", None), ("xla", xla.Config("all_chunks")), ("pallas_tpu", None),
-                                            ("pallas_tpu", pallas_tpu.Config(pipeline="staged")), ("pallas_gpu", None),
-                                            ("naive", None)], ids=["xla", "xla_all_chunks", "pallas_tpu",
-                                                                   "pallas_tpu_staged", "pallas_gpu", "naive"])  # fmt: skip
+@pytest.mark.parametrize(
+    "backend,config",
+    [
+        ("xla", None),
+        ("xla", xla.Config("all_chunks")),
+        ("pallas_tpu", None),
+        ("pallas_tpu", pallas_tpu.Config(pipeline="staged")),
+        ("pallas_gpu", None),
+        ("naive", None),
+    ],
+    ids=["xla", "xla_all_chunks", "pallas_tpu", "pallas_tpu_staged", "pallas_gpu", "naive"],
+)
 def test_disable_recompute_changes_no_result(backend, config):
     """Outputs, states entering the chunks and every gradient (through those states as well) are
     the same whether the backward recomputes the forward's intermediates or reads them. On xla

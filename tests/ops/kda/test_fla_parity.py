@@ -32,10 +32,20 @@ def test_matches_fla(case, backend):
     cu = None if meta["cu_seqlens"] is None else jnp.asarray(meta["cu_seqlens"], jnp.int32)
 
     def loss(x):
-        o, s = kdax.chunk_kda(*x[:5], A_log=x[5], dt_bias=x[6], initial_state=x[7], output_final_state=True,
-                              use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
-                              lower_bound=meta["lower_bound"], allow_neg_eigval=meta["allow_neg_eigval"],
-                              cu_seqlens=cu, backend=backend)  # fmt: skip
+        o, s = kdax.chunk_kda(
+            *x[:5],
+            A_log=x[5],
+            dt_bias=x[6],
+            initial_state=x[7],
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=True,
+            use_gate_in_kernel=True,
+            use_beta_sigmoid_in_kernel=True,
+            lower_bound=meta["lower_bound"],
+            allow_neg_eigval=meta["allow_neg_eigval"],
+            cu_seqlens=cu,
+            backend=backend,
+        )
         total = jnp.sum(o.astype(jnp.float64) * cotangent(o.shape))
         return total + jnp.sum(s.astype(jnp.float64) * cotangent(s.shape)), (o, s)
 

@@ -34,8 +34,9 @@ def _tf32x3(a, b, dims):  # the three products of TF32 high and low parts Triton
     a, b = a.astype(jnp.float32), b.astype(jnp.float32)
     a_hi, b_hi = round_tf32(a), round_tf32(b)
     a_lo, b_lo = round_tf32(a - a_hi), round_tf32(b - b_hi)
-    exact = functools.partial(jax.lax.dot_general, dimension_numbers=(dims, ((), ())),
-                              precision=jax.lax.Precision.HIGHEST)  # fmt: skip
+    exact = functools.partial(
+        jax.lax.dot_general, dimension_numbers=(dims, ((), ())), precision=jax.lax.Precision.HIGHEST
+    )
     return exact(a_lo, b_hi) + exact(a_hi, b_lo) + exact(a_hi, b_hi)
 
 
@@ -105,10 +106,13 @@ def _slow_unless(keep: bool, *values):
 
 @pytest.mark.parametrize(
     "case",
-    [_slow_unless(c.name == "strong_decay_varlen", c) for c in CASES
-     if c.name in ("T65_gva_h0", "strong_decay_varlen", "gate_rate_20_60_varlen")],
+    [
+        _slow_unless(c.name == "strong_decay_varlen", c)
+        for c in CASES
+        if c.name in ("T65_gva_h0", "strong_decay_varlen", "gate_rate_20_60_varlen")
+    ],
     ids=str,
-)  # fmt: skip
+)
 def test_float32_inputs_within_bars_with_gpu_matmuls(case, monkeypatch):
     """float32 inputs with the matmuls "auto" picks on a GPU (tf32x3), emulated here: the
     float32 bars, which one-pass TF32 misses."""
@@ -117,8 +121,12 @@ def test_float32_inputs_within_bars_with_gpu_matmuls(case, monkeypatch):
     assert_close_to_reference(chunk_kda_gpu, case, jnp.float32)
 
 
-_GPU_MATMUL_CASES = [_slow_unless(c.name == "strong_decay_varlen" and p == "bf16", c, p) for c in CASES
-                     if c.name in ("T65_gva_h0", "strong_decay_varlen") for p in ("bf16", "tf32")]  # fmt: skip
+_GPU_MATMUL_CASES = [
+    _slow_unless(c.name == "strong_decay_varlen" and p == "bf16", c, p)
+    for c in CASES
+    if c.name in ("T65_gva_h0", "strong_decay_varlen")
+    for p in ("bf16", "tf32")
+]
 _GATE_CASE = next(c for c in CASES if c.name == "gate_l2_varlen_K60")  # gate logits, L2 norm in the kernels
 
 
@@ -170,9 +178,14 @@ def test_chunk128_in_bf16():
 
 @pytest.mark.parametrize(
     "dtype, K, C, launch, stages",
-    [(jnp.bfloat16, 256, 64, (), (2, 2)), (jnp.float32, 128, 64, (), (2, 2)), (jnp.float32, 256, 64, (), (1, 1)),
-     (jnp.bfloat16, 256, 128, (), (1, 1)), (jnp.float32, 256, 64, (("dstate", (4, 3)),), (1, 3))],
-)  # fmt: skip
+    [
+        (jnp.bfloat16, 256, 64, (), (2, 2)),
+        (jnp.float32, 128, 64, (), (2, 2)),
+        (jnp.float32, 256, 64, (), (1, 1)),
+        (jnp.bfloat16, 256, 128, (), (1, 1)),
+        (jnp.float32, 256, 64, (("dstate", (4, 3)),), (1, 3)),
+    ],
+)
 def test_state_loops_get_one_stage_past_32_kib_a_tile(monkeypatch, dtype, K, C, launch, stages):
     """Two pipeline stages of [C, Kp] tiles over 32 KiB (float32 at K = 256, bf16 at C = 128 and
     K = 256) overflow an H100's shared memory (compile report in docs/kda_gpu.md); a launch
@@ -618,9 +631,15 @@ def test_compile_budget(dtype):
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    run = subprocess.run([sys.executable, "scripts/gpu_compile_report.py", "--fla-options", "--check", "--dtype", dtype],
-                         cwd=root, check=False, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": root},
-                         timeout=600)  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, "scripts/gpu_compile_report.py", "--fla-options", "--check", "--dtype", dtype],
+        cwd=root,
+        check=False,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": root},
+        timeout=600,
+    )
     rows = [line.split("|")[1:-1] for line in run.stdout.splitlines() if line.startswith("| ") and "kernel" not in line]
     spill = {name.strip(): int(cells[3]) for name, *cells in rows}
     assert set(spill) == set(pallas_gpu.LAUNCH), run.stdout[-2000:] + run.stderr[-2000:]

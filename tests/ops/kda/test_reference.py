@@ -37,15 +37,23 @@ def test_kda_gate_forms():
     A_log = rng.uniform(-1, 1, 4)
     dt = rng.uniform(-1, 1, 32)
     x = g + dt.reshape(4, 8)
-    np.testing.assert_allclose(kdax.kda_gate(jnp.asarray(g), jnp.asarray(A_log), jnp.asarray(dt)),
-                               -np.exp(A_log)[:, None] * _softplus(x), rtol=1e-12)  # fmt: skip
+    np.testing.assert_allclose(
+        kdax.kda_gate(jnp.asarray(g), jnp.asarray(A_log), jnp.asarray(dt)),
+        -np.exp(A_log)[:, None] * _softplus(x),
+        rtol=1e-12,
+    )
     sig = lambda z: 1 / (1 + np.exp(-z))
-    np.testing.assert_allclose(kdax.kda_gate(jnp.asarray(g), jnp.asarray(A_log), jnp.asarray(dt), lower_bound=-5.0),
-                               -5.0 * sig(np.exp(A_log)[:, None] * x), rtol=1e-12)  # fmt: skip
-    np.testing.assert_allclose(kdax.kda_gate(jnp.asarray(g), None, jnp.asarray(dt), lower_bound=-5.0),
-                               -5.0 * sig(x), rtol=1e-12)  # fmt: skip
-    np.testing.assert_allclose(kdax.kda_gate(jnp.asarray(g), jnp.asarray(A_log)),
-                               -np.exp(A_log)[:, None] * _softplus(g), rtol=1e-12)  # fmt: skip
+    np.testing.assert_allclose(
+        kdax.kda_gate(jnp.asarray(g), jnp.asarray(A_log), jnp.asarray(dt), lower_bound=-5.0),
+        -5.0 * sig(np.exp(A_log)[:, None] * x),
+        rtol=1e-12,
+    )
+    np.testing.assert_allclose(
+        kdax.kda_gate(jnp.asarray(g), None, jnp.asarray(dt), lower_bound=-5.0), -5.0 * sig(x), rtol=1e-12
+    )
+    np.testing.assert_allclose(
+        kdax.kda_gate(jnp.asarray(g), jnp.asarray(A_log)), -np.exp(A_log)[:, None] * _softplus(g), rtol=1e-12
+    )
     out = kdax.kda_gate(jnp.asarray(g, jnp.bfloat16), jnp.asarray(A_log, jnp.float32))
     assert out.dtype == jnp.float32
 

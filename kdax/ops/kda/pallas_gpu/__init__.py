@@ -12,12 +12,12 @@ backward  recompute (B, HV, chunks) -> state cotangent (B, N, HV, V-blocks) -> v
 
 The two sequential kernels give one program to each (sequence, head, V-block), which
 walks that sequence's chunks with ``lax.fori_loop``, the state in registers. The others
-work on blocks of key columns (``Config.block_k``, by default :data:`BLOCK_K`'s per kernel; values and keys also of value columns,
-``Config.block_v``), and the diag, intra and levels kernels on row blocks of ``SUB`` (the
-diagonal blocks apart, the off-diagonal ones, nothing above the diagonal), so that
-few tiles are live at once (registers, shared memory: scripts/gpu_compile_report.py). K and V are
-padded to powers of two >= 16 (Triton's tile rule). Off GPU the kernels run in the
-Pallas interpreter (for tests; slow).
+work on blocks of key columns (``Config.block_k``, by default :data:`BLOCK_K`'s per
+kernel; values and keys also of value columns, ``Config.block_v``), and the diag, intra
+and levels kernels on row blocks of ``SUB`` (the diagonal blocks apart, the off-diagonal
+ones, nothing above the diagonal), so that few tiles are live at once (registers, shared
+memory: scripts/gpu_compile_report.py). K and V are padded to powers of two >= 16
+(Triton's tile rule). Off GPU the kernels run in the Pallas interpreter (for tests; slow).
 
 Modules: :mod:`.launch` (config, launch table, shared-memory model), :mod:`.kernels` (the
 kernel bodies), :mod:`.calls` (one helper per pallas_call, the forward and backward),
@@ -50,8 +50,19 @@ from kdax.ops.kda.pallas_gpu.launch import (
 from kdax.ops.kda.pallas_gpu.vjp import core
 from kdax.ops.kda.tiles import chunk_states
 
-__all__ = ["BLOCK_K", "LAUNCH", "PRECISIONS", "SHARED_MEMORY_KIB", "SUB", "VERIFIED_ON_GPU", "Config", "chunk_fits",
-           "chunk_kda_pallas_gpu", "shared_memory", "shared_memory_limit"]  # fmt: skip
+__all__ = [
+    "BLOCK_K",
+    "LAUNCH",
+    "PRECISIONS",
+    "SHARED_MEMORY_KIB",
+    "SUB",
+    "VERIFIED_ON_GPU",
+    "Config",
+    "chunk_fits",
+    "chunk_kda_pallas_gpu",
+    "shared_memory",
+    "shared_memory_limit",
+]
 
 # Whether the compiled kernels have passed the shared cases' error bars on a GPU
 # (`scripts/gpu_session.sh tests`, recorded in BENCHMARKS.md). Until then backend="auto" runs
@@ -87,9 +98,23 @@ def chunk_fits(input_dtype, chunk_size: int, cfg: Config = Config(), K: int = 12
     return launch.too_large(cfg, tiles_for(cfg, input_dtype), chunk_size, K, V)
 
 
-def chunk_kda_pallas_gpu(q, k, v, g, beta, h0, layout: ChunkLayout, input_dtype=jnp.float32, cfg: Config = Config(),
-                         gate=None, g_dtype=None, l2norm_qk: bool = False, scale: float = 1.0,
-                         disable_recompute: bool = False, intermediate_states: bool = False):  # fmt: skip
+def chunk_kda_pallas_gpu(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    h0,
+    layout: ChunkLayout,
+    input_dtype=jnp.float32,
+    cfg: Config = Config(),
+    gate=None,
+    g_dtype=None,
+    l2norm_qk: bool = False,
+    scale: float = 1.0,
+    disable_recompute: bool = False,
+    intermediate_states: bool = False,
+):
     """Core chunked KDA with the GPU kernels, on prepared float32 inputs.
 
     q, k: [B, T, H, K] (not repeated over value heads; the kernels take the L2 norm of both
@@ -113,9 +138,11 @@ def chunk_kda_pallas_gpu(q, k, v, g, beta, h0, layout: ChunkLayout, input_dtype=
     H, K = q.shape[2:]
     HV, V = v.shape[2:]
     if why := launch.too_large(cfg, tiles, layout.chunk_size, K, V):
-        raise ValueError(f"chunk_size: pallas_gpu with {jnp.dtype(stored_dtype(tiles))} intermediates at chunk_size="
-                         f"{layout.chunk_size}, K={K}, V={V} does not fit: {why}; use a smaller chunk_size, bfloat16 "
-                         f"inputs or backend='xla'")  # fmt: skip
+        raise ValueError(
+            f"chunk_size: pallas_gpu with {jnp.dtype(stored_dtype(tiles))} intermediates at chunk_size="
+            f"{layout.chunk_size}, K={K}, V={V} does not fit: {why}; use a smaller chunk_size, bfloat16 "
+            f"inputs or backend='xla'"
+        )
     Kp, Vp = pow2(K), pow2(V)
     cfg = blocks(cfg, tiles, K, V)
     sd = stored_dtype(tiles)

@@ -40,9 +40,13 @@ class Static:
 
     def call(self, kernel, name: str, *args, **kwargs):  # pl.pallas_call of ``kernel`` with this call's tiles
         launch = kwargs.pop("launch", name)
-        return pl.pallas_call(functools.partial(kernel, self.tiles, *args), name=f"kda_{name}",
-                              compiler_params=params(self.cfg, launch), interpret=interpreted(self.cfg),
-                              **kwargs)  # fmt: skip
+        return pl.pallas_call(
+            functools.partial(kernel, self.tiles, *args),
+            name=f"kda_{name}",
+            compiler_params=params(self.cfg, launch),
+            interpret=interpreted(self.cfg),
+            **kwargs,
+        )
 
 
 def _per_chunk(C: int, d: int):  # chunk c of head-major [B, HV, L, d] on grid (b, h, c)
@@ -113,12 +117,16 @@ def diag(s: Static, q, k, g, gp, beta):
     B, L, HV, _ = beta.shape
     Kp, S, f32, sd = k.shape[-1], min(SUB, s.C), jnp.float32, stored_dtype(s.tiles)
     return s.call(
-        kernels.diag_kernel, "diag", s.gate, s.qk, s.block_k("diag", Kp),
+        kernels.diag_kernel,
+        "diag",
+        s.gate,
+        s.qk,
+        s.block_k("diag", Kp),
         grid=(B, HV, L // S),
         in_specs=[_tokens(S, Kp, s.groups)] * 2 + [_tokens(S, Kp), _gate_spec(Kp), _tokens(S, 1)],
         out_specs=[_per_chunk(S, S)] * 3 + [_per_chunk(S, 2)] * s.qk.l2norm,
         out_shape=[_shape(B, HV, L, S, t) for t in (sd, f32, f32)] + [_shape(B, HV, L, 2, f32)] * s.qk.l2norm,
-    )(q, k, g, gp, beta)  # fmt: skip
+    )(q, k, g, gp, beta)
 
 
 def _intra(s: Static, name: str, q, k, v, g, gp, beta, ins, widths, outs):
@@ -132,12 +140,20 @@ def _intra(s: Static, name: str, q, k, v, g, gp, beta, ins, widths, outs):
     out_specs.insert(widths, _per_chunk_row(Kp))
     out_shape.insert(widths, jax.ShapeDtypeStruct((B, HV, L // C, Kp), jnp.float32))
     return s.call(
-        kernels.intra_kernel, name, s.gate, s.qk, s.block_k(name, Kp), s.cfg.block_v, interpreted(s.cfg), name == "intra",
+        kernels.intra_kernel,
+        name,
+        s.gate,
+        s.qk,
+        s.block_k(name, Kp),
+        s.cfg.block_v,
+        interpreted(s.cfg),
+        name == "intra",
         grid=(B, HV, L // C),
         in_specs=[tok(Kp, s.groups), tok(Kp, s.groups), tok(Vp), tok(Kp), _gate_spec(Kp), tok(1)]
         + [spec(x.shape[-1]) for x in ins],
-        out_specs=out_specs, out_shape=out_shape,
-    )(q, k, v, g, gp, beta, *ins)  # fmt: skip
+        out_specs=out_specs,
+        out_shape=out_shape,
+    )(q, k, v, g, gp, beta, *ins)
 
 
 def intra(s: Static, q, k, v, g, gp, beta, diagonal, backward: bool):
@@ -162,13 +178,18 @@ def state(s: Static, w, u, k_d, dec, h0t, ranges):
     Kp, NC, N, BV, sd = w.shape[-1], L // s.C, h0t.shape[1], s.cfg.block_v, stored_dtype(s.tiles)
     seq, st = _seq_range(N), _seq_state(BV, Kp)
     return s.call(
-        kernels.state_kernel, "state", s.C,
+        kernels.state_kernel,
+        "state",
+        s.C,
         grid=(B, N, HV, Vp // BV),
         in_specs=[seq, seq, _whole(L, Kp), _whole_vblock(L, BV), _whole(L, Kp), _whole(NC, Kp), st],
         out_specs=[_whole_vblock(L, BV), _chunk_states(NC, BV, Kp), st],
-        out_shape=[_shape(B, HV, L, Vp, sd), jax.ShapeDtypeStruct((B, HV, NC, Vp, Kp), sd),
-                   jax.ShapeDtypeStruct(h0t.shape, jnp.float32)],
-    )(*ranges, w, u, k_d, dec, h0t)  # fmt: skip
+        out_shape=[
+            _shape(B, HV, L, Vp, sd),
+            jax.ShapeDtypeStruct((B, HV, NC, Vp, Kp), sd),
+            jax.ShapeDtypeStruct(h0t.shape, jnp.float32),
+        ],
+    )(*ranges, w, u, k_d, dec, h0t)
 
 
 def output(s: Static, aqk, q_g, v_new, s_in, dtype):
@@ -217,14 +238,29 @@ def state_cotangent(s: Static, ranges, aqk, q_g, k_d, w, dec, do, dfinal_t, dS_i
     seq, st = _seq_range(N), _seq_state(BV, Kp)
     dh = [] if dS_in is None else [dS_in]
     return s.call(
-        kernels.dstate_kernel, "state_cotangent", C, launch="dstate",
+        kernels.dstate_kernel,
+        "state_cotangent",
+        C,
+        launch="dstate",
         grid=(B, N, HV, Vp // BV),
-        in_specs=[seq, seq, _whole(L, C), _whole(L, Kp), _whole(L, Kp), _whole(L, Kp), _whole(NC, Kp),
-                  _whole_tokens(L, BV), st] + [_chunk_states(NC, BV, Kp)] * len(dh),
+        in_specs=[
+            seq,
+            seq,
+            _whole(L, C),
+            _whole(L, Kp),
+            _whole(L, Kp),
+            _whole(L, Kp),
+            _whole(NC, Kp),
+            _whole_tokens(L, BV),
+            st,
+        ]
+        + [_chunk_states(NC, BV, Kp)] * len(dh),
         out_specs=[_chunk_states(NC, BV, Kp), st],
-        out_shape=[jax.ShapeDtypeStruct((B, HV, NC, Vp, Kp), stored_dtype(s.tiles)),
-                   jax.ShapeDtypeStruct(dfinal_t.shape, jnp.float32)],
-    )(*ranges, aqk, q_g, k_d, w, dec, do, dfinal_t, *dh)  # fmt: skip
+        out_shape=[
+            jax.ShapeDtypeStruct((B, HV, NC, Vp, Kp), stored_dtype(s.tiles)),
+            jax.ShapeDtypeStruct(dfinal_t.shape, jnp.float32),
+        ],
+    )(*ranges, aqk, q_g, k_d, w, dec, do, dfinal_t, *dh)
 
 
 def values(s: Static, aqk, T, w, k_d, u, v, beta, S_in, do, dS_out, v_new):
@@ -239,14 +275,19 @@ def values(s: Static, aqk, T, w, k_d, u, v, beta, S_in, do, dS_out, v_new):
     n_out = 2 - len(kept)  # v_new (unless kept) and dv_new
     f32, sd = jnp.float32, stored_dtype(s.tiles)
     return s.call(
-        kernels.values_kernel, "values", s.block_k("values", Kp), s.cfg.block_v, bool(kept),
+        kernels.values_kernel,
+        "values",
+        s.block_k("values", Kp),
+        s.cfg.block_v,
+        bool(kept),
         grid=(B, HV, L // C),
         in_specs=[spec(C), spec(C), spec(Kp), spec(Kp), spec(Vp), tok(Vp), tok(1), st, tok(Vp), st]
         + [spec(Vp)] * len(kept),
         out_specs=[spec(Vp)] * n_out + [tok(Vp)] + [spec(C)] * 2 + [spec(1)] * 2,
-        out_shape=[_shape(B, HV, L, Vp, sd)] * n_out + [jax.ShapeDtypeStruct(v.shape, v.dtype)]
+        out_shape=[_shape(B, HV, L, Vp, sd)] * n_out
+        + [jax.ShapeDtypeStruct(v.shape, v.dtype)]
         + [_shape(B, HV, L, d, f32) for d in (C, C, 1, 1)],
-    )(aqk, T, w, k_d, u, v, beta, S_in, do, dS_out, *kept)  # fmt: skip
+    )(aqk, T, w, k_d, u, v, beta, S_in, do, dS_out, *kept)
 
 
 def keys(s: Static, q, k, g, gp, beta, kkk, T, w, S_in, dS_out, do, v_new, dv_new, d, dakk_u, dbeta_v):
@@ -257,13 +298,33 @@ def keys(s: Static, q, k, g, gp, beta, kkk, T, w, S_in, dS_out, do, v_new, dv_ne
     spec, tok = functools.partial(_per_chunk, C), functools.partial(_tokens, C)
     st = _chunk_state(Vp, Kp)
     return s.call(
-        kernels.keys_kernel, "keys", s.gate, s.block_k("keys", Kp), s.cfg.block_v,
+        kernels.keys_kernel,
+        "keys",
+        s.gate,
+        s.block_k("keys", Kp),
+        s.cfg.block_v,
         grid=(B, HV, L // C),
-        in_specs=[tok(Kp, s.groups), tok(Kp, s.groups), tok(Kp), _gate_spec(Kp), tok(1), spec(C), spec(C),
-                  spec(Kp), st, st, tok(Vp), spec(Vp), spec(Vp), spec(1), spec(C), spec(1)],
+        in_specs=[
+            tok(Kp, s.groups),
+            tok(Kp, s.groups),
+            tok(Kp),
+            _gate_spec(Kp),
+            tok(1),
+            spec(C),
+            spec(C),
+            spec(Kp),
+            st,
+            st,
+            tok(Vp),
+            spec(Vp),
+            spec(Vp),
+            spec(1),
+            spec(C),
+            spec(1),
+        ],
         out_specs=[spec(C), tok(1), spec(Kp), spec(Kp), spec(Kp)],
         out_shape=[_shape(B, HV, L, C, f32), jax.ShapeDtypeStruct(beta.shape, f32)] + [_shape(B, HV, L, Kp, f32)] * 3,
-    )(q, k, g, gp, beta, kkk, T, w, S_in, dS_out, do, v_new, dv_new, d, dakk_u, dbeta_v)  # fmt: skip
+    )(q, k, g, gp, beta, kkk, T, w, S_in, dS_out, do, v_new, dv_new, d, dakk_u, dbeta_v)
 
 
 def diag_grads(s: Static, q, k, g, gp, daqk, dkkk, dq, dk, dG):
@@ -273,13 +334,16 @@ def diag_grads(s: Static, q, k, g, gp, daqk, dkkk, dq, dk, dG):
     rows = _per_chunk(S, Kp)
     block = pl.BlockSpec((None, None, S, S), lambda b, h, r: (b, h, r, lax.rem(r, jnp.int32(C // S))))
     return s.call(
-        kernels.diag_grads_kernel, "diag_grads", s.gate, s.block_k("diag_grads", Kp),
+        kernels.diag_grads_kernel,
+        "diag_grads",
+        s.gate,
+        s.block_k("diag_grads", Kp),
         grid=(B, HV, L // S),
         in_specs=[_tokens(S, Kp, s.groups)] * 2 + [_tokens(S, Kp), _gate_spec(Kp), block, block, rows, rows, rows],
         out_specs=[rows] * 3,
         out_shape=[jax.ShapeDtypeStruct(dq.shape, jnp.float32)] * 3,
         input_output_aliases={6: 0, 7: 1, 8: 2},
-    )(q, k, g, gp, daqk, dkkk, dq, dk, dG)  # fmt: skip
+    )(q, k, g, gp, daqk, dkkk, dq, dk, dG)
 
 
 def levels(s: Static, q, k, g, gp, daqk, dkkk, dq, dk, dG):
@@ -292,12 +356,14 @@ def levels(s: Static, q, k, g, gp, daqk, dkkk, dq, dk, dG):
     gp_cols = pl.BlockSpec((None, 2, BK), lambda b, h, c, kb: (h, 0, kb))
     dqk = q.dtype if s.groups == 1 else f32  # summed over the group in XLA otherwise
     return s.call(
-        kernels.levels_kernel, "levels", s.gate,
+        kernels.levels_kernel,
+        "levels",
+        s.gate,
         grid=(B, HV, L // C, Kp // BK),
         in_specs=[_token_cols(C, BK, s.groups)] * 2 + [_token_cols(C, BK), gp_cols, pair, pair, cols, cols, cols],
         out_specs=[_token_cols(C, BK)] * 3,
         out_shape=[jax.ShapeDtypeStruct((B, L, HV, Kp), t) for t in (dqk, dqk, f32)],
-    )(q, k, g, gp, daqk, dkkk, dq, dk, dG)  # fmt: skip
+    )(q, k, g, gp, daqk, dkkk, dq, dk, dG)
 
 
 def backward(s: Static, q, k, v, g, gp, beta, ranges, S_in, kept, do, dfinal_t, dS_in):
@@ -315,8 +381,7 @@ def backward(s: Static, q, k, v, g, gp, beta, ranges, S_in, kept, do, dfinal_t, 
     dS_out, dh0t = state_cotangent(s, ranges, aqk, q_g, k_d, w, dec, do, dfinal_t, dS_in)
     *v_new_out, dv_new, dv, daqk, dakk_u, dbeta_v, d = values(s, aqk, T, w, k_d, u, v, beta, S_in, do, dS_out, v_new)
     v_new = v_new if v_new is not None else v_new_out[0]
-    dkkk, dbeta, dq, dk, dG = keys(s, q, k, g, gp, beta, kkk, T, w, S_in, dS_out, do, v_new, dv_new, d, dakk_u,
-                                   dbeta_v)  # fmt: skip
+    dkkk, dbeta, dq, dk, dG = keys(s, q, k, g, gp, beta, kkk, T, w, S_in, dS_out, do, v_new, dv_new, d, dakk_u, dbeta_v)
     dq, dk, dG = diag_grads(s, q, k, g, gp, daqk, dkkk, dq, dk, dG)
     dq, dk, dg = levels(s, q, k, g, gp, daqk, dkkk, dq, dk, dG)
     dq, dk = (x.reshape(B, L, H, s.groups, Kp).sum(3).astype(q.dtype) for x in (dq, dk))

@@ -115,7 +115,9 @@ def diag_kernel(tiles, gate, qk, BK, q_ref, k_ref, g_ref, gp_ref, b_ref, aqk_ref
     if qk.l2norm:
 
         def squares(kb, acc):
-            return tuple(a + jnp.sum(_cols32(r, kb, BK) ** 2, axis=1, keepdims=True) for a, r in zip(acc, (q_ref, k_ref)))  # fmt: skip
+            return tuple(
+                a + jnp.sum(_cols32(r, kb, BK) ** 2, axis=1, keepdims=True) for a, r in zip(acc, (q_ref, k_ref))
+            )
 
         ss_q, ss_k = lax.fori_loop(0, n_kb, squares, (jnp.zeros((S, 1), f32),) * 2)
         q_scale, k_scale = qk.scale * lax.rsqrt(ss_q + L2NORM_EPS), lax.rsqrt(ss_k + L2NORM_EPS)
@@ -219,8 +221,9 @@ def intra_kernel(tiles, gate, qk, BK, BV, interpret, solve, q_ref, k_ref, v_ref,
     zero = jnp.zeros((S, S), f32)
     acc = lax.fori_loop(0, n_kb, pairs, (zero,) * (2 * len(lower)))
     if solve:
-        T = _solve(tiles, dict(zip(lower, acc[0::2])), dict(zip(lower, acc[1::2])), *ins[:3], b_ref, aqk_ref,
-                   *pair_refs)  # fmt: skip
+        T = _solve(
+            tiles, dict(zip(lower, acc[0::2])), dict(zip(lower, acc[1::2])), *ins[:3], b_ref, aqk_ref, *pair_refs
+        )
     else:
         T = {(i, j): ins[0][pl.ds(i * S, S), pl.ds(j * S, S)].astype(f32) for i in range(nb) for j in range(i + 1)}
 
@@ -301,8 +304,29 @@ def dstate_kernel(tiles, C, start_ref, end_ref, aqk_ref, qg_ref, kd_ref, w_ref, 
     dh0_ref[...] = lax.fori_loop(0, end - start, step, (df_ref[...], _decay_row(dec_ref, end - 1)))[0]
 
 
-def values_kernel(tiles, BK, BV, kept, aqk_ref, t_ref, w_ref, kd_ref, u_ref, v_ref, b_ref, sin_ref, do_ref, dso_ref,
-                   vn_ref, dvn_ref, dv_ref, daqk_ref, dakku_ref, dbeta_v_ref, d_ref):  # fmt: skip
+def values_kernel(
+    tiles,
+    BK,
+    BV,
+    kept,
+    aqk_ref,
+    t_ref,
+    w_ref,
+    kd_ref,
+    u_ref,
+    v_ref,
+    b_ref,
+    sin_ref,
+    do_ref,
+    dso_ref,
+    vn_ref,
+    dvn_ref,
+    dv_ref,
+    daqk_ref,
+    dakku_ref,
+    dbeta_v_ref,
+    d_ref,
+):
     """Grid (B, HV, chunks): walks the value columns in blocks of BV: v_new = u - w S (an input,
     the forward's, if ``kept``; else computed and written) and its cotangent dv_new (each
     summed over blocks of BK key columns), then the block's terms (``Tiles.grads_values``),
@@ -334,9 +358,33 @@ def values_kernel(tiles, BK, BV, kept, aqk_ref, t_ref, w_ref, kd_ref, u_ref, v_r
         ref[...] = x
 
 
-def keys_kernel(tiles, gate, BK, BV, q_ref, k_ref, g_ref, gp_ref, b_ref, kkk_ref, t_ref, w_ref, sin_ref, dso_ref,
-                 do_ref, vn_ref, dvn_ref, d_ref, dakku_ref, dbeta_v_ref, dkkk_ref, db_ref, dq_ref, dk_ref,
-                 dg_ref):  # fmt: skip
+def keys_kernel(
+    tiles,
+    gate,
+    BK,
+    BV,
+    q_ref,
+    k_ref,
+    g_ref,
+    gp_ref,
+    b_ref,
+    kkk_ref,
+    t_ref,
+    w_ref,
+    sin_ref,
+    dso_ref,
+    do_ref,
+    vn_ref,
+    dvn_ref,
+    d_ref,
+    dakku_ref,
+    dbeta_v_ref,
+    dkkk_ref,
+    db_ref,
+    dq_ref,
+    dk_ref,
+    dg_ref,
+):
     """Grid (B, HV, chunks): walks the key columns in blocks of BK for the column-wise gradients
     (``Tiles.grads_keys``), summing the [C, C] and [C, 1] terms for dKkk and dbeta; each
     block's products with the states (``Tiles.state_products``) summed over blocks of BV value
@@ -366,8 +414,9 @@ def keys_kernel(tiles, gate, BK, BV, q_ref, k_ref, g_ref, gp_ref, b_ref, kkk_ref
     dkkk_ref[...], db_ref[...] = tiles.grads_pairs(beta, kkk_ref[...], dAkk, dbeta)
 
 
-def diag_grads_kernel(tiles, gate, BK, q_ref, k_ref, g_ref, gp_ref, daqk_ref, dkkk_ref, dq_ref, dk_ref, dg_ref, dq_out,
-                       dk_out, dg_out):  # fmt: skip
+def diag_grads_kernel(
+    tiles, gate, BK, q_ref, k_ref, g_ref, gp_ref, daqk_ref, dkkk_ref, dq_ref, dk_ref, dg_ref, dq_out, dk_out, dg_out
+):
     """Grid (B, HV, row blocks of S): adds the diagonal S x S blocks' share of dq, dk and dg
     (``Tiles.grads_levels`` on the block's rows, each pair's gate term over the steps it spans)
     to the keys kernel's partials in place (the outputs alias them), key blocks of BK at a time."""
@@ -384,8 +433,9 @@ def diag_grads_kernel(tiles, gate, BK, q_ref, k_ref, g_ref, gp_ref, daqk_ref, dk
     lax.fori_loop(0, q_ref.shape[1] // BK, keys, 0)
 
 
-def levels_kernel(tiles, gate, q_ref, k_ref, g_ref, gp_ref, daqk_ref, dkkk_ref, dq_ref, dk_ref, dg_ref, dq_out,
-                   dk_out, dg_out):  # fmt: skip
+def levels_kernel(
+    tiles, gate, q_ref, k_ref, g_ref, gp_ref, daqk_ref, dkkk_ref, dq_ref, dk_ref, dg_ref, dq_out, dk_out, dg_out
+):
     """Grid (B, HV, chunks, K-blocks): add the share of the off-diagonal blocks of the pair
     products Aqk and Kkk to dq, dk and dg (the diagonal blocks' share is in them already:
     :func:`diag_grads_kernel`), on the intra kernel's row blocks, each through its two

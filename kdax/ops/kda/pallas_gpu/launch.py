@@ -160,7 +160,8 @@ def too_large(cfg: Config, tiles: Tiles, C: int, K: int, V: int) -> str | None:
     for name in (n for n in LAUNCH if n not in named):
         need = shared_memory(name, C, Kp, BV, itemsize, launch.get(name, LAUNCH[name])[1])
         if need > limit:
-            return f"its {name} kernel needs about {-(-need // 1024)} KiB of shared memory a block, {gpu} allows {limit // 1024}"
+            kib = -(-need // 1024)
+            return f"its {name} kernel needs about {kib} KiB of shared memory a block, {gpu} allows {limit // 1024}"
     return None
 
 
