@@ -17,7 +17,7 @@ the larger of the two floors over the forward's kernels and the backward's.
 
 JAX lowers the forward and the backward of ``chunk_kda(backend="pallas_gpu")`` at B = 1,
 H = 16 (K = V = 128 unless given) for CUDA (``lowering_platforms=("cuda",)``), g the log
-decay or, with ``--fla-options``, the in-kernel options ``kdax bench --gpu-compare-fla``
+decay or, with ``--fla-options``, the in-kernel options ``kdax bench gpu-compare``
 runs (raw gate logits with A_log and dt_bias, the L2 norm of q and k, the beta sigmoid); each kernel's Triton IR is then
 compiled with the ``triton`` package (``pip install triton``), with the (num_warps,
 num_stages) the kernels get (``pallas_gpu.LAUNCH`` fitted to the tiles), and the cubin

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything kdax measures on a CUDA GPU, one stage per call of at most 10 minutes (Triton
 # compiles take most of it), in order of importance:
-#   scripts/gpu_session.sh compare [BxT,...]       kdax bench --gpu-compare-fla, FLA in its own process;
+#   scripts/gpu_session.sh compare [BxT,...]       kdax bench gpu-compare, FLA in its own process;
 #                                                  default 1x8192 (the acceptance shape), then e.g.
 #                                                  1x2048,1x32768 and 8x2048,8x8192,8x32768
 #   scripts/gpu_session.sh report                  the compile budget (scripts/gpu_compile_report.py
@@ -15,11 +15,11 @@
 #                                                  ones joined: run test_chunk.py, then
 #                                                  test_pallas_gpu.py and test_fla_parity.py, or node
 #                                                  ids); failures go to $OUT/failures.txt as they happen
-#   scripts/gpu_session.sh tune [KERNELS] [BVxBK]  kdax bench --gpu-tune: the block sizes (KERNELS
+#   scripts/gpu_session.sh tune [KERNELS] [BVxBK]  kdax bench gpu-tune: the block sizes (KERNELS
 #                                                  none, the default), then one or two kernels'
 #                                                  launches per call at the blocks found
 #   scripts/gpu_session.sh kascade [T] [CACHE]     the Kascade kernels compiled: their tests, then
-#                                                  kdax bench --kascade, xla and pallas_gpu against
+#                                                  kdax bench kascade, xla and pallas_gpu against
 #                                                  jax.nn.dot_product_attention (B=1 H=32 G=8 D=128
 #                                                  bf16 prefill at T, default 32768; decode B=64 over
 #                                                  CACHE keys, default 32768)
@@ -56,13 +56,13 @@ case "$stage" in
     done ;;
   tune)
     name="tune-${2:-none}"
-    python3 -m kdax.cli bench --gpu-tune --repeats 10 --tune-kernels "${2:-none}" ${3:+--tune-blocks "$3"} \
+    python3 -m kdax.cli bench gpu-tune --repeats 10 --kernels "${2:-none}" ${3:+--blocks "$3"} \
       > "$OUT/$name.json" 2> >(tee "$OUT/$name.log" >&2)
     cat "$OUT/$name.json" ;;
   compare)
     shapes=${2:-1x8192}
     name="compare-${shapes//,/_}"
-    python3 -m kdax.cli bench --gpu-compare-fla --repeats 20 --shapes "$shapes" --workdir "$OUT/$name" --json \
+    python3 -m kdax.cli bench gpu-compare --repeats 20 --shapes "$shapes" --workdir "$OUT/$name" --json \
       > "$OUT/$name.json" 2> >(tee "$OUT/$name.log" >&2)
     python3 -c "import json,sys; from kdax.bench.fla_compare import format_compare; \
 print(format_compare(json.load(open(sys.argv[1]))))" "$OUT/$name.json" | tee "$OUT/$name.md" ;;
@@ -70,8 +70,8 @@ print(format_compare(json.load(open(sys.argv[1]))))" "$OUT/$name.json" | tee "$O
     python3 -m pytest -v -p no:cacheprovider -p no:benchmark -n 4 --timeout=300 tests/ops/kascade/test_pallas.py \
       -k pallas_gpu 2>&1 | tee "$OUT/kascade-tests.txt" || true
     name="kascade-${2:-32768}-${3:-32768}"
-    python3 -m kdax.cli bench --kascade --T "${2:-32768}" --H 32 --kv-heads 8 --head-dim 128 --dtype bfloat16 \
-      --cache-len "${3:-32768}" --decode-batch 64 --kascade-backends xla,pallas_gpu --repeats 10 --json \
+    python3 -m kdax.cli bench kascade --T "${2:-32768}" --H 32 --kv-heads 8 --head-dim 128 --dtype bfloat16 \
+      --cache-len "${3:-32768}" --decode-batch 64 --backends xla,pallas_gpu --repeats 10 --json \
       > "$OUT/$name.json" 2> >(tee "$OUT/$name.log" >&2)
     python3 -c "import json,sys; from kdax.bench.kascade import Row, format_table; \
 print(format_table([Row(**{**r, 'iqr_ms': tuple(r['iqr_ms'])}) for r in json.load(open(sys.argv[1]))['kascade']]))" \

@@ -4,7 +4,7 @@
 
 Compiles the gradient of 0.5 * sum(o^2) with respect to q, k, v, g and beta with and without
 ``disable_recompute``, prints XLA's buffer assignment of each (temporaries, and temporaries +
-arguments + outputs as ``kdax bench --memory`` counts the peak), then alternates their calls so
+arguments + outputs as ``kdax bench memory`` counts the peak), then alternates their calls so
 that a shared, noisy CPU slows both alike, and prints the median time with its quartiles.
 """
 

@@ -1,12 +1,15 @@
-"""The ``kdax bench`` command runs end to end on a tiny shape and prints its table / JSON."""
+"""The ``kdax bench`` commands run end to end on tiny shapes and print their tables / JSON; bad flags
+are argparse's one-line errors naming the flag."""
 
 import json
 
 from kdax.cli import main
 
+TINY = "--T 40 --H 1 --K 8 --V 8 --repeats 1 --chunk-size 16".split()
+
 
 def test_bench_table(capsys):
-    assert main(["bench", "--T", "40", "--H", "1", "--K", "8", "--V", "8", "--repeats", "1", "--chunk-size", "16"]) == 0
+    assert main(["bench", *TINY]) == 0  # `kdax bench` runs `kdax bench kda`
     out = capsys.readouterr().out
     assert "| shape" in out and "xla" in out and "naive" in out and "fwd+bwd" in out
     # a newcomer's reading: what each column is, which gradients, what "auto" runs and why
@@ -17,15 +20,12 @@ def test_bench_table(capsys):
 
 
 def test_bench_json(capsys):
-    main(["bench", "--T", "33", "--H", "1", "--K", "8", "--V", "8", "--repeats", "1", "--chunk-size", "16", "--json"])
-    rows = json.loads(capsys.readouterr().out)["rows"]
-    assert {(r["backend"], r["mode"]) for r in rows} == {
-        ("xla", "fwd"),
-        ("xla", "fwd+bwd"),
-        ("naive", "fwd"),
-        ("naive", "fwd+bwd"),
-    }
+    main(["bench", "kda", *TINY, "--T", "33", "--json"])
+    result = json.loads(capsys.readouterr().out)
+    rows = result["rows"]
+    assert {(r["backend"], r["mode"]) for r in rows} == {(b, m) for b in ("xla", "naive") for m in ("fwd", "fwd+bwd")}
     assert all(r["rel_err"] < 1e-4 for r in rows)
+    assert result["meta"]["command"] == "kdax bench kda " + " ".join([*TINY, "--T", "33", "--json"])
 
 
 def test_version_and_every_train_option_states_its_default(capsys):
@@ -51,22 +51,7 @@ def test_version_and_every_train_option_states_its_default(capsys):
 def test_bench_kascade_table_and_json(capsys):
     import json
 
-    args = [
-        "bench",
-        "--kascade",
-        "--T",
-        "96",
-        "--cache-len",
-        "128",
-        "--H",
-        "2",
-        "--head-dim",
-        "16",
-        "--min-k",
-        "8",
-        "--repeats",
-        "1",
-    ]
+    args = ["bench", "kascade", *"--T 96 --cache-len 128 --H 2 --head-dim 16 --min-k 8 --repeats 1".split()]
     assert main(args) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "| phase" in out and "x faster than dense" in out and "32-layer average (5 anchors)" in out
@@ -90,46 +75,33 @@ def test_kascade_calibrate_help_states_defaults(capsys):
 
 
 def test_bench_refuses_bad_flags_in_one_line(capsys):
-    """Every bad value, and two modes at once, is argparse's one-line error (exit 2) before any work."""
+    """Every bad value of every subcommand is argparse's one-line error (exit 2) before any work."""
     import pytest
 
     for args, says in [
-        (["--T", "-5"], "argument --T: expected an int >= 1, got '-5'"),
-        (["--repeats", "0"], "argument --repeats: expected an int >= 1, got '0'"),
-        (["--kascade", "--cp"], "argument --cp: not allowed with argument --kascade"),
-        (["--chunk-size", "48"], "argument --chunk-size: invalid choice: 48"),
-        (["--kascade", "--topk-percent", "200"], "argument --topk-percent: expected a percentage in (0, 100]"),
-        (["--kascade", "--dtype", "float16"], "--dtype: float16 with --kascade needs an accelerator"),
+        ("--T -5", "kda: error: argument --T: expected an int >= 1, got '-5'"),
+        ("kda --repeats 0", "kda: error: argument --repeats: expected an int >= 1, got '0'"),
+        ("--chunk-size 48", "kda: error: argument --chunk-size: invalid choice: 48"),
+        ("--backends xla,cuda", "kda: error: argument --backends: expected a comma-separated list of auto, xla,"),
+        ("memory --K 0", "memory: error: argument --K: expected an int >= 1, got '0'"),
+        ("model --preset huge", "model: error: argument --preset: invalid choice: 'huge'"),
+        ("kascade --topk-percent 200", "kascade: error: argument --topk-percent: expected a percentage in (0, 100]"),
+        ("kascade --dtype float16", "kascade: error: --dtype: float16 needs an accelerator"),
+        ("kascade --backends naive", "kascade: error: argument --backends: expected a comma-separated list of xla,"),
+        ("cp --devices -1", "cp: error: argument --devices: expected an int >= 0, got '-1'"),
+        ("eager --repeats x", "eager: error: argument --repeats: expected an int >= 1, got 'x'"),
+        ("gpu-compare --shapes 1x0", "gpu-compare: error: argument --shapes: expected AxB[,AxB...] of positive"),
+        ("gpu-tune --kernels keys,bogus", "gpu-tune: error: argument --kernels: expected a comma-separated list of"),
+        ("gpu-tune --blocks 32", "gpu-tune: error: argument --blocks: expected AxB[,AxB...] of positive integers"),
     ]:
         with pytest.raises(SystemExit) as exit:
-            main(["bench", *args])
+            main(["bench", *args.split()])
         err = capsys.readouterr().err
-        assert exit.value.code == 2 and f"kdax bench: error: {says}" in err, err
+        assert exit.value.code == 2 and f"kdax bench {says}" in err, err
 
 
 def test_bench_float16(capsys):
-    assert (
-        main(
-            [
-                "bench",
-                "--T",
-                "40",
-                "--H",
-                "1",
-                "--K",
-                "8",
-                "--V",
-                "8",
-                "--repeats",
-                "1",
-                "--chunk-size",
-                "16",
-                "--dtype",
-                "float16",
-            ]
-        )
-        == 0
-    )
+    assert main(["bench", *TINY, "--dtype", "float16"]) == 0
     assert "B=1 T=40 H=1 K=8 V=8 float16" in capsys.readouterr().out
 
 

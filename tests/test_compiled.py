@@ -1,5 +1,5 @@
 """The public ops and the model's forward compile once per shape and static option, so eager
-calls cost what jitted ones do (``kdax bench --eager`` times them)."""
+calls cost what jitted ones do (``kdax bench eager`` times them)."""
 
 import jax
 import jax.numpy as jnp

@@ -1,4 +1,4 @@
-"""``kdax bench --gpu-compare-fla`` and ``--gpu-tune`` off GPU: the kdax worker on a tiny shape (pallas_gpu in the
+"""``kdax bench gpu-compare`` and ``gpu-tune`` off GPU: the kdax worker on a tiny shape (pallas_gpu in the
 interpreter), and the comparison and table with the FLA worker stood in for by a copy of
 the kdax xla results (FLA itself needs a CUDA GPU)."""
 

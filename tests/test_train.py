@@ -1,5 +1,5 @@
 """Training: the tiny hybrid learns the shipped corpus; checkpoints resume a run exactly; ``kdax train``
-and ``kdax bench --model`` run."""
+and ``kdax bench model`` run."""
 
 import json
 import os
@@ -153,7 +153,7 @@ def test_kdax_train_cli_saves_the_final_weights_by_default_and_says_where(small_
         (["--corpus", "/nonexistent.txt"], "--corpus: expected a text file, '/nonexistent.txt' is not one"),
         (["--mesh", "garbage"], "--mesh: expected comma-separated axis=size"),
         (["--mesh", "data=2"], "--mesh: expected axis sizes whose product is the 1 devices here"),
-        (["--sample-tokens", "-1"], "--sample-tokens: expected an int >= 0"),
+        (["--sample-tokens", "-1"], "argument --sample-tokens: expected an int >= 0, got '-1'"),
         (["--resume"], "--resume: no training state in"),
     ],
     ids=lambda x: x[0] if isinstance(x, list) else "",
@@ -211,13 +211,14 @@ def test_resume_without_a_checkpoint_is_an_error(tmp_path):
 
 
 def test_bench_model_cli(capsys):
-    args = ["--model", "tiny", "--B", "2", "--T", "16", "--decode-steps", "2", "--repeats", "1", "--dtype", "bfloat16"]
+    args = ["model", "--preset", "tiny", "--B", "2", "--T", "16", "--decode-steps", "2", "--repeats", "1"]
+    args += ["--dtype", "bfloat16"]
     assert main(["bench", *args, "--json"]) == 0
     row = json.loads(capsys.readouterr().out)["model"]
     assert row["prefill_tok_s"] > 0 and row["decode_tok_s"] > 0 and row["params"] > 1e6 and row["dtype"] == "bfloat16"
     assert main(["bench", *args]) == 0  # the table, with progress on stderr
     out, err = capsys.readouterr()
-    assert "| tiny | bfloat16 |" in out and "kdax bench --model tiny" in err and "compiling" in err
+    assert "| tiny | bfloat16 |" in out and "kdax bench model --preset tiny" in err and "compiling" in err
 
 
 def test_train_config_errors_name_the_field():

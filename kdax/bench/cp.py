@@ -1,10 +1,11 @@
-"""``kdax bench --cp``: context-parallel chunk_kda forward+backward against one device: time and
+"""``kdax bench cp``: context-parallel chunk_kda forward+backward against one device: time and
 peak memory per device (XLA's buffer assignment of the compiled step), strong scaling (T fixed,
-1 to W devices) and weak scaling (T per device fixed). On CPU, ``--cp-devices N`` fakes N devices."""
+1 to W devices) and weak scaling (T per device fixed). On CPU, ``--devices N`` fakes N devices."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 
 import jax
@@ -13,6 +14,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import kdax
+from kdax.bench import flags
 from kdax.bench.kda import make_inputs
 from kdax.bench.measure import time_calls
 
@@ -101,3 +103,41 @@ def peak_ratio(rows: list[Row]) -> float:
     """Peak memory per device of the most devices over one device's, at the strong-scaling T."""
     strong = [r for r in rows if r.scaling == "strong"]
     return strong[-1].peak_mib_per_device / strong[0].peak_mib_per_device
+
+
+def register(sub) -> None:
+    """``kdax bench cp``."""
+    p = flags.command(
+        sub,
+        "cp",
+        _command,
+        "context-parallel chunk_kda forward+backward over 1, 2, 4, ... devices: time, memory per device",
+    )
+    flags.shape(p, T=262144, H=4, K=128, V=128)
+    p.add_argument("--chunk-size", type=int, default=64, choices=(16, 32, 64, 128), help="chunk_size of chunk_kda")
+    p.add_argument(
+        "--devices", type=flags.at_least(0), default=8, help="devices to fake on a CPU host (0: as they are)"
+    )
+    p.add_argument("--weak-T", type=flags.at_least(1), help="tokens per device, weak scaling (default: --T / devices)")
+    flags.output(p, repeats=3)
+
+
+def _command(ns, parser) -> int:
+    if ns.devices and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+        # before the first device query: fake devices on a CPU host (no effect on accelerators)
+        flag = f"--xla_force_host_platform_device_count={ns.devices}"
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
+    m = flags.meta(ns)
+    m["devices"] = len(jax.devices())
+    if not ns.json:
+        print(
+            f"compiling and timing chunk_kda forward+backward over 1 to {m['devices']} devices (T={ns.T})...",
+            file=sys.stderr,
+            flush=True,
+        )
+    rows = run(ns.T, ns.H, ns.K, ns.V, ns.chunk_size, ns.repeats, ns.weak_T, progress=not ns.json)
+    table = (
+        f"{format_table(rows)}\npeak memory per device, most devices / one device at T={ns.T}: {peak_ratio(rows):.3f}"
+    )
+    m["device"] += f" x {m['devices']}"
+    return flags.emit(ns, m, "cp", [dataclasses.asdict(r) for r in rows], table)

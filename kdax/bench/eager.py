@@ -1,4 +1,4 @@
-"""``kdax bench --eager``: what a call costs without ``jax.jit`` around it.
+"""``kdax bench eager``: what a call costs without ``jax.jit`` around it.
 
 For chunk_kda (B=1 T=1024 H=4 K=V=64), fused_recurrent_kda (one token, the decode step), the
 tiny model's forward (B=1 T=128) and generate() (16 new tokens), the median time of an eager
@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import kdax
+from kdax.bench import flags
 from kdax.bench.kda import make_inputs
 from kdax.bench.measure import time_calls
 from kdax.models import KDAForCausalLM, generate, tiny_config
@@ -60,3 +61,14 @@ def format_table(rows: list[dict]) -> str:
     for r in rows:
         lines.append(f"| {r['what']} | {ms(r['eager_ms'])} | {ms(r['jit_ms'])} | {r['ratio']:.1f}x |")
     return "\n".join(lines)
+
+
+def register(sub) -> None:
+    """``kdax bench eager``."""
+    p = flags.command(sub, "eager", _command, "eager calls of the ops and the tiny model against jitted ones")
+    flags.output(p, repeats=20)
+
+
+def _command(ns, parser) -> int:
+    rows = run(ns.repeats)
+    return flags.emit(ns, flags.meta(ns), "eager", rows, format_table(rows))

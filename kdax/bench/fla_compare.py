@@ -1,4 +1,4 @@
-"""``kdax bench --gpu-compare-fla``: kdax (pallas_gpu, xla) against FLA's Triton ``chunk_kda``.
+"""``kdax bench gpu-compare``: kdax (pallas_gpu, xla) against FLA's Triton ``chunk_kda``.
 
 The two run in separate processes (``python -m kdax.bench.fla_compare worker ...``) on
 the same inputs: each draws them from the same seeded NumPy generator and rounds to
@@ -36,6 +36,7 @@ import time
 
 import numpy as np
 
+from kdax.bench import flags
 from kdax.bench.measure import jax_batch, rel_rms, time_batches
 
 SHAPES = [(1, 2048), (1, 8192), (1, 32768), (8, 2048), (8, 8192), (8, 32768)]  # (B, T)
@@ -424,3 +425,25 @@ def main(argv):
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
+
+
+def register(sub) -> None:
+    """``kdax bench gpu-compare``."""
+    p = flags.command(
+        sub,
+        "gpu-compare",
+        _command,
+        "on a CUDA GPU: kdax pallas_gpu and xla against FLA's chunk_kda (separate processes)",
+    )
+    p.add_argument("--shapes", type=flags.pairs, default=SHAPES, help="BxT,... (H=16, K=V=128 bf16)")
+    p.add_argument("--workdir", help="keep the workers' results here")
+    p.add_argument("--python", default=sys.executable, help="python that runs the workers (FLA and kdax)")
+    flags.output(p, repeats=20)
+
+
+def _command(ns, parser) -> int:  # the workers use the GPU; this process need not
+    result = compare(ns.shapes, ns.repeats, python=ns.python, workdir=ns.workdir)
+    m = flags.meta(ns, device=False)  # the workers' jax and device stand
+    result["meta"].update(date=m["date"], command=m["command"])
+    print(json.dumps(result, indent=2) if ns.json else format_compare(result))
+    return 0

@@ -1,4 +1,4 @@
-"""``kdax bench --gpu-tune``: measure the launch table of the GPU kernels (pallas_gpu.LAUNCH).
+"""``kdax bench gpu-tune``: measure the launch table of the GPU kernels (pallas_gpu.LAUNCH).
 
 At one shape (default B=1, T=8192, H=16, K=V=128 bf16, the in-op options of
 :mod:`kdax.bench.fla_compare`), first ``block_v`` and ``block_k``, then each kernel's
@@ -12,7 +12,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import json
 import sys
+
+from kdax.bench import flags
 
 BLOCK_V, BLOCK_K = (16, 32, 64), (16, 32, 64)
 WARPS, STAGES = (1, 2, 4, 8), (1, 2, 3)
@@ -84,3 +87,27 @@ def tune(B=1, T=8192, H=16, K=128, V=128, repeats=10, kernels=None, blocks=None,
         "launch": dict(best.launch),
         "fwd_bwd_ms": timed[best],
     }
+
+
+def register(sub) -> None:
+    """``kdax bench gpu-tune``."""
+    from kdax.ops.kda import pallas_gpu
+
+    p = flags.command(sub, "gpu-tune", _command, "on a CUDA GPU: measure the pallas_gpu launch table (JSON)")
+    flags.shape(p, B=1, T=8192, H=16, K=128, V=128)
+    p.add_argument(
+        "--kernels",
+        type=flags.names(("all", "none", *pallas_gpu.LAUNCH)),
+        default=("all",),
+        help="kernels whose launch to sweep (all, none, or names of pallas_gpu.LAUNCH)",
+    )
+    p.add_argument("--blocks", type=flags.pairs, help="block_v x block_k to keep (e.g. 32x16) instead of sweeping")
+    flags.output(p, repeats=10, json_flag=False)
+
+
+def _command(ns, parser) -> int:
+    kernels = None if "all" in ns.kernels else [k for k in ns.kernels if k != "none"]
+    blocks = None if ns.blocks is None else ns.blocks[0]
+    result = tune(ns.B, ns.T, ns.H, ns.K, ns.V, repeats=ns.repeats, kernels=kernels, blocks=blocks)
+    print(json.dumps({"meta": flags.meta(ns), "tuned": result}, indent=2))
+    return 0

@@ -1,4 +1,4 @@
-"""``kdax bench --kascade``: per-layer time of dense, anchor and reuse attention layers, prefill
+"""``kdax bench kascade``: per-layer time of dense, anchor and reuse attention layers, prefill
 and decode, each against the dense baseline (``jax.nn.dot_product_attention``) on the same inputs
 in the same run, with errors against the float64 reference where it fits in memory, and the
 schedule-weighted average of a 32-layer model with 5 anchors."""
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +15,7 @@ import numpy as np
 from tqdm import tqdm
 
 import kdax
+from kdax.bench import flags
 from kdax.bench.measure import rel_rms, time_calls
 from kdax.ops.common.dispatch import DEVICE_KERNELS
 from kdax.ops.kascade import reference
@@ -110,7 +112,7 @@ def run(
     ):
         jobs.append((phase, n, "-", "dense", fns["dense"], args))
         jobs += [(phase, n, b, name, fn, args) for b in backends for name, fn in fns.items() if name != "dense"]
-    bar = tqdm(jobs, desc="kdax bench --kascade", disable=not progress)
+    bar = tqdm(jobs, desc="kdax bench kascade", disable=not progress)
     rows, dense_ms = [], {}
     for phase, n, backend, name, fn, args in bar:
         bar.set_postfix_str(f"{phase} {backend} {name}: compiling, then {repeats} timed calls")
@@ -207,3 +209,61 @@ def format_table(rows: list[Row]) -> str:
     return "\n".join(
         [fmt(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [fmt(x) for x in lines] + ["", legend]
     )
+
+
+def register(sub) -> None:
+    """``kdax bench kascade``."""
+    p = flags.command(
+        sub, "kascade", _command, "Kascade dense / anchor / reuse layers against dense attention, prefill and decode"
+    )
+    flags.shape(p, B=1, T=4096, H=8)
+    p.add_argument("--kv-heads", type=flags.at_least(1), default=2, help="KV heads G")
+    p.add_argument("--head-dim", type=flags.at_least(1), default=128, help="head dim D")
+    p.add_argument("--cache-len", type=flags.at_least(1), default=16384, help="the decode cache length")
+    p.add_argument("--decode-batch", type=flags.at_least(1), help="decode rows (default: --B)")
+    p.add_argument("--topk-percent", type=flags.percent, default=10, help="keys kept, percent")
+    p.add_argument("--min-k", type=flags.at_least(0), default=128, help="the least keys a tile keeps")
+    p.add_argument("--tile-size", type=int, default=32, choices=(16, 32, 64, 128), help="queries per tile")
+    p.add_argument("--dtype", default="float32", choices=flags.DTYPES, help="input dtype")
+    p.add_argument(
+        "--backends",
+        type=flags.names(("xla", "pallas_tpu", "pallas_gpu")),
+        help="the Kascade ops' backends to time (default: xla and the device's kernels)",
+    )
+    flags.output(p, repeats=5)
+
+
+def _command(ns, parser) -> int:
+    if ns.dtype == "float16" and jax.default_backend() == "cpu":
+        parser.error(
+            "--dtype: float16 needs an accelerator (the dense baseline, jax.nn.dot_product_attention, "
+            "has no float16 on CPU)"
+        )
+    if not ns.json:
+        print(
+            f"compiling and timing dense, anchor and reuse layers (T={ns.T}, cache {ns.cache_len})...",
+            file=sys.stderr,
+            flush=True,
+        )
+    rows = run(
+        B=ns.B,
+        T=ns.T,
+        L=ns.cache_len,
+        H=ns.H,
+        G=ns.kv_heads,
+        D=ns.head_dim,
+        topk_percent=ns.topk_percent,
+        min_k=ns.min_k,
+        tile_size=ns.tile_size,
+        dtype=ns.dtype,
+        repeats=ns.repeats,
+        progress=not ns.json,
+        backends=ns.backends,
+        decode_batch=ns.decode_batch,
+    )
+    shape = (
+        f"# B={ns.B} H={ns.H} G={ns.kv_heads} D={ns.head_dim} {ns.dtype}, top-k {ns.topk_percent:g}% (at least "
+        f"{ns.min_k} keys), tile {ns.tile_size}; decode: batch {ns.decode_batch or ns.B}, cache {ns.cache_len} keys"
+    )
+    data = [dataclasses.asdict(r) for r in rows]
+    return flags.emit(ns, flags.meta(ns), "kascade", data, f"{shape}\n{format_table(rows)}")

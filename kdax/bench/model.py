@@ -1,4 +1,4 @@
-"""``kdax bench --model``: prefill and decode tokens/s of a hybrid KDA model with random weights."""
+"""``kdax bench model``: prefill and decode tokens/s of a hybrid KDA model with random weights."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 from tqdm import tqdm
 
+from kdax.bench import flags
 from kdax.bench.measure import time_calls
 from kdax.models import PRESETS, KDAForCausalLM
 from kdax.models.generation import decode_sample, prefill_sample
@@ -26,7 +27,7 @@ def run(
     weights in ``dtype`` (:meth:`KDAForCausalLM.astype`); ``progress``: a progress bar on stderr."""
     if name not in PRESETS:
         raise ValueError(f"model: expected one of {tuple(PRESETS)}, got {name!r}")
-    bar = tqdm(total=5, desc=f"kdax bench --model {name}", disable=not progress, leave=False)
+    bar = tqdm(total=5, desc=f"kdax bench model --preset {name}", disable=not progress, leave=False)
     step = lambda what: (bar.set_postfix_str(what), bar.update())
     bar.set_postfix_str("building the model")
     config = PRESETS[name]()
@@ -81,3 +82,20 @@ def format_row(r: dict) -> str:
         f"| {_rate(r['decode_tok_s'])} |"
     )
     return f"{head}\n{rule}\n{row}"
+
+
+def register(sub) -> None:
+    """``kdax bench model``."""
+    p = flags.command(
+        sub, "model", _command, "prefill (--B x --T prompt) and decode tokens/s of a model preset, random weights"
+    )
+    p.add_argument("--preset", default="tiny", choices=list(PRESETS), help="the model (kdax.models.PRESETS)")
+    flags.shape(p, B=1, T=1024)
+    p.add_argument("--decode-steps", type=flags.at_least(1), default=32, help="decode steps timed after the prefill")
+    p.add_argument("--dtype", default="float32", choices=flags.DTYPES, help="the weights' dtype")
+    flags.output(p, repeats=5)
+
+
+def _command(ns, parser) -> int:
+    row = run(ns.preset, ns.B, ns.T, ns.decode_steps, ns.repeats, ns.dtype, progress=not ns.json)
+    return flags.emit(ns, flags.meta(ns), "model", row, format_row(row))

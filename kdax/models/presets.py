@@ -1,4 +1,4 @@
-"""Model presets, shared by ``kdax train`` and ``kdax bench --model``: ``PRESETS`` maps a name
+"""Model presets, shared by ``kdax train`` and ``kdax bench model``: ``PRESETS`` maps a name
 to a function that returns its :class:`KDAConfig`."""
 
 from __future__ import annotations
