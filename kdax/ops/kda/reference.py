@@ -36,11 +36,16 @@ def _prepare(q, k, v, g, beta, scale):
     return q, k, v, g, beta
 
 
-def _recurrent_one(q, k, v, g, beta, S, chunk_size=None):
+def _recurrent_one(q, k, v, g, beta, S, chunk_size=64, intermediate=False):
     """One batch of equal-length sequences. q, k, g: [B, T, HV, K]; S: [B, HV, K, V].
 
-    Returns (o, the final S, and with ``chunk_size`` the state entering each chunk of that many
-    tokens [B, NT, HV, K, V], else None)."""
+    The token scan runs inside a scan over chunks of ``chunk_size`` tokens (of min(chunk_size, T)
+    without ``intermediate``), each chunk a ``jax.checkpoint``: the gradient keeps the state
+    entering each chunk and recomputes the chunk's token states from it (the same arithmetic),
+    T / C + C states at a time instead of T.
+
+    Returns (o, the final S, and with ``intermediate`` the state entering each chunk
+    [B, NT, HV, K, V], else None)."""
 
     def step(S, xs):
         q_t, k_t, v_t, g_t, b_t = xs  # [B, HV, K], [B, HV, K], [B, HV, V], [B, HV, K], [B, HV]
@@ -50,21 +55,19 @@ def _recurrent_one(q, k, v, g, beta, S, chunk_size=None):
         o_t = jnp.einsum("bhk,bhkv->bhv", q_t, S, precision=_HI)
         return S, o_t
 
-    xs = tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, beta))
-    if chunk_size is None:
-        S, o = lax.scan(step, S, xs)
-        return jnp.moveaxis(o, 0, 1), S, None
-    T, C = q.shape[1], chunk_size
-    NT = -(-T // C)
-    # padding tokens (k = beta = g = 0) leave the state as it is: the last chunk's end state is final
-    xs = tuple(jnp.pad(x, [(0, NT * C - T)] + [(0, 0)] * (x.ndim - 1)).reshape((NT, C) + x.shape[1:]) for x in xs)
-
+    @jax.checkpoint
     def chunk(S, xs):
         S_end, o = lax.scan(step, S, xs)
         return S_end, (o, S)
 
-    S, (o, h) = lax.scan(chunk, S, xs)
-    return jnp.moveaxis(o.reshape((NT * C,) + o.shape[2:])[:T], 0, 1), S, jnp.moveaxis(h, 0, 1)
+    T = q.shape[1]
+    C = chunk_size if intermediate else max(1, min(chunk_size, T))
+    NT = -(-T // C)
+    # padding tokens (k = beta = g = 0) leave the state as it is: the last chunk's end state is final
+    xs = [jnp.pad(jnp.moveaxis(x, 1, 0), [(0, NT * C - T)] + [(0, 0)] * (x.ndim - 1)) for x in (q, k, v, g, beta)]
+    S, (o, h) = lax.scan(chunk, S, tuple(x.reshape((NT, C) + x.shape[1:]) for x in xs))
+    o = jnp.moveaxis(o.reshape((NT * C,) + o.shape[2:])[:T], 0, 1)
+    return o, S, (jnp.moveaxis(h, 0, 1) if intermediate else None)
 
 
 def _chunk_one(q, k, v, g, beta, S, chunk_size):
@@ -157,7 +160,8 @@ def naive_recurrent_kda(
     chunk_size: int = 64,
 ) -> tuple[jax.Array, jax.Array | None] | tuple[jax.Array, jax.Array | None, jax.Array]:
     """KDA by the token-by-token recurrence of SPEC.md (``lax.scan`` over time): the reference,
-    float64-capable, differentiable by autodiff (it stores every state).
+    float64-capable, differentiable by autodiff (which keeps the state entering each chunk of
+    ``chunk_size`` tokens and recomputes the chunk's token states: T / C + C states, not T).
 
     Args:
         q, k: [B, T, H, K]; v: [B, T, HV, V], HV a multiple of H.
@@ -175,7 +179,7 @@ def naive_recurrent_kda(
         dtype (FLA's ``h``), [B, NT, HV, K, V] with NT = ceil(T / chunk_size), or with
         ``cu_seqlens`` [1, total chunks, HV, K, V], each sequence's chunks in turn.
     """
-    one = functools.partial(_recurrent_one, chunk_size=chunk_size if return_intermediate_states else None)
+    one = functools.partial(_recurrent_one, chunk_size=chunk_size, intermediate=return_intermediate_states)
     chunk = chunk_size if return_intermediate_states else None
     o, S, h = _run(one, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk)
     return (o, S, h) if return_intermediate_states else (o, S)
