@@ -2,6 +2,7 @@
 
 from kdax.ops.common.dispatch import explain_backend, use_backend
 from kdax.ops.common.lowering import lower
+from kdax.ops.common.validation import debug_checks
 from kdax.ops.kascade.api import kascade_anchor, kascade_anchor_decode, kascade_reuse, kascade_reuse_decode
 from kdax.ops.kascade.schedule import KascadeSchedule
 from kdax.ops.kda.api import chunk_kda, fused_recurrent_kda
@@ -16,6 +17,7 @@ __all__ = [
     "KascadeSchedule",
     "beta_activation",
     "chunk_kda",
+    "debug_checks",
     "explain_backend",
     "fused_recurrent_kda",
     "kascade_anchor",

@@ -135,9 +135,14 @@ def _command(ns, parser) -> int:
             file=sys.stderr,
             flush=True,
         )
-    rows = run(ns.T, ns.H, ns.K, ns.V, ns.chunk_size, ns.repeats, ns.weak_T, progress=not ns.json)
-    table = (
-        f"{format_table(rows)}\npeak memory per device, most devices / one device at T={ns.T}: {peak_ratio(rows):.3f}"
+    shape = {"T": ns.T, "H": ns.H, "K": ns.K, "V": ns.V, "chunk_size": ns.chunk_size}
+    rows = run(**shape, repeats=ns.repeats, weak_T=ns.weak_T, progress=not ns.json)
+    table = "\n".join(
+        [
+            f"# B=1 H={ns.H} K={ns.K} V={ns.V} float32, chunk {ns.chunk_size}: forward+backward of 0.5 sum(o^2)",
+            format_table(rows),
+            f"peak memory per device, most devices / one device at T={ns.T}: {peak_ratio(rows):.3f}",
+        ]
     )
     m["device"] += f" x {m['devices']}"
     return flags.emit(ns, m, "cp", [dataclasses.asdict(r) for r in rows], table)

@@ -108,6 +108,6 @@ def register(sub) -> None:
 def _command(ns, parser) -> int:
     kernels = None if "all" in ns.kernels else [k for k in ns.kernels if k != "none"]
     blocks = None if ns.blocks is None else ns.blocks[0]
-    result = tune(ns.B, ns.T, ns.H, ns.K, ns.V, repeats=ns.repeats, kernels=kernels, blocks=blocks)
+    result = tune(B=ns.B, T=ns.T, H=ns.H, K=ns.K, V=ns.V, repeats=ns.repeats, kernels=kernels, blocks=blocks)
     print(json.dumps({"meta": flags.meta(ns), "tuned": result}, indent=2))
     return 0

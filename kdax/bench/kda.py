@@ -200,6 +200,6 @@ def _table(ns, parser) -> int:
 
 
 def _memory(ns, parser) -> int:
-    memory = peak_memory(ns.B, ns.T, ns.H, ns.K, ns.V, ns.chunk_size)
+    memory = peak_memory(B=ns.B, T=ns.T, H=ns.H, K=ns.K, V=ns.V, chunk_size=ns.chunk_size)
     print(json.dumps({"meta": flags.meta(ns), "memory": memory}, indent=2))
     return 0

@@ -97,5 +97,6 @@ def register(sub) -> None:
 
 
 def _command(ns, parser) -> int:
-    row = run(ns.preset, ns.B, ns.T, ns.decode_steps, ns.repeats, ns.dtype, progress=not ns.json)
+    options = {"decode_steps": ns.decode_steps, "repeats": ns.repeats, "dtype": ns.dtype}
+    row = run(ns.preset, batch=ns.B, prompt_len=ns.T, **options, progress=not ns.json)
     return flags.emit(ns, flags.meta(ns), "model", row, format_row(row))

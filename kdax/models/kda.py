@@ -103,35 +103,41 @@ class KDABlock(nnx.Module):
         if spec is not None:
             self.attn = Attention(
                 c.hidden_size,
-                spec["num_heads"],
-                spec["num_kv_heads"],
-                spec["qkv_bias"],
-                spec["window_size"],
-                spec["rope_theta"],
-                c.max_position_embeddings,
-                layer_idx,
+                num_heads=spec["num_heads"],
+                num_kv_heads=spec["num_kv_heads"],
+                qkv_bias=spec["qkv_bias"],
+                window_size=spec["window_size"],
+                rope_theta=spec["rope_theta"],
+                max_position_embeddings=c.max_position_embeddings,
+                layer_idx=layer_idx,
                 rngs=rngs,
             )
         else:
             self.attn = KimiDeltaAttention(
                 c.hidden_size,
-                c.expand_v,
-                c.head_dim,
-                c.num_heads,
-                c.num_v_heads,
-                c.attn_mode,
-                c.use_short_conv,
-                c.allow_neg_eigval,
-                c.safe_gate,
-                c.lower_bound,
-                c.conv_size,
+                expand_v=c.expand_v,
+                head_dim=c.head_dim,
+                num_heads=c.num_heads,
+                num_v_heads=c.num_v_heads,
+                mode=c.attn_mode,
+                use_short_conv=c.use_short_conv,
+                allow_neg_eigval=c.allow_neg_eigval,
+                safe_gate=c.safe_gate,
+                lower_bound=c.lower_bound,
+                conv_size=c.conv_size,
                 layer_idx=layer_idx,
                 norm_eps=c.norm_eps,
                 backend=backend,
                 rngs=rngs,
             )
         self.mlp_norm = RMSNorm(c.hidden_size, eps=c.norm_eps)
-        self.mlp = GatedMLP(c.hidden_size, c.hidden_ratio, c.intermediate_size, c.hidden_act, rngs=rngs)
+        self.mlp = GatedMLP(
+            c.hidden_size,
+            hidden_ratio=c.hidden_ratio,
+            intermediate_size=c.intermediate_size,
+            hidden_act=c.hidden_act,
+            rngs=rngs,
+        )
 
     def __call__(self, x, seg: Segments, cache=None, output_cache=False, mode=None, kascade=None):
         """Apply the block.

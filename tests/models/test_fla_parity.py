@@ -11,6 +11,7 @@ from safetensors.numpy import load_file
 
 from kdax.bench.measure import rel_rms
 from kdax.models import from_pretrained, save_pretrained
+from tests.tolerances import F32
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "..", "fixtures", "fla_tiny")
 
@@ -19,7 +20,7 @@ FIXTURE = os.path.join(os.path.dirname(__file__), "..", "fixtures", "fla_tiny")
 def test_fla_checkpoint_logits(backend):
     model = from_pretrained(FIXTURE, backend=backend)
     ids = jnp.asarray(np.load(os.path.join(FIXTURE, "input_ids.npy")))
-    assert rel_rms(model(ids), np.load(os.path.join(FIXTURE, "logits.npy"))) <= 1e-4
+    assert rel_rms(model(ids), np.load(os.path.join(FIXTURE, "logits.npy"))) <= F32["grad"]
 
 
 def test_save_pretrained_writes_fla_checkpoint(tmp_path):

@@ -12,6 +12,7 @@ from flax import nnx
 
 from kdax import KascadeSchedule
 from kdax.models import KDAConfig, KDAForCausalLM, generate
+from tests.tolerances import F32
 
 # Layers 0, 1, 3, 4 softmax attention (2 KV heads), layer 2 KDA.
 CONFIG = KDAConfig(
@@ -37,10 +38,10 @@ def _ids(B=2, T=70, seed=0):
 
 def test_a_schedule_that_selects_every_key_is_dense(model):
     ids = _ids()
-    np.testing.assert_allclose(model(ids, kascade=FULL), model(ids), atol=2e-5)
+    np.testing.assert_allclose(model(ids, kascade=FULL), model(ids), atol=2 * F32["out"])
     mask = jnp.ones_like(ids).at[1, 50:].set(0)
     np.testing.assert_allclose(
-        model(ids, attention_mask=mask, kascade=FULL), model(ids, attention_mask=mask), atol=2e-5
+        model(ids, attention_mask=mask, kascade=FULL), model(ids, attention_mask=mask), atol=2 * F32["out"]
     )
     prompt = _ids(2, 20)
     np.testing.assert_array_equal(generate(model, prompt, 8, kascade=FULL), generate(model, prompt, 8))
@@ -54,7 +55,7 @@ def test_sparse_prefill_and_decode_agree_with_the_forward(model):
     assert np.abs(np.asarray(logits - model(ids))).max() > 1e-4  # sparse attention changes the logits
     cache = model.init_cache(2, 80)
     pre, cache = model.prefill(ids, cache, kascade=SPARSE)
-    np.testing.assert_allclose(pre, logits, atol=2e-5)
+    np.testing.assert_allclose(pre, logits, atol=2 * F32["out"])
     step, cache = model.decode(ids[:, -1], cache, kascade=SPARSE)
     assert np.isfinite(np.asarray(step)).all() and (cache.lengths == 71).all()
 
@@ -92,7 +93,7 @@ def test_calibration_statistics_and_schedule(model):
     layers, pairs, importance = layer_statistics(model, ids, topk_percent=10, min_k=4, tile_size=16)
     assert layers == [0, 1, 3, 4] and pairs.shape == (4, 4, 2, 2) and importance.shape == (4,)
     for i in range(4):
-        np.testing.assert_allclose(np.diagonal(pairs[i, i]), 1.0, rtol=1e-6)  # a layer's own selection
+        np.testing.assert_allclose(np.diagonal(pairs[i, i]), 1.0, rtol=F32["same"])  # a layer's own selection
     assert (pairs[np.triu_indices(4)] <= 1 + 1e-6).all() and (importance > 0).all()
     schedule = calibrate(model, ids, 2, topk_percent=10, min_k=4, tile_size=16)
     assert schedule.layers == (0, 1, 3, 4) and schedule.anchors[0] == 0 and len(schedule.anchors) == 2
@@ -186,7 +187,7 @@ def test_quality_study_methods_agree_at_full_budget(model):
     assert [r["method"] for r in rows] == list(METHODS) and "oracle" in METHODS
     dense = rows[0]["perplexity"]
     for r in rows:  # every method keeps every key
-        assert abs(r["perplexity"] - dense) < 1e-4 * dense and r["recall"] == [1.0] * 4, r
+        assert abs(r["perplexity"] - dense) < F32["grad"] * dense and r["recall"] == [1.0] * 4, r
     assert "| 100% | kascade |" in format_table(rows, [0, 1, 3, 4])
     win = baseline_indices("sink_window", 1, 2, 96, dataclasses.replace(SPARSE, topk_percent=50), 0)
     assert win[0, 0, 5].tolist() == [0, 1, 2, 3, *range(44, 80)]  # tile 5 starts at 80: budget 40

@@ -7,6 +7,7 @@ import pytest
 from flax import nnx
 
 from kdax.nn import GatedMLP, GatedRMSNorm, RMSNorm, ShortConvolution
+from tests.tolerances import F32
 
 
 def _conv_reference(x, weight, bias, lengths, cache):
@@ -41,8 +42,8 @@ def test_short_conv_varlen_matches_token_by_token(bias, with_cache):
     )
     b = None if conv.bias is None else np.asarray(conv.bias[...])
     y_ref, final_ref = _conv_reference(x, np.asarray(conv.weight[...]), b, lengths, cache)
-    np.testing.assert_allclose(y[0], y_ref, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(final, final_ref, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(y[0], y_ref, rtol=F32["out"], atol=F32["out"])
+    np.testing.assert_allclose(final, final_ref, rtol=F32["same"], atol=F32["same"])
 
 
 def test_short_conv_batch_prefill_then_decode_equals_full_run():
@@ -57,7 +58,7 @@ def test_short_conv_batch_prefill_then_decode_equals_full_run():
     for t in range(3, T):
         y, cache = step(x[:, t : t + 1], cache)
         outs.append(y)
-    np.testing.assert_allclose(jnp.concatenate(outs, axis=1), full, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(jnp.concatenate(outs, axis=1), full, rtol=F32["out"], atol=F32["same"])
 
 
 def test_short_conv_grad_and_bad_input():
@@ -80,9 +81,9 @@ def test_norms_match_formulas_and_keep_dtype():
     norm.weight[...] = jnp.asarray(rng.standard_normal(16), jnp.float32)
     gated.weight[...] = norm.weight[...]
     ref = x / np.sqrt(np.mean(x**2, -1, keepdims=True) + 1e-6) * np.asarray(norm.weight[...])
-    np.testing.assert_allclose(norm(jnp.asarray(x, jnp.float32)), ref, rtol=1e-5)
+    np.testing.assert_allclose(norm(jnp.asarray(x, jnp.float32)), ref, rtol=F32["out"])
     out = gated(jnp.asarray(x, jnp.float32), jnp.asarray(gate, jnp.float32))
-    np.testing.assert_allclose(out, ref / (1 + np.exp(-gate)), rtol=1e-5)
+    np.testing.assert_allclose(out, ref / (1 + np.exp(-gate)), rtol=F32["out"])
     assert norm(jnp.asarray(x, jnp.bfloat16)).dtype == jnp.bfloat16
     with pytest.raises(ValueError, match="activation"):
         GatedRMSNorm(16, activation="tanh")
@@ -93,6 +94,6 @@ def test_gated_mlp():
     assert mlp.intermediate_size == 256  # 2/3 * 64 * 4 = 170, rounded up to 256 as in FLA
     x = jnp.asarray(np.random.default_rng(3).standard_normal((2, 5, 64)), jnp.float32)
     ref = mlp.down_proj(jax.nn.silu(x @ mlp.gate_proj.kernel[...]) * (x @ mlp.up_proj.kernel[...]))
-    np.testing.assert_allclose(mlp(x), ref, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(mlp(x), ref, rtol=F32["out"], atol=F32["same"])
     with pytest.raises(ValueError, match="hidden_act"):
         GatedMLP(64, hidden_act="gelu", rngs=nnx.Rngs(0))

@@ -8,6 +8,7 @@ from flax import nnx
 
 from kdax.bench.measure import rel_rms
 from kdax.nn import Attention, KimiDeltaAttention
+from tests.tolerances import F32
 
 
 def _kda(**kw):
@@ -54,8 +55,8 @@ def test_kda_recurrent_mode_equals_chunk_mode(use_short_conv):
     y_chunk, c_chunk = layer(x, mode="chunk", output_cache=True)
     y_rec, c_rec = layer(x, mode="fused_recurrent", output_cache=True)
     assert y_chunk.shape == x.shape
-    assert rel_rms(y_rec, y_chunk) <= 1e-5
-    assert rel_rms(c_rec.recurrent, c_chunk.recurrent) <= 1e-5
+    assert rel_rms(y_rec, y_chunk) <= F32["out"]
+    assert rel_rms(c_rec.recurrent, c_chunk.recurrent) <= F32["out"]
 
 
 def test_kda_mode_rule_follows_fla():
@@ -78,7 +79,7 @@ def test_kda_cache_prefill_then_decode_equals_full_run():
     for t in range(20, 29):
         y, cache = layer(x[:, t : t + 1], cache=cache, output_cache=True, mode="fused_recurrent")
         ys.append(y)
-    assert rel_rms(jnp.concatenate(ys, axis=1), full) <= 1e-5
+    assert rel_rms(jnp.concatenate(ys, axis=1), full) <= F32["out"]
 
 
 def test_kda_varlen_equals_per_sequence_runs():
@@ -91,9 +92,9 @@ def test_kda_varlen_equals_per_sequence_runs():
         s = int(cu[n])
         if L:
             y_n, c_n = layer(x[:, s : s + L], output_cache=True)
-            assert rel_rms(y[:, s : s + L], y_n) <= 1e-5
-            assert rel_rms(cache.recurrent[n], c_n.recurrent[0]) <= 1e-5
-            assert rel_rms(cache.conv[2][n], c_n.conv[2][0]) <= 1e-6
+            assert rel_rms(y[:, s : s + L], y_n) <= F32["out"]
+            assert rel_rms(cache.recurrent[n], c_n.recurrent[0]) <= F32["out"]
+            assert rel_rms(cache.conv[2][n], c_n.conv[2][0]) <= F32["same"]
         else:
             assert float(jnp.abs(cache.recurrent[n]).max()) == 0.0
 
@@ -153,7 +154,7 @@ def _attention_reference(x, layer, window):
 def test_attention_matches_explicit_softmax(window):
     layer = Attention(32, num_heads=4, num_kv_heads=2, window_size=window, qkv_bias=True, rngs=nnx.Rngs(0))
     x = _x(2, 9, 32)
-    assert rel_rms(layer(x)[0], _attention_reference(x, layer, window)) <= 1e-5
+    assert rel_rms(layer(x)[0], _attention_reference(x, layer, window)) <= F32["out"]
 
 
 def test_attention_rope_is_relative():
@@ -161,7 +162,7 @@ def test_attention_rope_is_relative():
     layer = Attention(32, num_heads=2, rngs=nnx.Rngs(0))
     x = _x(1, 7, 32)
     pos = jnp.arange(7)[None]
-    assert rel_rms(layer(x, positions=pos + 1000)[0], layer(x, positions=pos)[0]) <= 1e-4
+    assert rel_rms(layer(x, positions=pos + 1000)[0], layer(x, positions=pos)[0]) <= F32["grad"]  # angles near 1000
 
 
 @pytest.mark.parametrize("window", [None, 4])
@@ -177,7 +178,7 @@ def test_attention_cache_decode_equals_full_run(window):
     for a, b in [(0, 7), (7, 10)] + [(t, t + 1) for t in range(10, 14)]:
         y, cache = layer(x[:, a:b], positions=jnp.broadcast_to(jnp.arange(a, b), (2, b - a)), cache=cache)
         ys.append(y)
-    assert rel_rms(jnp.concatenate(ys, axis=1), full) <= 1e-5
+    assert rel_rms(jnp.concatenate(ys, axis=1), full) <= F32["out"]
 
 
 @pytest.mark.parametrize("window", [None, 4])
@@ -191,11 +192,11 @@ def test_attention_cache_skips_padding(window):
     pos = jnp.broadcast_to(jnp.arange(7), (2, 7))
     y, cache = layer(x[:, :7], positions=pos, segment_ids=seg, cache=layer.init_cache(2, 12))
     for b, n in enumerate(lengths):
-        assert rel_rms(y[b, :n], full[b, :n]) <= 1e-5
+        assert rel_rms(y[b, :n], full[b, :n]) <= F32["out"]
     for step in range(3):
         p = jnp.array(lengths) + step
         y, cache = layer(x[jnp.arange(2), p][:, None], positions=p[:, None], cache=cache)
-        assert rel_rms(y[:, 0], full[jnp.arange(2), p]) <= 1e-5
+        assert rel_rms(y[:, 0], full[jnp.arange(2), p]) <= F32["out"]
 
 
 def test_attention_segments_equal_separate_sequences():
@@ -204,8 +205,8 @@ def test_attention_segments_equal_separate_sequences():
     seg = jnp.array([[0, 0, 0, 0, 1, 1, 1, 1, 1, 1]])
     pos = jnp.array([[0, 1, 2, 3, 0, 1, 2, 3, 4, 5]])
     y, _ = layer(x, positions=pos, segment_ids=seg)
-    assert rel_rms(y[:, :4], layer(x[:, :4])[0]) <= 1e-5
-    assert rel_rms(y[:, 4:], layer(x[:, 4:])[0]) <= 1e-5
+    assert rel_rms(y[:, :4], layer(x[:, :4])[0]) <= F32["out"]
+    assert rel_rms(y[:, 4:], layer(x[:, 4:])[0]) <= F32["out"]
 
 
 @pytest.mark.parametrize(

@@ -1,11 +1,42 @@
 """Argument checks shared by the op families: bad input raises ValueError naming the argument,
-what was expected and what came."""
+what was expected and what came; traced offsets and lengths, which cannot be checked so, are
+made valid, and checked with ``checkify`` under :func:`debug_checks`."""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from typing import NoReturn
 
+import jax
 import jax.numpy as jnp
+
+_TRACED_CHECKS = contextvars.ContextVar("kdax_traced_checks", default=False)
+
+
+@contextlib.contextmanager
+def debug_checks(enabled: bool = True):
+    """Within it, the ops check traced ``cu_seqlens`` (KDA) and ``lengths`` (Kascade) with
+    ``jax.experimental.checkify.check`` instead of only making them valid, so that a function
+    traced here must run under ``checkify.checkify``, which returns the error to ``.throw()``::
+
+        with kdax.debug_checks():
+            err, o = checkify.checkify(jax.jit(f))(q, k, v, g, beta, cu_seqlens)
+        err.throw()  # "cu_seqlens: expected offsets from 0 to T = ..., got [...]"
+
+    Concrete values are checked (ValueError) either way. The flag is read when an op is traced:
+    a function jitted outside the context keeps its unchecked trace.
+    """
+    token = _TRACED_CHECKS.set(enabled)
+    try:
+        yield
+    finally:
+        _TRACED_CHECKS.reset(token)
+
+
+def check_traced(x) -> bool:
+    """Whether an op checks the traced array ``x`` with checkify (a tracer, under :func:`debug_checks`)."""
+    return _TRACED_CHECKS.get() and isinstance(x, jax.core.Tracer)
 
 
 def fail(name: str, expected: str, got) -> NoReturn:

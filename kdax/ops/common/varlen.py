@@ -14,6 +14,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import checkify
 
 
 class ChunkLayout(NamedTuple):
@@ -91,18 +92,25 @@ class ChunkLayout(NamedTuple):
         return jnp.take(x, self.token_slot, axis=1)
 
 
-def valid_offsets(cu_seqlens: jax.Array, num_tokens: int) -> jax.Array:
+def valid_offsets(cu_seqlens: jax.Array, num_tokens: int, check: bool = False) -> jax.Array:
     """Offsets as the ops take them when they cannot be checked (traced): clipped to [0, T],
     non-decreasing (a running maximum), the first 0 and the last T. Valid offsets are unchanged.
 
     Args:
         cu_seqlens: [N + 1] ints.
         num_tokens: T.
+        check: also ``checkify.check`` that they were valid (:func:`kdax.debug_checks`).
 
     Returns:
         [N + 1] int32.
     """
-    cu = lax.cummax(jnp.clip(jnp.asarray(cu_seqlens, jnp.int32), 0, num_tokens), axis=0)
+    cu = jnp.asarray(cu_seqlens, jnp.int32)
+    if check:
+        ok = (cu[0] == 0) & (cu[-1] == num_tokens) & jnp.all(cu[1:] >= cu[:-1])
+        checkify.check(
+            ok, f"cu_seqlens: expected offsets from 0 to T = {num_tokens}, non-decreasing, got {{cu}}", cu=cu
+        )
+    cu = lax.cummax(jnp.clip(cu, 0, num_tokens), axis=0)
     return cu.at[0].set(0).at[-1].set(num_tokens)
 
 

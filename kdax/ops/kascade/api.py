@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -92,6 +93,49 @@ def _scale(q, scale) -> float:
     return q.shape[-1] ** -0.5 if scale is None else float(scale)
 
 
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """A call's static options, checked (the compiled call's static argument): the resolved backend
+    and its config, the scale, and as the op uses them the tile size, the budget (top-k in tenths
+    of a percent, the least keys) and dense_output."""
+
+    backend: str
+    config: Config | None
+    scale: float
+    tile_size: int = 32
+    tenths: int = 100
+    min_k: int = 0
+    dense_output: bool = False
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _compiled(op: str, o: Options, q, k, v, lengths, indices=None, head_map=None):
+    """Kascade ``op`` ("anchor", "reuse", "anchor_decode", "reuse_decode") on ``o.backend``."""
+    decode, anchor = op.endswith("decode"), op.startswith("anchor")
+    if o.backend == "naive":
+        budget = {"topk_percent": o.tenths / 10, "min_k": o.min_k, "dense_output": o.dense_output}
+        if op == "anchor":
+            return reference.naive_kascade_anchor(
+                q, k, v, **budget, tile_size=o.tile_size, scale=o.scale, lengths=lengths
+            )
+        if op == "reuse":
+            return reference.naive_kascade_reuse(
+                q, k, v, indices, head_map=head_map, tile_size=o.tile_size, scale=o.scale, lengths=lengths
+            )
+        if op == "anchor_decode":
+            return reference.naive_kascade_anchor_decode(q, k, v, lengths, **budget, scale=o.scale)
+        return reference.naive_kascade_reuse_decode(q, k, v, lengths, indices, head_map=head_map, scale=o.scale)
+    options = {"scale": o.scale, "cfg": o.config} | ({} if decode else {"tile_size": o.tile_size})
+    if not anchor:
+        return _core(op, o.backend)(q, k, v, lengths, _remapped(indices, head_map), **options)
+    if decode:
+        k_max = decode_k_max(k.shape[1], o.tenths, o.min_k)
+    else:
+        k_max = prefill_k_max(q.shape[1], o.tile_size, o.tenths, o.min_k)
+    options |= {"tenths": o.tenths, "min_k": o.min_k, "k_max": k_max, "dense_output": o.dense_output}
+    return _core(op, o.backend)(q, k, v, lengths, **options)
+
+
 def kascade_anchor(
     q: jax.Array,
     k: jax.Array,
@@ -142,52 +186,9 @@ def kascade_anchor(
     tenths, _ = check_call(q, k, v, lengths, topk_percent=topk_percent, min_k=min_k, tile_size=tile_size, scale=scale)
     B, T = q.shape[:2]
     backend, config = _OPS["kascade_anchor"].resolve(backend, q.dtype, config)
-    return _anchor(
-        q,
-        k,
-        v,
-        row_lengths(lengths, B, T),
-        backend=backend,
-        config=config,
-        tenths=tenths,
-        min_k=int(min_k),
-        tile_size=tile_size,
-        scale=_scale(q, scale),
-        dense_output=bool(dense_output),
-    )
-
-
-_ANCHOR_STATIC = ("backend", "config", "tenths", "min_k", "tile_size", "scale", "dense_output")
-
-
-@functools.partial(jax.jit, static_argnames=_ANCHOR_STATIC)
-def _anchor(q, k, v, lengths, *, backend, config, tenths, min_k, tile_size, scale, dense_output):
-    if backend == "naive":
-        return reference.naive_kascade_anchor(
-            q,
-            k,
-            v,
-            topk_percent=tenths / 10,
-            min_k=min_k,
-            tile_size=tile_size,
-            scale=scale,
-            dense_output=dense_output,
-            lengths=lengths,
-        )
-    k_max = prefill_k_max(q.shape[1], tile_size, tenths, min_k)
-    return _core("anchor", backend)(
-        q,
-        k,
-        v,
-        lengths,
-        tenths=tenths,
-        min_k=min_k,
-        k_max=k_max,
-        tile_size=tile_size,
-        scale=scale,
-        dense_output=dense_output,
-        cfg=config,
-    )
+    budget = {"tenths": tenths, "min_k": int(min_k), "dense_output": bool(dense_output)}
+    o = Options(backend, config, _scale(q, scale), tile_size=tile_size, **budget)
+    return _compiled("anchor", o, q, k, v, row_lengths(lengths, B, T))
 
 
 def kascade_reuse(
@@ -228,29 +229,8 @@ def kascade_reuse(
     _, head_map = check_call(q, k, v, lengths, indices=indices, head_map=head_map, tile_size=tile_size, scale=scale)
     B, T, _, _ = q.shape
     backend, config = _OPS["kascade_reuse"].resolve(backend, q.dtype, config)
-    return _reuse(
-        q,
-        k,
-        v,
-        jnp.asarray(indices, jnp.int32),
-        head_map,
-        row_lengths(lengths, B, T),
-        backend=backend,
-        config=config,
-        tile_size=tile_size,
-        scale=_scale(q, scale),
-    )
-
-
-@functools.partial(jax.jit, static_argnames=("backend", "config", "tile_size", "scale"))
-def _reuse(q, k, v, indices, head_map, lengths, *, backend, config, tile_size, scale):
-    if backend == "naive":
-        return reference.naive_kascade_reuse(
-            q, k, v, indices, head_map=head_map, tile_size=tile_size, scale=scale, lengths=lengths
-        )
-    return _core("reuse", backend)(
-        q, k, v, lengths, _remapped(indices, head_map), tile_size=tile_size, scale=scale, cfg=config
-    )
+    o = Options(backend, config, _scale(q, scale), tile_size=tile_size)
+    return _compiled("reuse", o, q, k, v, row_lengths(lengths, B, T), jnp.asarray(indices, jnp.int32), head_map)
 
 
 def kascade_anchor_decode(
@@ -291,40 +271,8 @@ def kascade_anchor_decode(
         q, k_cache, v_cache, lengths, decode=True, topk_percent=topk_percent, min_k=min_k, scale=scale
     )
     backend, config = _OPS["kascade_anchor_decode"].resolve(backend, q.dtype, config)
-    lengths = row_lengths(lengths, q.shape[0], k_cache.shape[1])
-    return _anchor_decode(
-        q,
-        k_cache,
-        v_cache,
-        lengths,
-        backend=backend,
-        config=config,
-        tenths=tenths,
-        min_k=int(min_k),
-        scale=_scale(q, scale),
-        dense_output=bool(dense_output),
-    )
-
-
-@functools.partial(jax.jit, static_argnames=("backend", "config", "tenths", "min_k", "scale", "dense_output"))
-def _anchor_decode(q, k_cache, v_cache, lengths, *, backend, config, tenths, min_k, scale, dense_output):
-    if backend == "naive":
-        return reference.naive_kascade_anchor_decode(
-            q, k_cache, v_cache, lengths, topk_percent=tenths / 10, min_k=min_k, scale=scale, dense_output=dense_output
-        )
-    k_max = decode_k_max(k_cache.shape[1], tenths, min_k)
-    return _core("anchor_decode", backend)(
-        q,
-        k_cache,
-        v_cache,
-        lengths,
-        tenths=tenths,
-        min_k=min_k,
-        k_max=k_max,
-        scale=scale,
-        dense_output=dense_output,
-        cfg=config,
-    )
+    o = Options(backend, config, _scale(q, scale), tenths=tenths, min_k=int(min_k), dense_output=bool(dense_output))
+    return _compiled("anchor_decode", o, q, k_cache, v_cache, row_lengths(lengths, q.shape[0], k_cache.shape[1]))
 
 
 def kascade_reuse_decode(
@@ -357,28 +305,8 @@ def kascade_reuse_decode(
     _, head_map = check_call(q, k_cache, v_cache, lengths, decode=True, indices=indices, head_map=head_map, scale=scale)
     backend, config = _OPS["kascade_reuse_decode"].resolve(backend, q.dtype, config)
     lengths = row_lengths(lengths, q.shape[0], k_cache.shape[1])
-    return _reuse_decode(
-        q,
-        k_cache,
-        v_cache,
-        lengths,
-        jnp.asarray(indices, jnp.int32),
-        head_map,
-        backend=backend,
-        config=config,
-        scale=_scale(q, scale),
-    )
-
-
-@functools.partial(jax.jit, static_argnames=("backend", "config", "scale"))
-def _reuse_decode(q, k_cache, v_cache, lengths, indices, head_map, *, backend, config, scale):
-    if backend == "naive":
-        return reference.naive_kascade_reuse_decode(
-            q, k_cache, v_cache, lengths, indices, head_map=head_map, scale=scale
-        )
-    return _core("reuse_decode", backend)(
-        q, k_cache, v_cache, lengths, _remapped(indices, head_map), scale=scale, cfg=config
-    )
+    o = Options(backend, config, _scale(q, scale))
+    return _compiled("reuse_decode", o, q, k_cache, v_cache, lengths, jnp.asarray(indices, jnp.int32), head_map)
 
 
 def _remapped(indices, head_map):

@@ -5,8 +5,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import checkify
 
-from kdax.ops.common.validation import check_array, fail
+from kdax.ops.common.validation import check_array, check_traced, fail
 
 TILE_SIZES = (16, 32, 64, 128)
 
@@ -54,9 +55,14 @@ def decode_k_max(L: int, tenths: int, min_k: int) -> int:
 
 
 def row_lengths(lengths, B: int, T: int) -> jax.Array:
-    """``lengths`` as int32 [B] clipped to [0, T] (traced ones are not checked), or all T when None
-    (rows without padding)."""
-    return jnp.full((B,), T, jnp.int32) if lengths is None else jnp.clip(jnp.asarray(lengths, jnp.int32), 0, T)
+    """``lengths`` as int32 [B] clipped to [0, T] (traced ones are checked only under
+    :func:`kdax.debug_checks`), or all T when None (rows without padding)."""
+    if lengths is None:
+        return jnp.full((B,), T, jnp.int32)
+    if check_traced(lengths):
+        ok = jnp.all((lengths >= 0) & (lengths <= T))
+        checkify.check(ok, f"lengths: expected ints in [0, {T}], got {{lengths}}", lengths=lengths)
+    return jnp.clip(jnp.asarray(lengths, jnp.int32), 0, T)
 
 
 def check_options(topk_percent=10, min_k=128, tile_size=32, scale=None) -> int:

@@ -244,22 +244,12 @@ def _plan(q, k, tile_size, scale, cfg) -> bl.Plan:
     )
 
 
-def kascade_anchor_gpu(q, k, v, lengths, *, tenths, min_k, k_max, tile_size, scale, dense_output, cfg):
-    """See :func:`kdax.kascade_anchor`. Returns (indices [B, G, NT, k_max] int32, o [B, T, H, D])."""
+def kascade_anchor_gpu(q, k, v, lengths, *, tile_size, scale, cfg, **budget):
+    """See :func:`kdax.kascade_anchor`; ``budget``: tenths, min_k, k_max, dense_output (:func:`blocks.anchor`).
+    Returns (indices [B, G, NT, k_max] int32, o [B, T, H, D])."""
     cfg = for_dtype(cfg, q.dtype)
-    return bl.anchor(
-        functools.partial(_attend, cfg=cfg),
-        functools.partial(_scores, cfg=cfg),
-        q,
-        k,
-        v,
-        lengths,
-        _plan(q, k, tile_size, scale, cfg),
-        tenths=tenths,
-        min_k=min_k,
-        k_max=k_max,
-        dense_output=dense_output,
-    )
+    kernels = functools.partial(_attend, cfg=cfg), functools.partial(_scores, cfg=cfg)
+    return bl.anchor(*kernels, q, k, v, lengths, _plan(q, k, tile_size, scale, cfg), **budget)
 
 
 def kascade_reuse_gpu(q, k, v, lengths, indices, *, tile_size, scale, cfg):

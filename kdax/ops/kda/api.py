@@ -13,7 +13,7 @@ from jax import lax
 
 from kdax.ops.common.dispatch import BACKENDS, OpBackends, register
 from kdax.ops.common.sharding import per_shard
-from kdax.ops.common.validation import check_array, fail
+from kdax.ops.common.validation import check_array, check_traced, fail
 from kdax.ops.common.varlen import chunk_layout, valid_offsets
 from kdax.ops.kda import context_parallel, pallas_gpu, pallas_tpu, xla
 from kdax.ops.kda.checks import check_inputs, offsets
@@ -49,9 +49,18 @@ class Options:
     return_intermediate_states: bool = False
     state_v_first: bool = False
     chunk_size: int | None = 64
+    check_offsets: bool = False  # traced cu_seqlens under kdax.debug_checks(): checkify.check them
+
+    @classmethod
+    def of(cls, op: str, args: dict) -> Options:
+        """The options among a public op's arguments (its ``locals()``; one it lacks is None)."""
+        names = [f.name for f in dataclasses.fields(cls) if f.name not in ("op", "check_offsets")]
+        return cls(op=op, **{n: args.get(n) for n in names}, check_offsets=check_traced(args["cu_seqlens"]))
 
     def keywords(self) -> dict:  # as chunk_kda takes them
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "op"}
+        return {
+            f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("op", "check_offsets")
+        }
 
 
 def _validate(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, o: Options) -> int:
@@ -144,7 +153,7 @@ def _run(core, o: Options, N, q, k, v, g, beta, initial_state, cu_seqlens):
     kc, vc, gc, bc = (jnp.asarray(x, dt) for x in (k, v, g, beta))
     n_per_row = N // B  # 1 without cu_seqlens, N with it (B = 1)
     h0 = jnp.zeros((N, HV, K, V), dt) if initial_state is None else jnp.asarray(initial_state, dt)
-    cu = None if cu_seqlens is None else valid_offsets(cu_seqlens, q.shape[1])  # traced: unchecked
+    cu = None if cu_seqlens is None else valid_offsets(cu_seqlens, q.shape[1], check=o.check_offsets)
     o_, final, *states = core(qc, kc, vc, gc, bc, h0.reshape(B, n_per_row, HV, K, V), cu)
     final = final.reshape(N, HV, K, V).astype(jnp.promote_types(dt, jnp.float32))
     return o_.astype(q.dtype), (final if o.output_final_state else None), *(h.astype(q.dtype) for h in states)
@@ -235,23 +244,7 @@ def chunk_kda(
         NotImplementedError: a backend this op lacks.
     """
     cu_seqlens = offsets(cu_seqlens)
-    opts = Options(
-        "chunk",
-        backend,
-        config,
-        scale,
-        output_final_state,
-        use_qk_l2norm_in_kernel,
-        use_gate_in_kernel,
-        lower_bound,
-        use_beta_sigmoid_in_kernel,
-        allow_neg_eigval,
-        safe_gate,
-        disable_recompute,
-        return_intermediate_states,
-        state_v_first,
-        chunk_size,
-    )
+    opts = Options.of("chunk", locals())
     if context_parallel is not None:
         return _context_parallel(context_parallel, opts, q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias)
     N = _validate(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, opts)
@@ -383,23 +376,7 @@ def fused_recurrent_kda(
         NotImplementedError: a backend this op lacks.
     """
     cu_seqlens = offsets(cu_seqlens)
-    opts = Options(
-        "recurrent",
-        backend,
-        None,
-        scale,
-        output_final_state,
-        use_qk_l2norm_in_kernel,
-        use_gate_in_kernel,
-        lower_bound,
-        use_beta_sigmoid_in_kernel,
-        allow_neg_eigval,
-        safe_gate,
-        disable_recompute,
-        return_intermediate_states,
-        state_v_first,
-        None,
-    )
+    opts = Options.of("recurrent", locals())
     N = _validate(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, opts)
     backend, _ = _OPS["fused_recurrent_kda"].resolve(backend, q.dtype)
     opts = dataclasses.replace(opts, backend=backend, disable_recompute=False, return_intermediate_states=False)

@@ -193,61 +193,96 @@ def _field(name: str, C: int, Kp: int, Vp: int) -> tuple[int, int]:
     return rows, C if name in ("Aqk", "Kkk", "T") else Vp if name in ("u", "v_new") else Kp
 
 
+@dataclasses.dataclass(frozen=True)
+class _Forward:
+    """What both forward pipelines share: the sizes, the block specs on the grid (b, h, v-block, c)
+    with the schedule (first, last, seq) prefetched, and the outputs' shapes."""
+
+    B: int
+    HV: int
+    L: int  # padded slots
+    NC: int
+    Kp: int
+    Vp: int
+    BV: int
+    groups: int  # value heads per q/k head
+    interpret: object
+
+    @property
+    def C(self) -> int:
+        return self.L // self.NC
+
+    def spec(self, width, head=lambda h: h):  # a [C, width] block of chunk c, all columns
+        return pl.BlockSpec((1, 1, self.C, width), lambda b, h, vb, c, *_: (b, head(h), c, 0))
+
+    def v_block(self):  # a [C, BV] block of chunk c, value columns of V-block vb
+        return pl.BlockSpec((1, 1, self.C, self.BV), lambda b, h, vb, c, *_: (b, h, c, vb))
+
+    def qk(self):  # q and k: the q/k head of value head h
+        return self.spec(self.Kp, lambda h: lax.div(h, jnp.int32(self.groups)))
+
+    def state(self):  # a sequence's state [BV, Kp] (initial or final), the schedule naming the sequence
+        return pl.BlockSpec((1, 1, 1, self.BV, self.Kp), lambda b, h, vb, c, first, last, seq: (b, seq[c], h, vb, 0))
+
+    def s_in(self):  # the state entering chunk c
+        return pl.BlockSpec((1, 1, 1, self.BV, self.Kp), lambda b, h, vb, c, *_: (b, h, c, vb, 0))
+
+    def shape(self, name: str):  # an output's ShapeDtypeStruct: "o", "final", "s_in" or a field
+        f32 = jnp.float32
+        if name == "o":
+            return jax.ShapeDtypeStruct((self.B, self.HV, self.L, self.Vp), f32)
+        if name == "s_in":
+            return jax.ShapeDtypeStruct((self.B, self.HV, self.NC, self.Vp, self.Kp), f32)
+        rows, width = _field(name, self.C, self.Kp, self.Vp)
+        return jax.ShapeDtypeStruct((self.B, self.HV, self.NC * rows, width), f32)
+
+    def sequential(self):
+        return pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"))
+
+
 def _forward(q, k, v, g, beta, h0t, sched, groups: int, cfg: Config, save_states: bool, keep: bool):
     """Head-major padded inputs: q, k [B, H, L, Kp]; v [B, HV, L, Vp]; g [B, HV, L, Kp] (natural log);
     beta [B, HV, L, 1]; h0t [B, N, HV, Vp, Kp]; sched (first, last, seq) int32 [NC].
     Returns o [B, HV, L, Vp], final [B, N, HV, Vp, Kp], S_in [B, HV, NC, Vp, Kp] or None, and
     with ``keep`` the _KEPT fields (:func:`_field`), else None."""
     B, HV, L, Vp = v.shape
-    Kp = k.shape[-1]
-    NC = sched[0].shape[0]
-    C = L // NC
-    BV = cfg.block_v
-    NV = Vp // BV
-    f32 = jnp.float32
-    interpret = _interpret(cfg)
-    qk_spec = pl.BlockSpec((1, 1, C, Kp), lambda b, h, vb, c, *_: (b, lax.div(h, jnp.int32(groups)), c, 0))
-    k_spec = pl.BlockSpec((1, 1, C, Kp), lambda b, h, vb, c, *_: (b, h, c, 0))
-    v_spec = pl.BlockSpec((1, 1, C, BV), lambda b, h, vb, c, *_: (b, h, c, vb))
-    b_spec = pl.BlockSpec((1, 1, C, 1), lambda b, h, vb, c, *_: (b, h, c, 0))
-    st_spec = pl.BlockSpec((1, 1, 1, BV, Kp), lambda b, h, vb, c, first, last, seq: (b, seq[c], h, vb, 0))
-    sin_spec = pl.BlockSpec((1, 1, 1, BV, Kp), lambda b, h, vb, c, *_: (b, h, c, vb, 0))
-    o_shape = jax.ShapeDtypeStruct((B, HV, L, Vp), f32)
-    fin_shape = jax.ShapeDtypeStruct(h0t.shape, f32)
-    sin_shape = jax.ShapeDtypeStruct((B, HV, NC, Vp, Kp), f32)
-    sequential = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"))
+    fw = _Forward(B, HV, L, sched[0].shape[0], k.shape[-1], Vp, cfg.block_v, groups, _interpret(cfg))
+    run = _fused if cfg.pipeline == "fused" else _staged
+    return run(fw, q, k, v, g, beta, h0t, sched, save_states, keep)
 
-    def field_shape(name):
-        rows, width = _field(name, C, Kp, Vp)
-        return jax.ShapeDtypeStruct((B, HV, NC * rows, width), f32)
 
-    if cfg.pipeline == "fused":
-        kept = _KEPT if keep else ()
+def _fused(fw: _Forward, q, k, v, g, beta, h0t, sched, save_states, keep):
+    """One kernel per (batch, head, V-block) walking the chunks, everything on chip."""
+    kept = _KEPT if keep else ()
 
-        def kept_spec(name):  # the fields of value columns by V-block
-            rows, width = _field(name, C, Kp, Vp)
-            if name in ("u", "v_new"):
-                return pl.BlockSpec((1, 1, rows, BV), lambda b, h, vb, c, *_: (b, h, c, vb))
-            return pl.BlockSpec((1, 1, rows, width), lambda b, h, vb, c, *_: (b, h, c, 0))
+    def kept_spec(name):  # the fields of value columns by V-block
+        rows, width = _field(name, fw.C, fw.Kp, fw.Vp)
+        if name in ("u", "v_new"):
+            return pl.BlockSpec((1, 1, rows, fw.BV), lambda b, h, vb, c, *_: (b, h, c, vb))
+        return pl.BlockSpec((1, 1, rows, width), lambda b, h, vb, c, *_: (b, h, c, 0))
 
-        outs = pl.pallas_call(
-            functools.partial(_fused_kernel, save_states),
-            name="kda_fused",
-            grid_spec=pltpu.PrefetchScalarGridSpec(
-                num_scalar_prefetch=3,
-                grid=(B, HV, NV, NC),
-                in_specs=[qk_spec, qk_spec, v_spec, k_spec, b_spec, st_spec],
-                out_specs=[v_spec, st_spec] + [sin_spec] * save_states + [kept_spec(n) for n in kept],
-                scratch_shapes=[pltpu.VMEM((BV, Kp), f32)],
-            ),
-            out_shape=[o_shape, fin_shape] + [sin_shape] * save_states + [field_shape(n) for n in kept],
-            compiler_params=sequential,
-            interpret=interpret,
-        )(*sched, q, k, v, g, beta, h0t)
-        return outs[0], outs[1], (outs[2] if save_states else None), (tuple(outs[2 + save_states :]) if keep else None)
+    fin_shape = jax.ShapeDtypeStruct(h0t.shape, jnp.float32)
+    v_spec = fw.v_block()
+    outs = pl.pallas_call(
+        functools.partial(_fused_kernel, save_states),
+        name="kda_fused",
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=3,
+            grid=(fw.B, fw.HV, fw.Vp // fw.BV, fw.NC),
+            in_specs=[fw.qk(), fw.qk(), v_spec, fw.spec(fw.Kp), fw.spec(1), fw.state()],
+            out_specs=[v_spec, fw.state()] + [fw.s_in()] * save_states + [kept_spec(n) for n in kept],
+            scratch_shapes=[pltpu.VMEM((fw.BV, fw.Kp), jnp.float32)],
+        ),
+        out_shape=[fw.shape("o"), fin_shape] + [fw.shape("s_in")] * save_states + [fw.shape(n) for n in kept],
+        compiler_params=fw.sequential(),
+        interpret=fw.interpret,
+    )(*sched, q, k, v, g, beta, h0t)
+    return outs[0], outs[1], (outs[2] if save_states else None), (tuple(outs[2 + save_states :]) if keep else None)
 
-    # staged: intra (parallel) -> state (sequential over chunks) -> output (parallel)
-    par3 = pltpu.CompilerParams(dimension_semantics=("parallel",) * 3)
+
+def _staged(fw: _Forward, q, k, v, g, beta, h0t, sched, save_states, keep):
+    """Intra (parallel over chunks) -> state (sequential over chunks) -> output (parallel), through HBM."""
+    B, HV, NC, C, Kp, Vp, BV = fw.B, fw.HV, fw.NC, fw.C, fw.Kp, fw.Vp, fw.BV
     spec3 = lambda d, f=lambda b, h, c: (b, h, c, 0): pl.BlockSpec((1, 1, C, d), f)
 
     def chunk_spec(name):  # a field's block of one chunk on grid (b, h, c)
@@ -259,33 +294,34 @@ def _forward(q, k, v, g, beta, h0t, sched, groups: int, cfg: Config, save_states
         functools.partial(_intra_kernel, names),
         name="kda_intra",
         grid=(B, HV, NC),
-        in_specs=[spec3(Kp, lambda b, h, c: (b, lax.div(h, jnp.int32(groups)), c, 0))] * 2
+        in_specs=[spec3(Kp, lambda b, h, c: (b, lax.div(h, jnp.int32(fw.groups)), c, 0))] * 2
         + [spec3(Vp), spec3(Kp), spec3(1)],
         out_specs=[chunk_spec(n) for n in names],
-        out_shape=[field_shape(n) for n in names],
-        compiler_params=par3,
-        interpret=interpret,
+        out_shape=[fw.shape(n) for n in names],
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",) * 3),
+        interpret=fw.interpret,
     )(q, k, v, g, beta)
     f = dict(zip(names, staged))
     dec_spec = pl.BlockSpec((1, 1, 8, Kp), lambda b, h, vb, c, *_: (b, h, c, 0))
+    v_spec, k_spec = fw.v_block(), fw.spec(Kp)
     v_new, s_in, final = pl.pallas_call(
         _state_kernel,
         name="kda_state",
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=3,
-            grid=(B, HV, NV, NC),
-            in_specs=[k_spec, v_spec, k_spec, dec_spec, st_spec],
-            out_specs=[v_spec, sin_spec, st_spec],
-            scratch_shapes=[pltpu.VMEM((BV, Kp), f32)],
+            grid=(B, HV, Vp // BV, NC),
+            in_specs=[k_spec, v_spec, k_spec, dec_spec, fw.state()],
+            out_specs=[v_spec, fw.s_in(), fw.state()],
+            scratch_shapes=[pltpu.VMEM((BV, Kp), jnp.float32)],
         ),
-        out_shape=[jax.ShapeDtypeStruct((B, HV, L, Vp), f32), sin_shape, fin_shape],
-        compiler_params=sequential,
-        interpret=interpret,
+        out_shape=[fw.shape("o"), fw.shape("s_in"), jax.ShapeDtypeStruct(h0t.shape, jnp.float32)],
+        compiler_params=fw.sequential(),
+        interpret=fw.interpret,
     )(*sched, f["w"], f["u"], f["k_d"], f["decay"], h0t)
     o = pl.pallas_call(
         _output_kernel,
         name="kda_output",
-        grid=(B, HV, NC, NV),
+        grid=(B, HV, NC, Vp // BV),
         in_specs=[
             pl.BlockSpec((1, 1, C, C), lambda b, h, c, vb: (b, h, c, 0)),
             pl.BlockSpec((1, 1, C, Kp), lambda b, h, c, vb: (b, h, c, 0)),
@@ -293,9 +329,9 @@ def _forward(q, k, v, g, beta, h0t, sched, groups: int, cfg: Config, save_states
             pl.BlockSpec((1, 1, 1, BV, Kp), lambda b, h, c, vb: (b, h, c, vb, 0)),
         ],
         out_specs=pl.BlockSpec((1, 1, C, BV), lambda b, h, c, vb: (b, h, c, vb)),
-        out_shape=o_shape,
+        out_shape=fw.shape("o"),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",) * 4),
-        interpret=interpret,
+        interpret=fw.interpret,
     )(f["Aqk"], f["q_g"], v_new, s_in)
     kept = tuple({**f, "v_new": v_new}[n] for n in _KEPT) if keep else None
     return o, final, (s_in if save_states else None), kept

@@ -19,6 +19,7 @@ from kdax.ops.kascade.schedule import (
     layer_similarity,
     pair_similarity,
 )
+from tests.tolerances import F32, F64
 
 
 def _score(S, w, anchors):
@@ -38,7 +39,7 @@ def test_anchor_program_matches_brute_force(seed):
         got = choose_anchors(S, w, n)
         assert got[0] == 0 and len(got) == n and list(got) == sorted(set(got))
         best = max(_score(S, w, (0, *c)) for c in itertools.combinations(range(1, L), n - 1))
-        assert np.isclose(_score(S, w, got), best, rtol=1e-12)
+        assert np.isclose(_score(S, w, got), best, rtol=F64["same"])
 
 
 def test_anchor_program_finds_the_block_structure():
@@ -74,9 +75,9 @@ def test_pair_similarity_matches_loops_and_is_one_for_itself():
             on_own = sum(P[b, g, t, j] for j in np.asarray(own[b, g, t]) if j >= 0)
             ratios.append((on_other + block) / (on_own + block))
         want[b, g, g2] = min(ratios)
-    np.testing.assert_allclose(got, want.mean(0), rtol=1e-12)
+    np.testing.assert_allclose(got, want.mean(0), rtol=F64["same"])
     itself = pair_similarity(P, own, own, tile)
-    np.testing.assert_allclose(np.diagonal(itself), 1.0, rtol=1e-12)
+    np.testing.assert_allclose(np.diagonal(itself), 1.0, rtol=F64["same"])
     assert (got <= 1 + 1e-12).all()  # a layer's own top-k holds the most mass a budget can
 
 
@@ -129,5 +130,5 @@ def test_load_names_the_file_of_a_bad_schedule(tmp_path):
 
 def test_layer_importance():
     x = jnp.asarray(np.random.default_rng(0).standard_normal((3, 5, 8)))
-    assert abs(layer_importance(x, jnp.zeros_like(x))) < 1e-6
-    assert abs(layer_importance(x, -2 * x) - 2.0) < 1e-6
+    assert abs(layer_importance(x, jnp.zeros_like(x))) < F32["same"]
+    assert abs(layer_importance(x, -2 * x) - 2.0) < F32["same"]

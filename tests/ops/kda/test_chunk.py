@@ -11,32 +11,18 @@ import pytest
 import kdax
 from kdax.bench.measure import rel_rms
 from kdax.ops.kda import pallas_tpu, xla
-from tests.ops.kda.cases import CASES, TOL, Case, assert_close_to_reference, make_inputs, run_with_grads
+from tests.ops.kda.cases import CASE, CASES, Case, assert_close_to_reference, make_inputs, run_with_grads, runs
+from tests.tolerances import TOL
 
 BACKENDS = ["xla", "pallas_tpu", "pallas_gpu"]  # the Pallas backends run in their interpreters off device
-BF16_CASES = [c for c in CASES if c.name in ("T65_gva_h0", "varlen", "strong_decay", "gate_softplus_l2_sigmoid")]
+BF16_CASES = [CASE[n] for n in ("T65_gva_h0", "varlen", "strong_decay", "gate_softplus_l2_sigmoid")]
 
 
 def _recurrent(*args, chunk_size=None, **kwargs):
     return kdax.fused_recurrent_kda(*args, **kwargs)
 
 
-# Cases that differ from others only in shape or in lacking varlen: the Pallas interpreters run
-# them with ``pytest -m slow`` (xla runs every case in CI); their varlen, GVA and gate siblings stay.
-_SHAPE_ONLY = ("basic", "T64", "T1000", "K128", "strong_decay", "gate_rate_20_60")
-_FP32 = [
-    pytest.param(
-        backend,
-        case,
-        id=f"{case}-{backend}",
-        marks=pytest.mark.slow if backend != "xla" and case.name in _SHAPE_ONLY else (),
-    )
-    for case in CASES
-    for backend in BACKENDS
-]
-
-
-@pytest.mark.parametrize(("backend", "case"), _FP32)
+@pytest.mark.parametrize(("backend", "case"), runs(CASES, BACKENDS))
 def test_chunk_fp32(backend, case):
     fn = functools.partial(kdax.chunk_kda, backend=backend)
     if backend == "pallas_gpu" and case.chunk_size > 64:  # float32 tiles that large overflow an H100's shared memory
@@ -46,39 +32,38 @@ def test_chunk_fp32(backend, case):
     assert_close_to_reference(fn, case, jnp.float32)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("case", BF16_CASES, ids=str)
+@pytest.mark.parametrize(("backend", "case"), runs(BF16_CASES, BACKENDS, "bf16"))
 def test_chunk_bf16(backend, case):
     assert_close_to_reference(functools.partial(kdax.chunk_kda, backend=backend), case, jnp.bfloat16)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_chunk_fp16(backend):
+@pytest.mark.parametrize(("backend", "case"), runs([CASE["T65_gva_h0"]], BACKENDS, "fp16"))
+def test_chunk_fp16(backend, case):
     """float16 inputs: float32 intermediates in every backend (bfloat16 ones would drop float16's
     three extra mantissa bits and miss these bars), so errors of float16's own rounding."""
-    case = next(c for c in CASES if c.name == "T65_gva_h0")
     assert_close_to_reference(functools.partial(kdax.chunk_kda, backend=backend), case, jnp.float16)
 
 
-@pytest.mark.parametrize(
-    "case",
-    [c for c in CASES if c.name in ("T65_gva_h0", "varlen", "strong_decay_varlen", "chunk32_varlen", "T1000")],
-    ids=str,
-)
-def test_chunk_xla_all_chunks_per_step(case):
+_ALL_CHUNKS = [CASE[n] for n in ("T65_gva_h0", "varlen", "strong_decay_varlen", "chunk32_varlen", "T1000")]
+
+
+@pytest.mark.parametrize(("backend", "case"), runs(_ALL_CHUNKS, ["xla"], "all_chunks"))
+def test_chunk_xla_all_chunks_per_step(backend, case):
     """The accelerator schedule of the xla backend (every chunk in one scan step), run here."""
     assert_close_to_reference(functools.partial(kdax.chunk_kda, config=xla.Config("all_chunks")), case, jnp.float32)
 
 
 @pytest.mark.parametrize("op", ["chunk", "recurrent"])
-@pytest.mark.parametrize("backend", [*BACKENDS, "naive"])
-def test_safe_gate_changes_nothing_and_state_v_first_transposes_states(backend, op):
+@pytest.mark.parametrize(
+    ("backend", "case"), runs([CASE["gate_lower_bound_neg_eigval"]], [*BACKENDS, "naive"], "safe_gate")
+)
+def test_safe_gate_changes_nothing_and_state_v_first_transposes_states(backend, case, op):
     """With return_intermediate_states the states entering the chunks are transposed too. FLA's
     fused_recurrent_kda takes disable_recompute and return_intermediate_states and ignores them:
     so does ours (two outputs, the same values)."""
     if op == "recurrent" and backend.startswith("pallas"):
         pytest.skip("fused_recurrent_kda has only the xla core")
-    case = next(c for c in CASES if c.name == "gate_lower_bound_neg_eigval")  # lower_bound -5: a safe gate
+    # the case's lower_bound -5: a safe gate
     args, kwargs = make_inputs(case)
     fn = functools.partial(kdax.chunk_kda if op == "chunk" else _recurrent, backend=backend)
     o, s, *h = fn(*args, **kwargs, return_intermediate_states=True)
@@ -112,13 +97,10 @@ def _prefix_call(case: Case, args, kwargs):
     return packed, {**kwargs, "cu_seqlens": jnp.asarray(offsets, jnp.int32), "initial_state": h0}
 
 
-STATES_CASES = [
-    c for c in CASES if c.name in ("T65_gva_h0", "K60_V100", "varlen", "varlen_empty", "gate_l2_varlen_K60")
-]
+STATES_CASES = [CASE[n] for n in ("T65_gva_h0", "K60_V100", "varlen", "varlen_empty", "gate_l2_varlen_K60")]
 
 
-@pytest.mark.parametrize("backend", [*BACKENDS, "naive"])
-@pytest.mark.parametrize("case", STATES_CASES, ids=str)
+@pytest.mark.parametrize(("backend", "case"), runs(STATES_CASES, [*BACKENDS, "naive"], "states"))
 def test_intermediate_states_are_the_final_states_of_the_first_chunks(backend, case):
     """FLA's h: state i is the final state after the chunks before i, of each batch row or
     sequence (with cu_seqlens [1, total chunks, ...], sum of ceil(L_n / C) chunks)."""
@@ -133,10 +115,9 @@ def test_intermediate_states_are_the_final_states_of_the_first_chunks(backend, c
     assert rel_rms(h.reshape(expected.shape), expected) <= TOL[jnp.float32]["out"]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_intermediate_states_gradients(backend):
+@pytest.mark.parametrize(("backend", "case"), runs([CASE["gate_l2_varlen_K60"]], BACKENDS, "states grads"))
+def test_intermediate_states_gradients(backend, case):
     """Differentiating through the states entering the chunks gives the float64 reference's gradients."""
-    case = next(c for c in CASES if c.name == "gate_l2_varlen_K60")
     case = dataclasses.replace(case, options=case.options + (("return_intermediate_states", True),))
     assert_close_to_reference(functools.partial(kdax.chunk_kda, backend=backend), case, jnp.float32)
 
@@ -145,7 +126,7 @@ def test_intermediate_states_gradients(backend):
 def test_intermediate_states_with_traced_cu_seqlens(backend):
     """Traced offsets leave the chunk count unknown: the static bound (T + N (C - 1)) // C chunks
     come back, those past the sequences' zero."""
-    case = next(c for c in CASES if c.name == "varlen_empty")  # 4 chunks of 16 for 45 tokens in 5 sequences
+    case = CASE["varlen_empty"]  # 4 chunks of 16 for 45 tokens in 5 sequences
     args, kwargs = make_inputs(case)
     cu = kwargs.pop("cu_seqlens")
     fn = functools.partial(kdax.chunk_kda, *args, **kwargs, backend=backend, return_intermediate_states=True)
@@ -160,7 +141,7 @@ def test_intermediate_states_with_traced_cu_seqlens(backend):
     "backend,config",
     [
         ("xla", None),
-        ("xla", xla.Config("all_chunks")),
+        pytest.param("xla", xla.Config("all_chunks"), marks=pytest.mark.slow),  # the pallas_tpu_staged run stays
         ("pallas_tpu", None),
         ("pallas_tpu", pallas_tpu.Config(pipeline="staged")),
         ("pallas_gpu", None),
@@ -175,7 +156,7 @@ def test_disable_recompute_changes_no_result(backend, config):
     backward compile apart, and the GPU backward otherwise rebuilds v_new over blocks of key
     columns from q and k normalised by XLA instead of in the intra kernel: equal to float32
     rounding there (a few units of 2^-23 = 1.2e-7)."""
-    case = next(c for c in CASES if c.name == "gate_l2_varlen_K60")
+    case = CASE["gate_l2_varlen_K60"]
     args, kwargs = make_inputs(case)
     kwargs["return_intermediate_states"] = True
     fn = functools.partial(kdax.chunk_kda, backend=backend, config=config)
@@ -193,6 +174,6 @@ def test_disable_recompute_pallas_gpu_bf16():
     """With bfloat16 inputs the GPU kernels store their intermediates in bfloat16, and the backward
     that recomputes v_new does so from bfloat16 states where the kept one is the forward's: the
     gradients differ at bfloat16 rounding, both inside the bf16 bars."""
-    case = next(c for c in CASES if c.name == "gate_l2_varlen_K60")
+    case = CASE["gate_l2_varlen_K60"]
     case = dataclasses.replace(case, options=case.options + (("disable_recompute", True),))
     assert_close_to_reference(functools.partial(kdax.chunk_kda, backend="pallas_gpu"), case, jnp.bfloat16)

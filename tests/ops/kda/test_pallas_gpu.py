@@ -16,7 +16,8 @@ import kdax
 from kdax.bench.measure import rel_rms
 from kdax.ops.common.arrays import round_tf32
 from kdax.ops.kda import pallas_gpu, tiles
-from tests.ops.kda.cases import CASES, TOL, Case, assert_close_to_reference, make_inputs
+from tests.ops.kda.cases import CASE, Case, assert_close_to_reference, make_inputs, slow_if
+from tests.tolerances import F64, TOL
 
 chunk_kda_gpu = functools.partial(kdax.chunk_kda, backend="pallas_gpu")
 
@@ -99,19 +100,12 @@ def test_two_pass_tf32_sums_keep_float32_accuracy():
     assert np.max(np.abs(np.asarray(ones @ round_tf32(x)) - exact) / scale) > 2.0**-13
 
 
-def _slow_unless(keep: bool, *values):
-    """A parameter set that CI runs only when ``keep`` (the rest: ``pytest -m slow``)."""
-    return pytest.param(*values, marks=() if keep else pytest.mark.slow)
-
-
 @pytest.mark.parametrize(
     "case",
     [
-        _slow_unless(c.name == "strong_decay_varlen", c)
-        for c in CASES
-        if c.name in ("T65_gva_h0", "strong_decay_varlen", "gate_rate_20_60_varlen")
+        pytest.param(CASE[n], id=n, marks=slow_if(CASE[n], "pallas_gpu matmuls fp32"))
+        for n in ("T65_gva_h0", "strong_decay_varlen", "gate_rate_20_60_varlen")
     ],
-    ids=str,
 )
 def test_float32_inputs_within_bars_with_gpu_matmuls(case, monkeypatch):
     """float32 inputs with the matmuls "auto" picks on a GPU (tf32x3), emulated here: the
@@ -122,15 +116,14 @@ def test_float32_inputs_within_bars_with_gpu_matmuls(case, monkeypatch):
 
 
 _GPU_MATMUL_CASES = [
-    _slow_unless(c.name == "strong_decay_varlen" and p == "bf16", c, p)
-    for c in CASES
-    if c.name in ("T65_gva_h0", "strong_decay_varlen")
+    pytest.param(CASE[n], p, id=f"{n}-{p}", marks=slow_if(CASE[n], f"pallas_gpu matmuls {p}"))
+    for n in ("T65_gva_h0", "strong_decay_varlen", "gate_l2_varlen_K60")
     for p in ("bf16", "tf32")
+    if n != "gate_l2_varlen_K60" or p == "bf16"  # gate logits and the L2 norm in the kernels
 ]
-_GATE_CASE = next(c for c in CASES if c.name == "gate_l2_varlen_K60")  # gate logits, L2 norm in the kernels
 
 
-@pytest.mark.parametrize(("case", "precision"), _GPU_MATMUL_CASES + [(_GATE_CASE, "bf16")], ids=str)
+@pytest.mark.parametrize(("case", "precision"), _GPU_MATMUL_CASES)
 def test_bf16_inputs_within_bars_with_gpu_matmuls(case, precision, monkeypatch):
     """bfloat16 inputs with the matmuls of precision="bf16" (what "auto" picks) and "tf32",
     the GPU's TF32 rounding emulated here."""
@@ -173,7 +166,7 @@ def test_bf16_inputs_store_intermediates_in_bf16():
 @pytest.mark.slow  # interpreted it takes a minute; scripts/gpu_session.sh tests runs it compiled
 def test_chunk128_in_bf16():
     """C = 128 runs with bf16 intermediates (float32 ones are refused: test_chunk.py)."""
-    assert_close_to_reference(chunk_kda_gpu, next(c for c in CASES if c.name == "chunk128"), jnp.bfloat16)
+    assert_close_to_reference(chunk_kda_gpu, CASE["chunk128"], jnp.bfloat16)
 
 
 @pytest.mark.parametrize(
@@ -389,7 +382,7 @@ def test_auto_picks_the_gpu_kernels_on_gpu_where_they_fit(monkeypatch):
 
 def test_auto_on_gpu_runs_xla_where_the_kernels_do_not_fit(monkeypatch):
     """What backend="pallas_gpu" refuses, "auto" on a GPU computes with xla, to its precision."""
-    case = next(c for c in CASES if c.name == "chunk128")
+    case = CASE["chunk128"]
     args, kwargs = make_inputs(case, jnp.float32)
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(pallas_gpu, "VERIFIED_ON_GPU", True)
@@ -401,7 +394,7 @@ def test_auto_on_gpu_runs_xla_where_the_kernels_do_not_fit(monkeypatch):
         args64 = [a.astype(jnp.float64) for a in args]
         o, _ = kdax.chunk_kda(*args64, **dict(kwargs, chunk_size=64))
         o_ref, _ = kdax.chunk_kda(*args64, **dict(kwargs, chunk_size=64), backend="naive")
-        assert o.dtype == jnp.float64 and float(jnp.max(jnp.abs(o - o_ref))) < 1e-10
+        assert o.dtype == jnp.float64 and float(jnp.max(jnp.abs(o - o_ref))) < F64["out"]
 
 
 # Shared memory (KiB) of one block of each kernel as the CUDA compiler built it for an H100
@@ -615,7 +608,7 @@ def test_smaller_gpus_get_one_stage_or_xla(monkeypatch):
     # float32 tiles: 2 stages need 104 and 152 KiB
     cfg = pallas_gpu.launch.fit_launch(pallas_gpu.Config(block_v=16), 64, 128, 4)
     assert dict(cfg.launch) == {"state": (4, 1), "dstate": (4, 1)}
-    case = next(c for c in CASES if c.name == "chunk128")
+    case = CASE["chunk128"]
     args, kwargs = make_inputs(case, jnp.bfloat16)
     with pytest.raises(ValueError, match="chunk_size: pallas_gpu with bfloat16 intermediates at chunk_size=128"):
         kdax.chunk_kda(*args, **kwargs, backend="pallas_gpu", config=pallas_gpu.Config(interpret=True))

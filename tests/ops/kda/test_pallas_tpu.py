@@ -12,12 +12,16 @@ import kdax
 from kdax.bench.measure import rel_rms
 from kdax.ops.common.arrays import LOG2E
 from kdax.ops.kda import pallas_tpu, xla
-from tests.ops.kda.cases import CASES, Case, assert_close_to_reference
+from tests.ops.kda.cases import CASE, Case, assert_close_to_reference, slow_if
+from tests.tolerances import F32
 
 PIPELINES = ["fused", "staged"]
 # The fused pipeline runs every shared case through tests/ops/kda/test_chunk.py; here the
 # staged one, the K = V = 256 case and what only these kernels have.
-STAGED_CASES = [c for c in CASES if c.name in ("T65_gva_h0", "K60_V100", "varlen", "strong_decay_varlen", "chunk16")]
+STAGED_CASES = [
+    pytest.param(CASE[n], id=n, marks=slow_if(CASE[n], "pallas_tpu staged"))
+    for n in ("T65_gva_h0", "K60_V100", "varlen", "strong_decay_varlen", "chunk16")
+]
 
 chunk_kda_tpu = functools.partial(kdax.chunk_kda, backend="pallas_tpu")
 
@@ -35,10 +39,10 @@ def test_chunk_intra_matches_xla():
         got = jax.jit(pallas_tpu._TILES.intra)(f32(q), f32(k), f32(v), f32(g * LOG2E), f32(beta[:, None]))
         for name in ("Aqk", "w", "u", "q_g", "k_d"):
             assert rel_rms(getattr(got, name), getattr(ref, name)) < 2e-6, (g_min, name)
-        np.testing.assert_allclose(got.decay[0], ref.decay, rtol=1e-5, atol=1e-30)
+        np.testing.assert_allclose(got.decay[0], ref.decay, rtol=F32["out"], atol=1e-30)
 
 
-@pytest.mark.parametrize("case", STAGED_CASES, ids=str)
+@pytest.mark.parametrize("case", STAGED_CASES)
 def test_staged_pipeline_fp32(case, monkeypatch):
     chunk_kda_tpu = functools.partial(kdax.chunk_kda, backend="pallas_tpu", config=pallas_tpu.Config(pipeline="staged"))
     assert_close_to_reference(chunk_kda_tpu, case, jnp.float32)
@@ -58,7 +62,7 @@ def test_state_carries_across_grid_steps_without_races(monkeypatch):
     chunk_kda_tpu = functools.partial(kdax.chunk_kda, backend="pallas_tpu", config=pallas_tpu.Config(detect_races=True))
     case = Case("six_chunks", T=6 * 16 - 5, B=1, H=1, HV=1, K=32, V=200, initial_state=True, chunk_size=16)
     errors = assert_close_to_reference(chunk_kda_tpu, case, jnp.float32)
-    assert errors["final_state"] < 1e-5 and errors["dinitial_state"] < 1e-4
+    assert errors["final_state"] < F32["out"] and errors["dinitial_state"] < F32["grad"]
     assert interpret_pallas_call.races is not None and not interpret_pallas_call.races.races_found
 
 

@@ -7,6 +7,7 @@ import pytest
 from jax.test_util import check_grads
 
 import kdax
+from tests.tolerances import F32
 
 
 def _tiny(seed=0, T=11, HV=2):
@@ -37,7 +38,7 @@ def test_check_grads_fp64(fn, kw, T):
     def f(q, k, v, g, b, h0):
         return fn(q, k, v, g, b, initial_state=h0, output_final_state=True, cu_seqlens=cu, **kw)
 
-    check_grads(f, (q, k, v, g, b, h0), order=1, modes=["rev"], atol=1e-6, rtol=1e-6)
+    check_grads(f, (q, k, v, g, b, h0), order=1, modes=["rev"], atol=F32["same"], rtol=F32["same"])
 
 
 def test_jit_vmap_grad_and_no_recompilation():
@@ -55,11 +56,11 @@ def test_jit_vmap_grad_and_no_recompilation():
     qs, vs = jnp.stack([q, 2 * q, -q]), jnp.stack([v, v * 0.5, v])
     batched = jax.vmap(lambda q, v: kdax.chunk_kda(q, k, v, g, b, chunk_size=16)[0])(qs, vs)
     looped = jnp.stack([kdax.chunk_kda(qs[i], k, vs[i], g, b, chunk_size=16)[0] for i in range(3)])
-    np.testing.assert_allclose(batched, looped, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(batched, looped, rtol=F32["out"], atol=F32["same"])
     gb = jax.vmap(jax.grad(lambda q, v: loss(q, k, v, g, b)))(qs, vs)
     assert gb.shape == qs.shape and bool(jnp.all(jnp.isfinite(gb)))
     g_loop = jnp.stack([jax.grad(lambda q, v: loss(q, k, v, g, b))(qs[i], vs[i]) for i in range(3)])
-    np.testing.assert_allclose(gb, g_loop, rtol=1e-5, atol=1e-6)  # the values, not only the shapes
+    np.testing.assert_allclose(gb, g_loop, rtol=F32["out"], atol=F32["same"])  # the values, not only the shapes
 
 
 def test_traced_cu_seqlens_does_not_recompile():

@@ -6,6 +6,7 @@ import pytest
 
 import kdax
 from kdax.ops.kda import xla
+from tests.tolerances import F32
 
 B, T, H, HV, K, V = 1, 8, 2, 4, 16, 8
 
@@ -214,8 +215,32 @@ def test_traced_malformed_cu_seqlens_are_made_valid():
             o, s = f(jnp.asarray(bad, jnp.int32))
             o_ref, s_ref = fn(**a, cu_seqlens=valid)
             assert np.isfinite(np.asarray(o)).all() and np.isfinite(np.asarray(s)).all()
-            np.testing.assert_allclose(o, o_ref, rtol=1e-5, atol=1e-6)
-            np.testing.assert_allclose(s, s_ref, rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(o, o_ref, rtol=F32["out"], atol=F32["same"])
+            np.testing.assert_allclose(s, s_ref, rtol=F32["out"], atol=F32["same"])
+
+
+def test_debug_checks_raise_on_traced_malformed_cu_seqlens():
+    """Under kdax.debug_checks() traced offsets are checked with checkify: bad ones are an error
+    naming cu_seqlens, good ones none; outside it the same trace has no check."""
+    import jax
+    from jax.experimental import checkify
+
+    rng = np.random.default_rng(1)
+    x = {n: jnp.asarray(rng.standard_normal(z.shape), jnp.float32) for n, z in _args().items()}
+    a = dict(x, g=-jnp.abs(x["g"]), beta=jnp.full((B, T, HV), 0.5))
+    for fn in (kdax.chunk_kda, kdax.fused_recurrent_kda):
+        with kdax.debug_checks():
+            f = checkify.checkify(jax.jit(lambda cu, fn=fn: fn(**a, cu_seqlens=cu)[0]))
+            err, _ = f(jnp.asarray([0, 9, 8], jnp.int32))
+            assert err.get() is not None and f"cu_seqlens: expected offsets from 0 to T = {T}" in err.get()
+            with pytest.raises(checkify.JaxRuntimeError, match="cu_seqlens"):
+                err.throw()
+            err, o = f(jnp.asarray([0, 3, T], jnp.int32))
+            assert err.get() is None
+            np.testing.assert_array_equal(o, fn(**a, cu_seqlens=[0, 3, T])[0])
+            fn(**a, cu_seqlens=[0, 3, T])  # concrete offsets: no checkify needed
+    with pytest.raises(ValueError, match="cu_seqlens"):  # concrete bad ones: the ValueError, as always
+        kdax.chunk_kda(**a, cu_seqlens=[0, 9, 8])
 
 
 def test_explain_backend_says_what_auto_runs_and_why():
