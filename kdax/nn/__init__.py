@@ -4,6 +4,7 @@ from kdax.nn.attention import Attention, KascadeStep
 from kdax.nn.conv import ShortConvolution
 from kdax.nn.kda import KDACache, KimiDeltaAttention
 from kdax.nn.mlp import GatedMLP
+from kdax.nn.moe import MoE, TopKRouter
 from kdax.nn.norm import GatedRMSNorm, RMSNorm
 
 __all__ = [
@@ -13,6 +14,8 @@ __all__ = [
     "KDACache",
     "KascadeStep",
     "KimiDeltaAttention",
+    "MoE",
     "RMSNorm",
     "ShortConvolution",
+    "TopKRouter",
 ]
