@@ -1,17 +1,24 @@
-"""Hybrid KDA language models: config, presets, model, generation, checkpoints (FLA's format)."""
+"""Hybrid KDA language models: FLA's layout, Kimi Linear and the Ling hybrids; configs, presets,
+generation, checkpoints (FLA's and the hub's formats)."""
 
 from kdax.models.checkpoint import from_pretrained, save_pretrained
 from kdax.models.config import KDAConfig
 from kdax.models.generation import generate
+from kdax.models.hf_config import BailingHybridConfig, KimiLinearConfig
+from kdax.models.hybrids import BailingHybridForCausalLM, KimiLinearForCausalLM
 from kdax.models.kda import KDAForCausalLM, KDAModel, ModelCache
 from kdax.models.presets import PRESETS, tiny_config
 from kdax.models.sharding import shard
 
 __all__ = [
     "PRESETS",
+    "BailingHybridConfig",
+    "BailingHybridForCausalLM",
     "KDAConfig",
     "KDAForCausalLM",
     "KDAModel",
+    "KimiLinearConfig",
+    "KimiLinearForCausalLM",
     "ModelCache",
     "from_pretrained",
     "generate",

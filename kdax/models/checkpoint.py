@@ -1,8 +1,11 @@
-"""Checkpoints in FLA's format: an HF-style directory with config.json and safetensors holding
-FLA's ``KDAForCausalLM`` state dict (PyTorch names and layouts). kdax models save to it and
-load from it, so FLA checkpoints convert both ways.
+"""Checkpoints: HF-style directories with config.json and safetensors, dispatched on config.json's
+``model_type``: "kda" holds FLA's ``KDAForCausalLM`` state dict (PyTorch names and layouts);
+"kimi_linear" and "bailing_hybrid" the hub's tensors of Kimi Linear and the Ling hybrids
+(:mod:`kdax.models.hybrids`). kdax models save to them and load from them, so FLA and
+transformers checkpoints convert both ways.
 
-Names map mechanically: the NNX path joined by dots, ``layers.N`` inside nnx.Sequential
+FLA's names map mechanically:
+the NNX path joined by dots, ``layers.N`` inside nnx.Sequential
 dropped to ``N``, ``kernel`` -> ``weight`` transposed ([in, out] -> torch's [out, in]),
 ``embedding`` -> ``weight``."""
 
@@ -19,7 +22,7 @@ import safetensors.numpy
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from kdax.models.config import KDAConfig
+from kdax.models import hybrids
 from kdax.models.kda import KDAForCausalLM
 
 _SEQUENTIAL = ("f_proj", "g_proj")
@@ -99,17 +102,18 @@ def load_fla_state_dict(model: KDAForCausalLM, tensors: dict[str, np.ndarray]) -
 
 
 def save_pretrained(model: KDAForCausalLM, directory: str) -> None:
-    """Write config.json and model.safetensors (FLA's names, float32) into ``directory``.
+    """Write config.json and model.safetensors (float32) into ``directory``: FLA's names for a
+    :class:`KDAForCausalLM`, the hub's for Kimi Linear and Ling (what transformers loads).
 
     Args:
         model: the model to save (on several hosts, every process calls this; process 0 writes).
         directory: created if missing; files already there are overwritten.
     """
-    tensors = fla_state_dict(model)
+    tensors = hybrids.hub_state_dict(model) if type(model) in hybrids.MODELS.values() else fla_state_dict(model)
     if jax.process_index() != 0:
         return
     os.makedirs(directory, exist_ok=True)
-    config = {**model.config.to_dict(), "architectures": ["KDAForCausalLM"]}
+    config = {**model.config.to_dict(), "architectures": [type(model).__name__]}
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
     safetensors.numpy.save_file(tensors, os.path.join(directory, "model.safetensors"))
@@ -136,7 +140,9 @@ def _read_weights(directory: str) -> dict[str, np.ndarray]:
 
 
 def from_pretrained(directory: str, *, backend: str = "auto", dtype=None) -> KDAForCausalLM:
-    """Load a kdax or FLA ``KDAForCausalLM`` checkpoint directory into a kdax model.
+    """Load a checkpoint directory into a kdax model, by config.json's ``model_type``: "kda" (kdax
+    or FLA's ``KDAForCausalLM``), "kimi_linear" (:class:`kdax.models.KimiLinearForCausalLM`),
+    "bailing_hybrid" (:class:`kdax.models.BailingHybridForCausalLM`).
 
     Args:
         directory: holds config.json and model.safetensors (or its shards and their index).
@@ -155,7 +161,17 @@ def from_pretrained(directory: str, *, backend: str = "auto", dtype=None) -> KDA
     path = os.path.join(directory, "config.json")
     if not os.path.exists(path):
         raise ValueError(f"directory: expected a config.json in {directory!r}")
-    config = KDAConfig.from_dict(_read_json(path))
-    model = nnx.eval_shape(lambda: KDAForCausalLM(config, backend=backend, rngs=nnx.Rngs(0)))
-    model = load_fla_state_dict(model, _read_weights(directory))
+    d = _read_json(path)
+    model_type = d.get("model_type", "kda")
+    if model_type == "kda":
+        cls, load = KDAForCausalLM, load_fla_state_dict
+    elif model_type in hybrids.MODELS:
+        cls, load = hybrids.MODELS[model_type], hybrids.load_hub_state_dict
+    else:
+        raise ValueError(
+            f"directory: expected config.json's model_type in {('kda', *hybrids.MODELS)}, got {model_type!r} in {path!r}"
+        )
+    config = cls.config_class.from_dict(d)
+    model = nnx.eval_shape(lambda: cls(config, backend=backend, rngs=nnx.Rngs(0)))
+    model = load(model, _read_weights(directory))
     return model if dtype is None else model.astype(dtype)

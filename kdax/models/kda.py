@@ -11,7 +11,7 @@ import numpy as np
 from flax import nnx
 
 from kdax.models.config import KDAConfig
-from kdax.nn import Attention, GatedMLP, KascadeStep, KimiDeltaAttention, RMSNorm, ShortConvolution
+from kdax.nn import Attention, GatedMLP, KascadeStep, KimiDeltaAttention, MoE, RMSNorm, ShortConvolution
 from kdax.ops.common import dispatch
 from kdax.ops.common.sharding import Layout
 from kdax.ops.kascade.schedule import KascadeSchedule
@@ -85,59 +85,71 @@ def packed_segments(T: int, cu_seqlens: jax.Array) -> Segments:
     return Segments(cu_seqlens, (t - cu_seqlens[seq])[None], seq[None])
 
 
-class KDABlock(nnx.Module):
-    """Pre-norm block: x + mixer(norm(x)), then + GatedMLP(norm(.)). The mixer is softmax
-    Attention on the layers ``config.attn`` lists, else KimiDeltaAttention.
+def fla_layer(config: KDAConfig, layer_idx: int, *, backend: str, rngs: nnx.Rngs):
+    """FLA's token mixer and MLP of a layer: softmax Attention on the layers ``config.attn`` lists,
+    else KimiDeltaAttention; a GatedMLP.
 
-    Args:
-        config: the model's :class:`KDAConfig`.
-        layer_idx: the block's index.
-        backend: the KDA layer's backend.
-        rngs: the parameters' random keys.
+    Returns:
+        (mixer, mlp).
     """
-
-    def __init__(self, config: KDAConfig, layer_idx: int, *, backend: str = "auto", rngs: nnx.Rngs):
-        c = config
-        self.attn_norm = RMSNorm(c.hidden_size, eps=c.norm_eps)
-        spec = c.attention_spec(layer_idx)
-        if spec is not None:
-            self.attn = Attention(
-                c.hidden_size,
-                num_heads=spec["num_heads"],
-                num_kv_heads=spec["num_kv_heads"],
-                qkv_bias=spec["qkv_bias"],
-                window_size=spec["window_size"],
-                rope_theta=spec["rope_theta"],
-                max_position_embeddings=c.max_position_embeddings,
-                layer_idx=layer_idx,
-                rngs=rngs,
-            )
-        else:
-            self.attn = KimiDeltaAttention(
-                c.hidden_size,
-                expand_v=c.expand_v,
-                head_dim=c.head_dim,
-                num_heads=c.num_heads,
-                num_v_heads=c.num_v_heads,
-                mode=c.attn_mode,
-                use_short_conv=c.use_short_conv,
-                allow_neg_eigval=c.allow_neg_eigval,
-                safe_gate=c.safe_gate,
-                lower_bound=c.lower_bound,
-                conv_size=c.conv_size,
-                layer_idx=layer_idx,
-                norm_eps=c.norm_eps,
-                backend=backend,
-                rngs=rngs,
-            )
-        self.mlp_norm = RMSNorm(c.hidden_size, eps=c.norm_eps)
-        self.mlp = GatedMLP(
+    c = config
+    spec = c.attention_spec(layer_idx)
+    if spec is not None:
+        attn = Attention(
             c.hidden_size,
-            hidden_ratio=c.hidden_ratio,
-            intermediate_size=c.intermediate_size,
-            hidden_act=c.hidden_act,
+            num_heads=spec["num_heads"],
+            num_kv_heads=spec["num_kv_heads"],
+            qkv_bias=spec["qkv_bias"],
+            window_size=spec["window_size"],
+            rope_theta=spec["rope_theta"],
+            max_position_embeddings=c.max_position_embeddings,
+            layer_idx=layer_idx,
             rngs=rngs,
         )
+    else:
+        attn = KimiDeltaAttention(
+            c.hidden_size,
+            expand_v=c.expand_v,
+            head_dim=c.head_dim,
+            num_heads=c.num_heads,
+            num_v_heads=c.num_v_heads,
+            mode=c.attn_mode,
+            use_short_conv=c.use_short_conv,
+            allow_neg_eigval=c.allow_neg_eigval,
+            safe_gate=c.safe_gate,
+            lower_bound=c.lower_bound,
+            conv_size=c.conv_size,
+            layer_idx=layer_idx,
+            norm_eps=c.norm_eps,
+            backend=backend,
+            rngs=rngs,
+        )
+    mlp = GatedMLP(
+        c.hidden_size,
+        hidden_ratio=c.hidden_ratio,
+        intermediate_size=c.intermediate_size,
+        hidden_act=c.hidden_act,
+        rngs=rngs,
+    )
+    return attn, mlp
+
+
+class KDABlock(nnx.Module):
+    """Pre-norm block: x + mixer(norm(x)), then + mlp(norm(.)).
+
+    Args:
+        attn: the token mixer: a :class:`kdax.nn.KimiDeltaAttention`, or a softmax layer
+            (:class:`kdax.nn.Attention`, :class:`kdax.nn.MLA`).
+        mlp: the channel mixer (:class:`kdax.nn.GatedMLP`, :class:`kdax.nn.MoE`).
+        hidden_size: the model width.
+        eps: the RMSNorms' epsilon.
+    """
+
+    def __init__(self, attn: nnx.Module, mlp: nnx.Module, hidden_size: int, *, eps: float):
+        self.attn_norm = RMSNorm(hidden_size, eps=eps)
+        self.attn = attn
+        self.mlp_norm = RMSNorm(hidden_size, eps=eps)
+        self.mlp = mlp
 
     def __call__(self, x, seg: Segments, cache=None, output_cache=False, mode=None, kascade=None):
         """Apply the block.
@@ -157,11 +169,11 @@ class KDABlock(nnx.Module):
         """
         h = self.attn_norm(x)
         indices = None
-        if isinstance(self.attn, Attention) and kascade is not None:
+        if not is_kda(self) and kascade is not None:
             h, cache, indices = self.attn(
                 h, positions=seg.positions, segment_ids=seg.segment_ids, cache=cache, kascade=kascade
             )
-        elif isinstance(self.attn, Attention):
+        elif not is_kda(self):
             h, cache = self.attn(h, positions=seg.positions, segment_ids=seg.segment_ids, cache=cache)
         else:
             B, T, D = h.shape
@@ -172,21 +184,30 @@ class KDABlock(nnx.Module):
         return x + self.mlp(self.mlp_norm(x)), cache, indices
 
 
+def is_kda(block: KDABlock) -> bool:
+    """Whether the block's mixer is a KDA layer (else a softmax one)."""
+    return isinstance(block.attn, KimiDeltaAttention)
+
+
 class KDAModel(nnx.Module):
     """Embeddings, ``num_hidden_layers`` :class:`KDABlock`, final RMSNorm.
 
     Args:
-        config: the :class:`KDAConfig`.
+        config: the model's config (vocab_size, hidden_size, num_hidden_layers).
+        layer: ``layer(config, i, backend=, rngs=) -> (mixer, mlp)`` of layer i (:func:`fla_layer`).
+        eps: the RMSNorms' epsilon.
         backend: the KDA layers' backend.
         rngs: the parameters' random keys.
     """
 
-    def __init__(self, config: KDAConfig, *, backend: str = "auto", rngs: nnx.Rngs):
+    def __init__(self, config, layer, *, eps: float, backend: str = "auto", rngs: nnx.Rngs):
         self.embeddings = nnx.Embed(config.vocab_size, config.hidden_size, rngs=rngs)
-        self.layers = nnx.List(
-            [KDABlock(config, i, backend=backend, rngs=rngs) for i in range(config.num_hidden_layers)]
-        )
-        self.norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
+        blocks = []
+        for i in range(config.num_hidden_layers):
+            attn, mlp = layer(config, i, backend=backend, rngs=rngs)
+            blocks.append(KDABlock(attn, mlp, config.hidden_size, eps=eps))
+        self.layers = nnx.List(blocks)
+        self.norm = RMSNorm(config.hidden_size, eps=eps)
         self.layout: Layout | None = None  # set by kdax.models.shard
 
     def __call__(self, input_ids, seg: Segments, caches=None, output_cache=False, mode=None, kascade=None):
@@ -243,14 +264,26 @@ class KDAForCausalLM(nnx.Module):
         ValueError: ``config`` is not a :class:`KDAConfig`.
     """
 
+    config_class = KDAConfig
+
     def __init__(self, config: KDAConfig, *, backend: str = "auto", rngs: nnx.Rngs):
-        if not isinstance(config, KDAConfig):
-            raise ValueError(f"config: expected a KDAConfig, got {type(config).__name__}")
+        if not isinstance(config, self.config_class):
+            raise ValueError(f"config: expected a {self.config_class.__name__}, got {type(config).__name__}")
         self.config = config
-        self.model = KDAModel(config, backend=backend, rngs=rngs)
+        self.model = KDAModel(config, type(self).layer, eps=self.norm_eps(config), backend=backend, rngs=rngs)
         if not config.tie_word_embeddings:
             self.lm_head = nnx.Linear(config.hidden_size, config.vocab_size, use_bias=False, rngs=rngs)
         _init_weights(self, config.initializer_range, rngs)
+
+    @staticmethod
+    def layer(config: KDAConfig, layer_idx: int, *, backend: str, rngs: nnx.Rngs):
+        """The mixer and MLP of a layer (:func:`fla_layer`)."""
+        return fla_layer(config, layer_idx, backend=backend, rngs=rngs)
+
+    @staticmethod
+    def norm_eps(config: KDAConfig) -> float:
+        """The RMSNorms' epsilon."""
+        return config.norm_eps
 
     def num_parameters(self) -> int:
         """The number of parameters (elements of every ``nnx.Param``)."""
@@ -371,7 +404,7 @@ class KDAForCausalLM(nnx.Module):
         """
         layers = tuple(
             b.attn.init_cache(batch_size, max_length, self.dtype)
-            if isinstance(b.attn, Attention)
+            if not is_kda(b)
             else b.attn.init_cache(batch_size, self.dtype)
             for b in self.model.layers
         )
@@ -393,10 +426,10 @@ class KDAForCausalLM(nnx.Module):
         """
         B, T = input_ids.shape
         lengths = jnp.full((B,), T, jnp.int32) if lengths is None else jnp.asarray(lengths, jnp.int32)
-        fresh = tuple(c if isinstance(b.attn, Attention) else None for b, c in zip(self.model.layers, cache.layers))
+        fresh = tuple(None if is_kda(b) else c for b, c in zip(self.model.layers, cache.layers))
         h, layers = self.model(input_ids, row_segments(B, T, lengths), fresh, True, "chunk", kascade)
         rows = lambda c: jax.tree.map(lambda x: x[::2], c)  # row b's tokens are KDA sequence 2b
-        layers = tuple(c if isinstance(b.attn, Attention) else rows(c) for b, c in zip(self.model.layers, layers))
+        layers = tuple(rows(c) if is_kda(b) else c for b, c in zip(self.model.layers, layers))
         return self._logits(h), ModelCache(layers, lengths)
 
     def decode(self, tokens, cache: ModelCache, kascade: KascadeSchedule | None = None):
@@ -471,12 +504,17 @@ def _check_ids(input_ids, vocab_size):
     return input_ids.shape
 
 
-_WEIGHTS = {nnx.Linear: ("kernel", "bias"), ShortConvolution: ("weight", "bias"), nnx.Embed: ("embedding",)}
+_WEIGHTS = {
+    nnx.Linear: ("kernel", "bias"),
+    ShortConvolution: ("weight", "bias"),
+    nnx.Embed: ("embedding",),
+    MoE: ("gate_up", "down"),
+}
 
 
 def _weights(model: nnx.Module):
-    """(name, Param) of every weight and bias of the linears, convolutions and embeddings,
-    in graph order (A_log, dt_bias and norm weights are not among them)."""
+    """(name, Param) of every weight and bias of the linears, convolutions, embeddings and experts,
+    in graph order (A_log, dt_bias, norm weights and the MoE router are not among them)."""
     for _, m in nnx.iter_graph(model):
         for name in _WEIGHTS.get(type(m), ()):
             if getattr(m, name) is not None:

@@ -3,6 +3,7 @@
 from kdax.nn.attention import Attention, KascadeStep
 from kdax.nn.conv import ShortConvolution
 from kdax.nn.kda import KDACache, KimiDeltaAttention
+from kdax.nn.mla import MLA
 from kdax.nn.mlp import GatedMLP
 from kdax.nn.moe import MoE, TopKRouter
 from kdax.nn.norm import GatedRMSNorm, RMSNorm
@@ -14,6 +15,7 @@ __all__ = [
     "KDACache",
     "KascadeStep",
     "KimiDeltaAttention",
+    "MLA",
     "MoE",
     "RMSNorm",
     "ShortConvolution",

@@ -63,6 +63,11 @@ class KimiDeltaAttention(nnx.Module):
             ``lower_bound * sigmoid(exp(A_log) * (g + dt_bias))`` (see :func:`kdax.kda_gate`).
         conv_size: the short convolutions' kernel size.
         conv_bias: whether the short convolutions have a bias.
+        low_rank_gates: the gate and output-gate projections through rank head_v_dim (FLA and
+            Kimi Linear: ``f_proj``, ``g_proj`` are two-linear ``nnx.Sequential``), else one
+            linear each (the Ling hybrids).
+        output_gate_bias: whether the output gate's last linear has a bias (FLA: yes; Kimi
+            Linear, Ling: no).
         layer_idx: stored, the layer's index in a model.
         norm_eps: the output norm's epsilon.
         backend: the ops' backend ("auto", "xla", "naive", "pallas_tpu", "pallas_gpu").
@@ -90,6 +95,8 @@ class KimiDeltaAttention(nnx.Module):
         lower_bound: float | None = None,
         conv_size: int = 4,
         conv_bias: bool = False,
+        low_rank_gates: bool = True,
+        output_gate_bias: bool = True,
         layer_idx: int | None = None,
         norm_eps: float = 1e-5,
         *,
@@ -125,14 +132,22 @@ class KimiDeltaAttention(nnx.Module):
         if use_short_conv:
             conv = lambda d: ShortConvolution(d, conv_size, bias=conv_bias, activation="silu", rngs=rngs)
             self.q_conv1d, self.k_conv1d, self.v_conv1d = conv(key_dim), conv(key_dim), conv(value_dim)
-        self.f_proj = nnx.Sequential(linear(hidden_size, head_v_dim), linear(head_v_dim, gate_dim))
+        if low_rank_gates:
+            self.f_proj = nnx.Sequential(linear(hidden_size, head_v_dim), linear(head_v_dim, gate_dim))
+        else:
+            self.f_proj = linear(hidden_size, gate_dim)
         self.b_proj = linear(hidden_size, num_v_heads)
         a = jax.random.uniform(rngs.params(), (num_v_heads,), jnp.float32, 1.0, 16.0)
         self.A_log = nnx.Param(jnp.zeros((num_v_heads,)) if safe_gate else jnp.log(a))
         u = jax.random.uniform(rngs.params(), (gate_dim,), jnp.float32)
         dt = jnp.maximum(jnp.exp(u * (math.log(0.1) - math.log(0.001)) + math.log(0.001)), 1e-4)
         self.dt_bias = nnx.Param(dt + jnp.log(-jnp.expm1(-dt)))  # softplus(dt_bias) = dt
-        self.g_proj = nnx.Sequential(linear(hidden_size, head_v_dim), linear(head_v_dim, value_dim, bias=True))
+        if low_rank_gates:
+            self.g_proj = nnx.Sequential(
+                linear(hidden_size, head_v_dim), linear(head_v_dim, value_dim, bias=output_gate_bias)
+            )
+        else:
+            self.g_proj = linear(hidden_size, value_dim, bias=output_gate_bias)
         self.o_norm = GatedRMSNorm(head_v_dim, activation="sigmoid", eps=norm_eps)
         self.o_proj = linear(value_dim, hidden_size)
 

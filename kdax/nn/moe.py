@@ -115,18 +115,21 @@ class TopKRouter(nnx.Module):
             raise ValueError(f"top_k: expected at most the {topk_group} groups' experts, got {top_k}")
         self.kernel = nnx.Param(jax.random.normal(rngs.params(), (hidden_size, num_experts)) * 0.02)
         self.e_score_correction_bias = Buffer(jnp.zeros((num_experts,)))
-        self.options = {
-            "top_k": top_k,
-            "n_group": n_group,
-            "topk_group": topk_group,
-            "norm_topk_prob": norm_topk_prob,
-            "scaling": routed_scaling_factor,
-        }
+        self.top_k, self.n_group, self.topk_group = top_k, n_group, topk_group
+        self.norm_topk_prob, self.routed_scaling_factor = norm_topk_prob, routed_scaling_factor
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """x [N, H] -> (indices [N, top_k] int32, weights [N, top_k] float32)."""
         logits = jnp.dot(x.astype(jnp.float32), self.kernel[...].astype(jnp.float32), precision="highest")
-        return route(logits, self.e_score_correction_bias[...], **self.options)
+        return route(
+            logits,
+            self.e_score_correction_bias[...],
+            top_k=self.top_k,
+            n_group=self.n_group,
+            topk_group=self.topk_group,
+            norm_topk_prob=self.norm_topk_prob,
+            scaling=self.routed_scaling_factor,
+        )
 
 
 class MoE(nnx.Module):
