@@ -136,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     t = flags.command(sub, "train", _train, "train the tiny hybrid on byte-level text, then print a sample")
     for f in dataclasses.fields(TrainConfig):
         default = TRAIN_DEFAULTS.get(f.name, f.default)
-        t.add_argument("--" + f.name.replace("_", "-"), type=type(default), default=default, help=f.metadata["help"])
+        kind = str if default is None else type(default)
+        t.add_argument("--" + f.name.replace("_", "-"), type=kind, default=default, help=f.metadata["help"])
     t.add_argument("--corpus", default=None, help="a text file (None: the public-domain text shipped with kdax)")
     t.add_argument("--sample-tokens", type=flags.at_least(0), default=200, help="tokens to generate after training")
     t.add_argument(

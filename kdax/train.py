@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import json
 import os
 import time
 from importlib import resources
@@ -23,7 +24,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from tqdm import tqdm
 
-from kdax.models import PRESETS, KDAForCausalLM, generate, save_pretrained, sharding
+from kdax.models import PRESETS, KDAForCausalLM, from_pretrained, generate, model_class, save_pretrained, sharding
 from kdax.nn import KimiDeltaAttention
 
 
@@ -65,11 +66,19 @@ class TrainConfig:
     says what it is.
 
     Raises:
-        ValueError: naming the field, for an unknown preset, a holdout outside [0, 1), steps,
+        ValueError: naming the field, for an unknown preset, a checkpoint that is not a model
+            directory or has fewer than 256 token ids, a holdout outside [0, 1), steps,
             batch_size, seq_len or keep below 1, lr not positive or checkpoint_every negative.
     """
 
     preset: str = dataclasses.field(default="tiny", metadata={"help": "the model: a preset of kdax.models.PRESETS"})
+    checkpoint: str | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "fine-tune this model directory's weights (kdax.models.from_pretrained: kdax, FLA, Kimi Linear "
+            "or Ling; a byte-level vocabulary of at least 256) instead of --preset's random ones"
+        },
+    )
     steps: int = dataclasses.field(default=300, metadata={"help": "optimizer steps"})
     batch_size: int = dataclasses.field(default=16, metadata={"help": "sequences per step"})
     seq_len: int = dataclasses.field(default=128, metadata={"help": "tokens per sequence"})
@@ -96,7 +105,7 @@ class TrainConfig:
         default=None,
         metadata={
             "help": "where the run is saved: state/<step> (orbax, for --resume) and model (the final weights, "
-            "FLA's format); None: nowhere"
+            "kdax.models.save_pretrained's format); None: nowhere"
         },
     )
 
@@ -114,10 +123,30 @@ class TrainConfig:
             raise ValueError(f"holdout: expected a share in [0, 1), got {self.holdout}")
         if self.keep < 1:
             raise ValueError(f"keep: expected a positive int, got {self.keep}")
+        if self.checkpoint is not None:
+            path = os.path.join(self.checkpoint, "config.json")
+            if not os.path.isfile(path):
+                raise ValueError(f"checkpoint: expected a model directory with a config.json, got {self.checkpoint!r}")
+            with open(path) as f:
+                vocab = json.load(f).get("vocab_size", 0)
+            if vocab < 256:
+                raise ValueError(f"checkpoint: expected a vocab_size of at least 256 (byte-level text), got {vocab}")
 
 
 # The settings a resumed run must share with the checkpoint's to continue it exactly.
-_RUN_FIELDS = ("preset", "steps", "batch_size", "seq_len", "lr", "warmup", "weight_decay", "clip", "seed", "holdout")
+_RUN_FIELDS = (
+    "preset",
+    "checkpoint",
+    "steps",
+    "batch_size",
+    "seq_len",
+    "lr",
+    "warmup",
+    "weight_decay",
+    "clip",
+    "seed",
+    "holdout",
+)
 
 
 def loss_fn(model: KDAForCausalLM, batch: jax.Array) -> jax.Array:
@@ -334,7 +363,8 @@ def train(
 
 
 def main(cfg: TrainConfig, corpus: str | None = None, sample_tokens: int = 200, resume: bool = False) -> KDAForCausalLM:
-    """Train the model of ``cfg.preset``, print the loss against the unigram entropy, then a sample.
+    """Train the model of ``cfg.preset`` (or fine-tune ``cfg.checkpoint``'s), print the loss against the
+    unigram entropy, then a sample.
 
     Args:
         cfg: the run's settings.
@@ -347,7 +377,11 @@ def main(cfg: TrainConfig, corpus: str | None = None, sample_tokens: int = 200, 
     """
     tokens = load_corpus(corpus)
     tokens = tokens[: tokens.size - int(cfg.holdout * tokens.size)]
-    model = KDAForCausalLM(PRESETS[cfg.preset](), rngs=nnx.Rngs(cfg.seed))
+    if cfg.checkpoint is not None:
+        model = from_pretrained(cfg.checkpoint)
+    else:
+        config = PRESETS[cfg.preset]()
+        model = model_class(config)(config, rngs=nnx.Rngs(cfg.seed))
     entropy = unigram_entropy(tokens)
     say = print if jax.process_index() == 0 else lambda *_: None  # every host runs this; one speaks
     say(f"corpus {tokens.size:,} bytes, unigram entropy {entropy:.3f} nats; model {model.num_parameters():,} params")

@@ -14,6 +14,8 @@ from kdax.cli import main
 from kdax.models import KDAForCausalLM, from_pretrained, tiny_config
 from kdax.train import TrainConfig, load_corpus, train, unigram_entropy
 
+HF_TINY = os.path.join(os.path.dirname(__file__), "fixtures", "hf", "kimi_a")  # vocab_size 128
+
 
 def test_loss_falls_well_below_unigram_entropy():
     tokens = load_corpus()
@@ -155,6 +157,8 @@ def test_kdax_train_cli_saves_the_final_weights_by_default_and_says_where(small_
         (["--mesh", "data=2"], "--mesh: expected axis sizes whose product is the 1 devices here"),
         (["--sample-tokens", "-1"], "argument --sample-tokens: expected an int >= 0, got '-1'"),
         (["--resume"], "--resume: no training state in"),
+        (["--checkpoint", "/nonexistent"], "--checkpoint: expected a model directory with a config.json"),
+        (["--checkpoint", HF_TINY], "--checkpoint: expected a vocab_size of at least 256 (byte-level text), got 128"),
     ],
     ids=lambda x: x[0] if isinstance(x, list) else "",
 )
@@ -210,6 +214,24 @@ def test_resume_without_a_checkpoint_is_an_error(tmp_path):
         train(_small_model(), load_corpus(), _small_run(tmp_path), progress=False, resume=True)
 
 
+def test_kdax_train_fine_tunes_a_kimi_linear_checkpoint(tmp_path, capsys):
+    """--checkpoint: a Kimi Linear model (KDA, MLA, MoE) trains from its weights and is saved in the
+    hub's format, which loads back as the same family."""
+    from kdax.models import KimiLinearForCausalLM, kimi_tiny_config, save_pretrained
+
+    layers = {"layer_types": ["linear_attention", "full_attention"], "mlp_layer_types": ["dense", "sparse"]}
+    start = KimiLinearForCausalLM(kimi_tiny_config(num_hidden_layers=2, **layers), rngs=nnx.Rngs(0))
+    save_pretrained(start, str(tmp_path / "start"))
+    out = str(tmp_path / "run")
+    args = ["train", "--checkpoint", str(tmp_path / "start"), "--steps", "2", "--batch-size", "2", "--seq-len", "16"]
+    assert main([*args, "--out-dir", out, "--sample-tokens", "0"]) == 0
+    assert "loss: step 1 " in capsys.readouterr().out
+    tuned = from_pretrained(f"{out}/model")
+    assert isinstance(tuned, KimiLinearForCausalLM)
+    moved = [k for k, v in _params(tuned).items() if not np.array_equal(v, _params(start)[k])]
+    assert any("gate_up" in k for k in moved) and any("kv_b_proj" in k for k in moved)
+
+
 def test_bench_model_cli(capsys):
     args = ["model", "--preset", "tiny", "--B", "2", "--T", "16", "--decode-steps", "2", "--repeats", "1"]
     args += ["--dtype", "bfloat16"]
@@ -219,6 +241,14 @@ def test_bench_model_cli(capsys):
     assert main(["bench", *args]) == 0  # the table, with progress on stderr
     out, err = capsys.readouterr()
     assert "| tiny | bfloat16 |" in out and "kdax bench model --preset tiny" in err and "compiling" in err
+
+
+@pytest.mark.parametrize("preset", ["kimi-tiny", "ling-tiny"])
+def test_bench_model_runs_the_hugging_face_families(preset, capsys):
+    args = ["model", "--preset", preset, "--B", "1", "--T", "16", "--decode-steps", "2", "--repeats", "1", "--json"]
+    assert main(["bench", *args]) == 0
+    row = json.loads(capsys.readouterr().out)["model"]
+    assert row["prefill_tok_s"] > 0 and row["decode_tok_s"] > 0 and row["model"] == preset
 
 
 def test_train_config_errors_name_the_field():

@@ -9,7 +9,7 @@ from tqdm import tqdm
 
 from kdax.bench import flags
 from kdax.bench.measure import time_calls
-from kdax.models import PRESETS, KDAForCausalLM
+from kdax.models import PRESETS, model_class
 from kdax.models.generation import decode_sample, prefill_sample
 
 
@@ -31,7 +31,7 @@ def run(
     step = lambda what: (bar.set_postfix_str(what), bar.update())
     bar.set_postfix_str("building the model")
     config = PRESETS[name]()
-    model = KDAForCausalLM(config, rngs=nnx.Rngs(0)).astype(dtype)
+    model = model_class(config)(config, rngs=nnx.Rngs(0)).astype(dtype)
     step("prefill: compiling")
     graphdef, state = nnx.split(model)
     ids = jax.random.randint(jax.random.key(1), (batch, prompt_len), 0, config.vocab_size, jnp.int32)

@@ -5,9 +5,9 @@ from kdax.models.checkpoint import from_pretrained, save_pretrained
 from kdax.models.config import KDAConfig
 from kdax.models.generation import generate
 from kdax.models.hf_config import BailingHybridConfig, KimiLinearConfig
-from kdax.models.hybrids import BailingHybridForCausalLM, KimiLinearForCausalLM
+from kdax.models.hybrids import BailingHybridForCausalLM, KimiLinearForCausalLM, model_class
 from kdax.models.kda import KDAForCausalLM, KDAModel, ModelCache
-from kdax.models.presets import PRESETS, tiny_config
+from kdax.models.presets import PRESETS, kimi_tiny_config, ling_tiny_config, tiny_config
 from kdax.models.sharding import shard
 
 __all__ = [
@@ -21,7 +21,10 @@ __all__ = [
     "KimiLinearForCausalLM",
     "ModelCache",
     "from_pretrained",
+    "model_class",
     "generate",
+    "kimi_tiny_config",
+    "ling_tiny_config",
     "save_pretrained",
     "shard",
     "tiny_config",

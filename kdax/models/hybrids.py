@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import re
 
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -87,6 +88,12 @@ class _HubCausalLM(KDAForCausalLM):
 
     mla_output_gate = False
 
+    def __init__(self, config, *, backend: str = "auto", rngs: nnx.Rngs):
+        super().__init__(config, backend=backend, rngs=rngs)
+        # the checkpoint's layers past num_hidden_layers (Ling's multi-token prediction), as loaded:
+        # hub name -> Buffer; the causal forward does not use them, save_pretrained writes them back
+        self.mtp = nnx.Dict()
+
     @staticmethod
     def kda_gates(config) -> dict:
         """The family's options of :class:`kdax.nn.KimiDeltaAttention`."""
@@ -142,6 +149,22 @@ class BailingHybridForCausalLM(_HubCausalLM):
 
 MODELS = {"kimi_linear": KimiLinearForCausalLM, "bailing_hybrid": BailingHybridForCausalLM}
 
+
+def model_class(config) -> type[KDAForCausalLM]:
+    """The model class of a config: :class:`kdax.models.KDAForCausalLM` for a ``KDAConfig``,
+    :class:`KimiLinearForCausalLM` or :class:`BailingHybridForCausalLM` for theirs.
+
+    Raises:
+        ValueError: ``config`` is none of these.
+    """
+    classes = [KDAForCausalLM, *MODELS.values()]
+    for cls in classes:
+        if type(config) is cls.config_class:
+            return cls
+    names = [c.config_class.__name__ for c in classes]
+    raise ValueError(f"config: expected one of {names}, got {type(config).__name__}")
+
+
 # kdax path (dots) -> hub name, in order; then "kernel" -> "weight", transposed.
 _COMMON = [
     (r"^model\.layers\.(\d+)\.attn_norm\.", r"model.layers.\1.input_layernorm."),
@@ -192,6 +215,9 @@ def _entries(model: KDAForCausalLM):
     (gate, up, down), prefix = _EXPERTS[model_type]
     for path, value in nnx.to_flat_state(nnx.state(model, nnx.Any(nnx.Param, Buffer))):
         leaf = path[-1]
+        if path[0] == "mtp":
+            yield path, value, [path[1]], "same"
+            continue
         if leaf in ("gate_up", "down") and len(path) == 5:  # MoE experts: [E, H, 2I] and [E, I, H]
             projs = (gate, up) if leaf == "gate_up" else (down,)
             base = f"model.layers.{path[2]}.{prefix}.experts"
@@ -239,8 +265,8 @@ def load_hub_state_dict(model: KDAForCausalLM, tensors: dict[str, np.ndarray]) -
         model: a :class:`KimiLinearForCausalLM` or :class:`BailingHybridForCausalLM`.
         tensors: {hub name: array}: every parameter's tensors with their shapes; Kimi's dense
             MLPs under ``mlp`` or ``block_sparse_moe``; tensors of the layers past
-            ``num_hidden_layers`` (Ling's multi-token-prediction layers) are left out of the
-            model; anything else left over is an error.
+            ``num_hidden_layers`` (Ling's multi-token-prediction layers) are kept as they are in
+            ``model.mtp``; anything else left over is an error.
 
     Returns:
         The model.
@@ -248,8 +274,6 @@ def load_hub_state_dict(model: KDAForCausalLM, tensors: dict[str, np.ndarray]) -
     Raises:
         ValueError: naming the tensor that is missing, of the wrong shape, or left over.
     """
-    import jax.numpy as jnp
-
     left = dict(tensors)
     if model.config.to_dict()["model_type"] == "kimi_linear":  # transformers writes dense MLPs either way
         left = {
@@ -269,8 +293,11 @@ def load_hub_state_dict(model: KDAForCausalLM, tensors: dict[str, np.ndarray]) -
             )
         flat.append((path, jnp.asarray(a, value.dtype)))
     n_layers = model.config.num_hidden_layers
-    extra = [k for k in left if not (m := re.match(r"model\.layers\.(\d+)\.", k)) or int(m.group(1)) < n_layers]
+    extra_layers = [k for k in left if (m := re.match(r"model\.layers\.(\d+)\.", k)) and int(m.group(1)) >= n_layers]
+    extra = sorted(set(left) - set(extra_layers))
     if extra:
         raise ValueError(f"tensors: unexpected entries {sorted(extra)[:8]} (the config may not match the checkpoint)")
     nnx.update(model, nnx.from_flat_state(flat))
+    for name in extra_layers:
+        model.mtp[name] = Buffer(jnp.asarray(left[name]))
     return model

@@ -449,8 +449,9 @@ class KDAForCausalLM(nnx.Module):
 
 
 def full_attention_layers(model: KDAForCausalLM) -> list[int]:
-    """The model's layers with softmax attention over every earlier key (no sliding window): Kascade's candidates."""
-    return [i for i, b in enumerate(model.model.layers) if isinstance(b.attn, Attention) and b.attn.window_size is None]
+    """The model's layers with softmax attention (Attention, MLA) over every earlier key (no sliding window): Kascade's
+    candidates."""
+    return [i for i, b in enumerate(model.model.layers) if not is_kda(b) and b.attn.window_size is None]
 
 
 @functools.partial(jax.jit, static_argnums=(0, 5, 6))

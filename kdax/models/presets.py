@@ -1,11 +1,13 @@
 """Model presets, shared by ``kdax train`` and ``kdax bench model``: ``PRESETS`` maps a name
-to a function that returns its :class:`KDAConfig`."""
+to a function that returns its config (:class:`KDAConfig`, or a Kimi Linear or Ling one; build
+the model with :func:`kdax.models.model_class`)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
 from kdax.models.config import KDAConfig
+from kdax.models.hf_config import BailingHybridConfig, KimiLinearConfig
 
 
 def tiny_config(**overrides) -> KDAConfig:
@@ -55,9 +57,63 @@ def attn8_config(**overrides) -> KDAConfig:
     return KDAConfig(**{**args, **overrides})
 
 
-PRESETS: dict[str, Callable[[], KDAConfig]] = {
+_TINY_MLA_MOE = {
+    "vocab_size": 256,
+    "hidden_size": 128,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "kv_lora_rank": 64,
+    "qk_nope_head_dim": 32,
+    "qk_rope_head_dim": 16,
+    "v_head_dim": 32,
+    "intermediate_size": 256,
+    "moe_intermediate_size": 64,
+    "num_local_experts": 8,
+    "num_experts_per_tok": 2,
+    "n_shared_experts": 1,
+    "layer_types": ["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+    "mlp_layer_types": ["dense", "sparse", "sparse", "sparse"],
+    "pad_token_id": 0,
+    "bos_token_id": 0,
+    "eos_token_id": 0,
+}
+
+
+def kimi_tiny_config(**overrides) -> KimiLinearConfig:
+    """A 4-layer byte-level Kimi Linear (hidden 128; KDA, MLA on layer 2; 8 experts, top-2 after a
+    dense first layer), about 1.3M parameters.
+
+    Args:
+        **overrides: KimiLinearConfig fields that replace the preset's.
+
+    Returns:
+        The config.
+    """
+    args = {**_TINY_MLA_MOE, "linear_head_dim": 32, "linear_num_heads": 4}
+    return KimiLinearConfig(**{**args, **overrides})
+
+
+def ling_tiny_config(**overrides) -> BailingHybridConfig:
+    """A 4-layer byte-level Ling hybrid (hidden 128; KDA with the safe gate, MLA with RoPE and a
+    query LoRA on layer 2; 8 experts in 2 groups, top-2 after a dense first layer).
+
+    Args:
+        **overrides: BailingHybridConfig fields that replace the preset's.
+
+    Returns:
+        The config.
+    """
+    args = {**_TINY_MLA_MOE, "head_dim": 32, "q_lora_rank": 64, "n_group": 2, "topk_group": 1}
+    args["first_k_dense_replace"] = 1
+    return BailingHybridConfig(**{**args, **overrides})
+
+
+PRESETS: dict[str, Callable[[], KDAConfig | KimiLinearConfig | BailingHybridConfig]] = {
     "tiny": tiny_config,
     "attn8": attn8_config,
     # FLA's KDAConfig defaults (24 layers, hidden 2048, 16 heads of 128) with attention on every 4th layer
     "24x2048": lambda: KDAConfig(attn={"layers": [3, 7, 11, 15, 19, 23], "num_heads": 16}),
+    "kimi-tiny": kimi_tiny_config,
+    "ling-tiny": ling_tiny_config,
 }

@@ -206,41 +206,68 @@ class Attention(nnx.Module):
         if self.window_size is not None:
             raise ValueError(f"kascade: expected a full-attention layer, got window_size={self.window_size}")
         B, T = q.shape[:2]
-        sched = step.schedule
-        if cache is not None and T == 1:  # decode: one token over the cache
-            first = positions[:, :1]
-            cache = tuple(_store(c, new, first, first) for c, new in zip(cache, (k, v)))
-            kc, vc = (c.astype(q.dtype) for c in cache)
-            lengths = first[:, 0] + 1
-            if step.role == "anchor":
-                indices, o = kascade_anchor_decode(
-                    q[:, 0],
-                    kc,
-                    vc,
-                    lengths,
-                    topk_percent=sched.topk_percent,
-                    min_k=sched.min_k,
-                    dense_output=step.dense_output,
-                )
-            else:
-                indices = None
-                o = kascade_reuse_decode(q[:, 0], kc, vc, lengths, step.indices, head_map=step.head_map)
-            o = o[:, None]
-        else:
-            n = T if segment_ids is None else jnp.sum(segment_ids == segment_ids[:, :1], axis=1)
-            lengths = jnp.broadcast_to(jnp.asarray(n, jnp.int32), (B,))
-            if cache is not None:  # prefill into an empty cache
-                first = positions[:, :1]
-                cache = tuple(_store(c, new, first, first + lengths[:, None] - 1) for c, new in zip(cache, (k, v)))
-            opts = {"tile_size": sched.tile_size, "lengths": lengths}
-            if step.role == "anchor":
-                indices, o = kascade_anchor(
-                    q, k, v, topk_percent=sched.topk_percent, min_k=sched.min_k, dense_output=step.dense_output, **opts
-                )
-            else:
-                indices = None
-                o = kascade_reuse(q, k, v, step.indices, head_map=step.head_map, **opts)
+        lengths, decode, cache = kascade_keys(positions, segment_ids, cache, (k, v))
+        if decode:
+            k, v = (c.astype(q.dtype) for c in cache)
+        o, indices = kascade_attend(q, k, v, lengths, step, decode=decode)
         return self.o_proj(o.reshape(B, T, -1).astype(dtype)), cache, indices
+
+
+def kascade_keys(positions, segment_ids, cache, new):
+    """Where a Kascade step's keys come from, and the cache with the new tokens stored.
+
+    Args:
+        positions: [B, T] the tokens' positions; segment_ids: [B, T] or None (row b's tokens
+            are the segment of its first token).
+        cache: None, or a layer's cache (arrays [B, slots, ...]).
+        new: the new tokens' entries of each cache array ([B, T, ...] each).
+
+    Returns:
+        (lengths [B] int32: the keys of each row, decode: whether one token attends over the
+        cache (T = 1 with a cache; else the keys are the new tokens, a prefill into an empty
+        cache), the cache with the new tokens stored, or None).
+    """
+    B, T = positions.shape
+    first = positions[:, :1]
+    if cache is not None and T == 1:
+        return first[:, 0] + 1, True, tuple(_store(c, x, first, first) for c, x in zip(cache, new))
+    n = T if segment_ids is None else jnp.sum(segment_ids == segment_ids[:, :1], axis=1)
+    lengths = jnp.broadcast_to(jnp.asarray(n, jnp.int32), (B,))
+    if cache is not None:
+        cache = tuple(_store(c, x, first, first + lengths[:, None] - 1) for c, x in zip(cache, new))
+    return lengths, False, cache
+
+
+def kascade_attend(q, k, v, lengths, step: KascadeStep, *, decode: bool, scale: float | None = None):
+    """The Kascade op of a layer's step.
+
+    Args:
+        q: [B, T, H, D] (decode: T = 1).
+        k, v: [B, S, G, D], the keys the rows attend to (the first lengths[b] of row b).
+        lengths: [B] int32.
+        step: the layer's :class:`KascadeStep`.
+        decode: one query token per row over the keys (the decode ops), else a prefill.
+        scale: the scores' scale (None: D ** -0.5).
+
+    Returns:
+        (o [B, T, H, D], an anchor's selection or None).
+    """
+    sched = step.schedule
+    anchor = {"topk_percent": sched.topk_percent, "min_k": sched.min_k, "dense_output": step.dense_output}
+    if decode:
+        if step.role == "anchor":
+            indices, o = kascade_anchor_decode(q[:, 0], k, v, lengths, scale=scale, **anchor)
+        else:
+            indices = None
+            o = kascade_reuse_decode(q[:, 0], k, v, lengths, step.indices, head_map=step.head_map, scale=scale)
+        return o[:, None], indices
+    opts = {"tile_size": sched.tile_size, "lengths": lengths, "scale": scale}
+    if step.role == "anchor":
+        indices, o = kascade_anchor(q, k, v, **anchor, **opts)
+    else:
+        indices = None
+        o = kascade_reuse(q, k, v, step.indices, head_map=step.head_map, **opts)
+    return o, indices
 
 
 def _slot_positions(last: jax.Array, slots: int) -> jax.Array:

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from kdax.nn.attention import _slot_positions, _store, rope
+from kdax.nn.attention import KascadeStep, _slot_positions, _store, kascade_attend, kascade_keys, rope
 from kdax.nn.norm import RMSNorm
 
 
@@ -114,7 +114,7 @@ class MLA(nnx.Module):
         shape = (batch_size, max_length, 1)
         return jnp.zeros((*shape, self.kv_lora_rank), dtype), jnp.zeros((*shape, self.qk_rope_head_dim), dtype)
 
-    def project(self, x: jax.Array, positions: jax.Array):
+    def latents(self, x: jax.Array, positions: jax.Array):
         """Queries and the cached latents of ``x`` ([B, T, hidden_size]) at ``positions`` ([B, T]).
 
         Returns:
@@ -132,6 +132,25 @@ class MLA(nnx.Module):
             q_rope, k_rope = (rope(_halves(r), positions, self.rope_theta) for r in (q_rope, k_rope))
         return q_nope, q_rope, latent, k_rope
 
+    def expand(self, latent: jax.Array, k_rope: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Per-head keys [B, S, heads, qk_head_dim] and values [B, S, heads, v_head_dim] of cached
+        latents ([B, S, 1, r] and [B, S, 1, dr])."""
+        w_uk, w_uv = (w.astype(latent.dtype) for w in self._kv_b())
+        c, (B, S) = latent[:, :, 0], latent.shape[:2]
+        k_nope = jnp.einsum("bsr,rhd->bshd", c, w_uk)
+        k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope, (B, S, self.num_heads, self.qk_rope_head_dim))], -1)
+        return k, jnp.einsum("bsr,rhd->bshd", c, w_uv)
+
+    def project(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The expanded queries, keys and values of ``x`` ([B, T, hidden_size]) at ``positions``
+        ([B, T]), as :meth:`kdax.nn.Attention.project` gives them.
+
+        Returns:
+            (q, k [B, T, heads, qk_head_dim], v [B, T, heads, v_head_dim]).
+        """
+        q_nope, q_rope, latent, k_rope = self.latents(x, positions)
+        return jnp.concatenate([q_nope, q_rope], -1), *self.expand(latent, k_rope)
+
     def _kv_b(self):
         """kv_b_proj's kernel as (W_uk [r, heads, qk_nope_head_dim], W_uv [r, heads, v_head_dim])."""
         w = self.kv_b_proj.kernel[...].reshape(self.kv_lora_rank, self.num_heads, -1)
@@ -147,21 +166,22 @@ class MLA(nnx.Module):
             positions: [B, T] int positions (default 0..T-1).
             segment_ids: [B, T] ints, or None; tokens attend only within their segment.
             cache: None, or the (latent, k_rope) of :meth:`init_cache` (or of an earlier call).
-            kascade: None only (Kascade on MLA layers is not supported yet).
+            kascade: None (dense attention), or the :class:`kdax.nn.KascadeStep` this layer runs
+                over the expanded keys and values (values padded to the key width): over the
+                tokens of ``x`` (prefill; an empty cache), or one token over the cache (decode,
+                T = 1; the cache is expanded for the op).
 
         Returns:
             (y [B, T, hidden_size] in the dtype x and the weights promote to, the updated cache
-            or None without ``cache``).
-
-        Raises:
-            ValueError: ``kascade`` is not None.
+            or None without ``cache``); with ``kascade``, a third item: an anchor's selection
+            (None for a reuse layer).
         """
-        if kascade is not None:
-            raise ValueError("kascade: expected None (Kascade does not run on MLA layers yet)")
         B, T, _ = x.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-        q_nope, q_rope, latent, k_rope = self.project(x, positions)
+        q_nope, q_rope, latent, k_rope = self.latents(x, positions)
+        if kascade is not None:
+            return self._kascade(x, q_nope, q_rope, latent, k_rope, positions, segment_ids, cache, kascade)
         if cache is None:
             allowed = jnp.arange(T)[:, None] >= jnp.arange(T)[None, :]
             allowed = jnp.broadcast_to(allowed, (B, T, T))
@@ -190,9 +210,26 @@ class MLA(nnx.Module):
             o = jnp.einsum("bthr,rhd->bthd", jnp.einsum("bhts,bsr->bthr", p, c), w_uv)
         else:
             o = jnp.einsum("bhts,bshd->bthd", p, jnp.einsum("bsr,rhd->bshd", c, w_uv))
+        return self._out(x, o), cache
+
+    def _out(self, x, o):
+        """The output projection of the heads' outputs o [B, T, heads, v_head_dim] (gated)."""
         if self.g_proj is not None:
-            o = o * jax.nn.sigmoid(f32(self.g_proj(x)))[..., None]
-        return self.o_proj(o.reshape(B, T, -1).astype(x.dtype)), cache
+            o = o * jax.nn.sigmoid(self.g_proj(x).astype(o.dtype))[..., None]
+        return self.o_proj(o.reshape(*x.shape[:2], -1).astype(x.dtype))
+
+    def _kascade(self, x, q_nope, q_rope, latent, k_rope, positions, segment_ids, cache, step: KascadeStep):
+        """The Kascade path of :meth:`__call__`: keys and values expanded, values zero-padded (or
+        queries and keys, whichever is narrower) to one width D, the scale kept qk_head_dim ** -0.5."""
+        lengths, decode, cache = kascade_keys(positions, segment_ids, cache, (latent, k_rope))
+        if decode:
+            latent, k_rope = (c.astype(x.dtype) for c in cache)
+        k, v = self.expand(latent, k_rope)
+        q = jnp.concatenate([q_nope, q_rope], -1)
+        D = max(self.qk_head_dim, self.v_head_dim)
+        q, k, v = (jnp.pad(a, [(0, 0)] * 3 + [(0, D - a.shape[-1])]) for a in (q, k, v))
+        o, indices = kascade_attend(q, k, v, lengths, step, decode=decode, scale=self.qk_head_dim**-0.5)
+        return self._out(x, o[..., : self.v_head_dim]), cache, indices
 
 
 def _halves(x: jax.Array) -> jax.Array:

@@ -122,8 +122,3 @@ def test_settings_are_checked(kwargs, says):
     args = {"kv_lora_rank": 8, "qk_nope_head_dim": 4, "qk_rope_head_dim": 4, "v_head_dim": 4} | kwargs
     with pytest.raises(ValueError, match=says):
         MLA(16, 2, **args, rngs=nnx.Rngs(0))
-
-
-def test_kascade_is_refused():
-    with pytest.raises(ValueError, match="kascade: expected None"):
-        _mla()(jnp.ones((1, 3, 40)), kascade=object())
