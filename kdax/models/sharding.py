@@ -17,7 +17,8 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from kdax.models.kda import KDAForCausalLM, KDAModel
-from kdax.nn import Attention, GatedMLP, KimiDeltaAttention
+from kdax.nn import MLA, Attention, GatedMLP, KimiDeltaAttention, MoE
+from kdax.nn.moe import Buffer
 from kdax.ops.common.sharding import MESH_AXES, Layout
 
 
@@ -25,8 +26,8 @@ def make_mesh(spec: str) -> jax.sharding.Mesh:
     """A mesh of Auto axes from ``"data=2,model=2,context=2"`` (``kdax train --mesh``).
 
     Args:
-        spec: comma-separated ``axis=size``, axes among "data", "model", "context", the sizes'
-            product the number of devices.
+        spec: comma-separated ``axis=size``, axes among "data", "model", "context", "expert", the
+            sizes' product the number of devices.
 
     Returns:
         The mesh over ``jax.devices()``.
@@ -71,10 +72,19 @@ def _rules(module: nnx.Module, L: Layout) -> dict[tuple, tuple]:
             rules |= under(name, column(M))
         for name in ("q_conv1d", "k_conv1d", "v_conv1d"):
             rules |= {(name, "weight"): (M, None, None), (name, "bias"): (M,)}
-        for name in ("f_proj", "g_proj"):  # low rank: hidden -> head_v_dim (FSDP only) -> heads
+        for name in ("f_proj", "g_proj"):  # low rank: hidden -> head_v_dim (FSDP only) -> heads; or one linear
             rules[(name, "layers", 0, "kernel")] = (D, None)
-            rules |= under(name, under("layers", under(1, column(M))))
+            rules |= under(name, under("layers", under(1, column(M)))) | under(name, column(M))
         return rules | {("o_proj", "kernel"): (M, D)}
+    if isinstance(module, MLA):  # the latent is every head's: FSDP only; the per-head projections by heads
+        m = L.heads(module.num_heads)
+        rules = {(name, "kernel"): (D, None) for name in ("q_a_proj", "kv_a_proj_with_mqa")}
+        for name in ("q_proj", "q_b_proj", "kv_b_proj", "g_proj"):
+            rules |= under(name, column(m))
+        return rules | {("o_proj", "kernel"): (m, D)}
+    if isinstance(module, MoE):  # experts over the expert axis, FSDP on their hidden side
+        E = L.expert
+        return {("gate_up",): (E, D, None), ("down",): (E, None, D), ("gate", "kernel"): (D, None)}
     if isinstance(module, Attention):
         mq, mkv = L.heads(module.num_heads), L.heads(module.num_kv_heads)
         rules = under("q_proj", column(mq)) | under("k_proj", column(mkv)) | under("v_proj", column(mkv))
@@ -92,13 +102,14 @@ def _rules(module: nnx.Module, L: Layout) -> dict[tuple, tuple]:
 
 def partition_specs(model: KDAForCausalLM, mesh: jax.sharding.Mesh) -> dict[tuple, P]:
     """Each parameter's layout on ``mesh``: linears FSDP over "data" on their input features (or
-    output, for those that end a block) and split over "model" by heads (KDA and attention
-    projections, the MLP's hidden features, the vocabulary); convolutions, A_log and dt_bias by
-    heads; embeddings FSDP; norms replicated. A dim that an axis does not divide stays whole.
+    output, for those that end a block) and split over "model" by heads (KDA, attention and MLA
+    projections, the MLP's hidden features, the vocabulary; MLA's latent projections FSDP only);
+    experts over "expert" (FSDP on their hidden side); convolutions, A_log and dt_bias by heads;
+    embeddings FSDP; norms replicated. A dim that an axis does not divide stays whole.
 
     Args:
         model: the model.
-        mesh: axes named among "data", "model", "context".
+        mesh: axes named among "data", "model", "context", "expert".
 
     Returns:
         {parameter path: PartitionSpec}.
@@ -131,7 +142,8 @@ def shard(model: KDAForCausalLM, mesh: jax.sharding.Mesh) -> KDAForCausalLM:
 
     Args:
         model: the model (any parameters' placement).
-        mesh: Auto axes named among "data", "model", "context" (:func:`make_mesh`).
+        mesh: Auto axes named among "data", "model", "context", "expert" (:func:`make_mesh`); rows
+            go over "data" alone, so "expert" splits the experts' weights and memory, not the rows.
 
     Returns:
         The model.
@@ -148,7 +160,7 @@ def shard(model: KDAForCausalLM, mesh: jax.sharding.Mesh) -> KDAForCausalLM:
     for _, module in nnx.iter_graph(model):
         if isinstance(module, KimiDeltaAttention | Attention | KDAModel):
             module.layout = layout
-    nnx.update(model, place(nnx.state(model, nnx.Param), mesh))
+    nnx.update(model, place(nnx.state(model, nnx.Any(nnx.Param, Buffer)), mesh))  # buffers replicated
     return model
 
 

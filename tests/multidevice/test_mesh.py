@@ -77,4 +77,13 @@ def test_context_parallel_and_sharded_ops_on_8_devices():
     ):
         if words not in m[case]:
             failures.append(f"{case}: {m[case]}")
+    # Kimi Linear and Ling (KDA, MLA, MoE) with experts over an expert axis, against one device
+    h = r["hybrids"]
+    for case, got in h.items():
+        if case in ("one_device", "mesh"):
+            continue
+        if got["loss_err"] > BAR or got["grad_err"] > 1e-4 or got["expert_shards"] != ["P('expert', 'data')"]:
+            failures.append(f"{case}: {got}")
+    if max(abs(a / b - 1) for a, b in zip(h["mesh"], h["one_device"])) > BAR:
+        failures.append(f"kimi AdamW steps on the mesh {h['mesh']} vs one device {h['one_device']}")
     assert not failures, "\n".join(failures)

@@ -228,6 +228,44 @@ def model_on_mesh():
     return out | messages(cases)
 
 
+def hybrids_on_mesh():
+    """The tiny Kimi Linear and Ling models (KDA, MLA, MoE; 4 heads, 8 experts): loss and gradients on
+    a data=2,expert=2,context=2 (Kimi) and a data=2,model=2,expert=2 (Ling) mesh against one device, and
+    two AdamW steps of Kimi on its mesh against one device."""
+    from flax import nnx
+
+    from kdax.models import kimi_tiny_config, ling_tiny_config, model_class
+
+    batch = np.random.default_rng(1).integers(0, 256, (4, 129)).astype(np.int32)
+    grad = nnx.jit(nnx.value_and_grad(train.loss_fn))
+    out = {}
+    cases = (
+        ("kimi", kimi_tiny_config(), "data=2,expert=2,context=2"),
+        ("ling", ling_tiny_config(), "data=2,model=2,expert=2"),
+    )
+    for name, config, spec in cases:
+        fresh = lambda config=config: model_class(config)(config, rngs=nnx.Rngs(0))
+        l1, g1 = grad(fresh(), jnp.asarray(batch))
+        mesh = sharding.make_mesh(spec)
+        model = sharding.shard(fresh(), mesh)
+        l8, g8 = grad(model, sharding.global_batch(batch, mesh))
+        pairs = zip(nnx.to_flat_state(g1), nnx.to_flat_state(g8))
+        experts = [v for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param)) if p[-1] == "gate_up"]
+        out[f"{name} {spec}"] = {
+            "loss_err": abs(float(l8) / float(l1) - 1),
+            "grad_err": max(rel_rms(b.get_value(), a.get_value()) for (_, a), (_, b) in pairs),
+            "expert_shards": sorted({str(e.get_value().sharding.spec) for e in experts}),
+        }
+    cfg = {"steps": 2, "batch_size": 4, "seq_len": 128, "warmup": 1, "preset": "kimi-tiny"}
+    tokens = train.load_corpus()
+    fresh = lambda: model_class(kimi_tiny_config())(kimi_tiny_config(), rngs=nnx.Rngs(0))
+    out["one_device"] = train.train(fresh(), tokens, train.TrainConfig(**cfg), progress=False)
+    out["mesh"] = train.train(
+        fresh(), tokens, train.TrainConfig(**cfg, mesh="data=2,expert=2,context=2"), progress=False
+    )
+    return out
+
+
 def main():
     results = {
         "dense_T250_padded": compare(inputs(2, 250)),
@@ -247,6 +285,7 @@ def main():
         "errors": errors(),
         "sharded_ops": sharded_ops(),
         "model": model_on_mesh(),
+        "hybrids": hybrids_on_mesh(),
     }
     print(json.dumps(results))
 

@@ -13,7 +13,12 @@ import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-MESH_AXES = ("data", "model", "context")  # a sharded model's mesh axes: batch, heads, time (docs/scale.md)
+MESH_AXES = (
+    "data",
+    "model",
+    "context",
+    "expert",
+)  # a sharded model's axes: batch, heads, time, experts (docs/scale.md)
 ROLES = ("batch", "heads")  # the axes an op may be split over without communication
 
 
@@ -65,18 +70,19 @@ def per_shard(fn: Callable, arrays: Sequence, roles: Sequence, out_roles):
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """Where a sharded model's activations lie (:func:`kdax.models.shard`): rows over ``data``,
-    heads over ``model``, time over ``context``. Each is the mesh axis of that name, or None where
-    the mesh lacks it or it has one device.
+    heads over ``model``, time over ``context``, a mixture's experts over ``expert``. Each is the
+    mesh axis of that name, or None where the mesh lacks it or it has one device.
 
     Attributes:
-        mesh: the device mesh (its axes named among "data", "model", "context").
-        data, model, context: the axes' names or None.
+        mesh: the device mesh (its axes named among "data", "model", "context", "expert").
+        data, model, context, expert: the axes' names or None.
     """
 
     mesh: jax.sharding.Mesh
     data: str | None
     model: str | None
     context: str | None
+    expert: str | None
 
     @classmethod
     def of(cls, mesh: jax.sharding.Mesh) -> Layout:
