@@ -4,15 +4,16 @@
 (:mod:`kdax.models.hybrids`). kdax models save to them and load from them, so FLA and
 transformers checkpoints convert both ways.
 
-FLA's names map mechanically:
-the NNX path joined by dots, ``layers.N`` inside nnx.Sequential
+FLA's names map mechanically: the NNX path joined by dots, ``layers.N`` inside nnx.Sequential
 dropped to ``N``, ``kernel`` -> ``weight`` transposed ([in, out] -> torch's [out, in]),
-``embedding`` -> ``weight``."""
+``embedding`` -> ``weight``. Loading reads one tensor at a time, cast to the model's dtype and
+placed on its mesh as it is read."""
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -20,21 +21,14 @@ import numpy as np
 import safetensors
 import safetensors.numpy
 from flax import nnx
-from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from kdax.models import hybrids
+from kdax.models import hybrids, sharding
 from kdax.models.kda import KDAForCausalLM
+from kdax.nn.moe import Buffer
 
 _SEQUENTIAL = ("f_proj", "g_proj")
-
-
-def _read_safetensors(path: str) -> dict[str, np.ndarray]:
-    """Every tensor of the safetensors file ``path`` as NumPy arrays (bfloat16 through ml_dtypes);
-    a truncated or corrupt file raises ValueError naming it."""
-    try:
-        return safetensors.numpy.load_file(path)
-    except safetensors.SafetensorError as e:
-        raise ValueError(f"directory: expected a complete safetensors file at {path!r}: {e}") from e
 
 
 def _fla_name(path: tuple) -> tuple[str, bool]:
@@ -48,32 +42,47 @@ def _fla_name(path: tuple) -> tuple[str, bool]:
     return ".".join(parts), leaf == "kernel"
 
 
-def fla_state_dict(model: KDAForCausalLM) -> dict[str, np.ndarray]:
-    """The model's parameters under FLA's state-dict names and layouts.
+def _entries(model: KDAForCausalLM):
+    """(path, abstract value, checkpoint names, kind) of every tensor the model's format holds
+    (:func:`kdax.models.hybrids.hub_entries` for Kimi Linear and Ling, FLA's names otherwise)."""
+    if isinstance(model, hybrids.HubCausalLM):
+        yield from hybrids.hub_entries(model)
+        return
+    for path, value in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        name, transpose = _fla_name(path)
+        yield path, value, [name], "transposed" if transpose else "same"
+
+
+def state_dict(model: KDAForCausalLM) -> dict[str, np.ndarray]:
+    """The model's tensors under its checkpoint format's names and layouts: FLA's for a
+    :class:`KDAForCausalLM`, the hub's for Kimi Linear and Ling.
 
     Args:
         model: the model.
 
     Returns:
-        {FLA name: float32 NumPy array}, Linear kernels transposed to torch's [out, in] (arrays
-        spanning several hosts are gathered: every process calls this).
+        {name: float32 NumPy array} in torch's layouts (arrays spanning several hosts are
+        gathered: every process calls this).
     """
     out = {}
-    for path, value in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        name, transpose = _fla_name(path)
-        a = value[...]
-        a = np.asarray(a if a.is_fully_addressable else multihost_utils.process_allgather(a, tiled=True), np.float32)
-        out[name] = np.ascontiguousarray(a.T) if transpose else a  # safetensors writes the buffer as it lies
+    for _, value, names, kind in _entries(model):
+        out.update(hybrids.to_checkpoint(kind, sharding.to_host(value[...]), names))
     return out
 
 
-def load_fla_state_dict(model: KDAForCausalLM, tensors: dict[str, np.ndarray]) -> KDAForCausalLM:
-    """Set the model's parameters from an FLA state dict, in place.
+def load_state_dict(model: KDAForCausalLM, tensors: Mapping, mesh: jax.sharding.Mesh | None = None) -> KDAForCausalLM:
+    """Set the model's parameters from a checkpoint's tensors, in place, one tensor at a time.
 
     Args:
-        model: the model whose parameters to set.
-        tensors: {FLA name: array}; every parameter must be present with its shape, and no
-            tensor may be left over (``lm_head.weight`` is ignored when embeddings are tied).
+        model: the model (concrete or abstract, from ``nnx.eval_shape``); each tensor is cast to
+            its parameter's dtype.
+        tensors: {name: array}, read on access (a lazy mapping keeps one tensor in host memory at
+            a time): every tensor of the model's format with its shape (``lm_head.weight`` is
+            ignored when embeddings are tied); Kimi Linear's dense MLPs under ``mlp`` or
+            ``block_sparse_moe``; Ling's layers past ``num_hidden_layers`` (multi-token
+            prediction) are kept as they are in ``model.mtp``; nothing else may be left over.
+        mesh: None, or a mesh (:func:`kdax.models.sharding.make_mesh`) each array is placed on as
+            :func:`kdax.models.shard` lays it out, each process holding its own shards only.
 
     Returns:
         The model.
@@ -81,24 +90,36 @@ def load_fla_state_dict(model: KDAForCausalLM, tensors: dict[str, np.ndarray]) -
     Raises:
         ValueError: naming the tensor that is missing, of the wrong shape, or left over.
     """
-    state = nnx.state(model, nnx.Param)
-    left = dict(tensors)
+    names = {hybrids.canonical_name(k): k for k in tensors}
     if model.config.tie_word_embeddings:
-        left.pop("lm_head.weight", None)
+        names.pop("lm_head.weight", None)
+    specs = sharding.partition_specs(model, mesh) if mesh is not None else {}
     flat = []
-    for path, value in nnx.to_flat_state(state):
-        name, transpose = _fla_name(path)
-        if name not in left:
-            raise ValueError(f"tensors: missing {name!r} (for parameter {'/'.join(map(str, path))})")
-        a = np.asarray(left.pop(name))
-        a = a.T if transpose else a
+    for path, value, wanted, kind in _entries(model):
+        for name in wanted:
+            if name not in names:
+                raise ValueError(f"tensors: missing {name!r} (for parameter {'/'.join(map(str, path))})")
+        a = hybrids.from_checkpoint(kind, {n: np.asarray(tensors[names.pop(n)]) for n in wanted}, wanted, value.shape)
         if a.shape != value.shape:
-            raise ValueError(f"tensors[{name!r}]: expected shape {tuple(value.shape)}, got {a.shape}")
-        flat.append((path, jnp.asarray(a, value.dtype)))
-    if left:
-        raise ValueError(f"tensors: unexpected entries {sorted(left)[:8]} (the config may not match the checkpoint)")
+            raise ValueError(f"tensors[{wanted[0]!r}]: expected shape {tuple(value.shape)}, got {a.shape}")
+        flat.append((path, _place(a.astype(value.dtype), mesh, specs.get(tuple(path)))))
+    n_layers = model.config.num_hidden_layers
+    later = [k for k in names if isinstance(model, hybrids.HubCausalLM) and hybrids.layer_of(k) >= n_layers]
+    extra = sorted(set(names) - set(later))
+    if extra:
+        raise ValueError(f"tensors: unexpected entries {extra[:8]} (the config may not match the checkpoint)")
     nnx.update(model, nnx.from_flat_state(flat))
+    for name in later:
+        model.mtp[name] = Buffer(_place(np.asarray(tensors[names[name]]), mesh, None))
     return model
+
+
+def _place(a: np.ndarray, mesh, spec) -> jax.Array:
+    """A host array on the default device, or over ``mesh`` as ``spec`` (replicated: None), each
+    process placing its own devices' shards."""
+    if mesh is None:
+        return jnp.asarray(a)
+    return jax.make_array_from_callback(a.shape, NamedSharding(mesh, spec or P()), lambda index: a[index])
 
 
 def save_pretrained(model: KDAForCausalLM, directory: str) -> None:
@@ -109,7 +130,7 @@ def save_pretrained(model: KDAForCausalLM, directory: str) -> None:
         model: the model to save (on several hosts, every process calls this; process 0 writes).
         directory: created if missing; files already there are overwritten.
     """
-    tensors = hybrids.hub_state_dict(model) if type(model) in hybrids.MODELS.values() else fla_state_dict(model)
+    tensors = state_dict(model)
     if jax.process_index() != 0:
         return
     os.makedirs(directory, exist_ok=True)
@@ -128,50 +149,104 @@ def _read_json(path: str):
             raise ValueError(f"directory: expected valid JSON in {path!r}: {e}") from e
 
 
-def _read_weights(directory: str) -> dict[str, np.ndarray]:
-    single = os.path.join(directory, "model.safetensors")
-    index = single + ".index.json"
-    if os.path.exists(single):
-        return _read_safetensors(single)
-    if os.path.exists(index):
-        shards = sorted(set(_read_json(index)["weight_map"].values()))
-        return {k: v for s in shards for k, v in _read_safetensors(os.path.join(directory, s)).items()}
-    raise ValueError(f"directory: expected model.safetensors or model.safetensors.index.json in {directory!r}")
+class _Tensors(Mapping):
+    """The tensors of a checkpoint's safetensors files, each read from its file when looked up."""
+
+    def __init__(self, directory: str):
+        single = os.path.join(directory, "model.safetensors")
+        index = single + ".index.json"
+        if os.path.exists(single):
+            files = [single]
+        elif os.path.exists(index):
+            files = [os.path.join(directory, f) for f in sorted(set(_read_json(index)["weight_map"].values()))]
+        else:
+            raise ValueError(f"directory: expected model.safetensors or model.safetensors.index.json in {directory!r}")
+        self.files = {}
+        for file in files:
+            with self._open(file) as f:
+                self.files.update(dict.fromkeys(f.keys(), file))
+
+    @staticmethod
+    def _open(file: str):
+        try:
+            return safetensors.safe_open(file, framework="numpy")
+        except (safetensors.SafetensorError, OSError) as e:
+            raise ValueError(f"directory: expected a complete safetensors file at {file!r}: {e}") from e
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        with self._open(self.files[name]) as f:
+            try:
+                return f.get_tensor(name)
+            except safetensors.SafetensorError as e:
+                raise ValueError(f"directory: expected a complete safetensors file at {self.files[name]!r}: {e}") from e
+
+    def __iter__(self):
+        return iter(self.files)
+
+    def __len__(self) -> int:
+        return len(self.files)
 
 
-def from_pretrained(directory: str, *, backend: str = "auto", dtype=None) -> KDAForCausalLM:
-    """Load a checkpoint directory into a kdax model, by config.json's ``model_type``: "kda" (kdax
-    or FLA's ``KDAForCausalLM``), "kimi_linear" (:class:`kdax.models.KimiLinearForCausalLM`),
+def _resolve(directory: str) -> str:
+    """A checkpoint directory, or a Hugging Face hub id's local snapshot (config and safetensors)."""
+    if os.path.isdir(directory):
+        return directory
+    if os.path.exists(directory) or directory.count("/") != 1 or directory.startswith(("/", ".")):
+        raise ValueError(f"directory: expected a checkpoint directory, {directory!r} is not a directory")
+    try:
+        import huggingface_hub
+    except ImportError:
+        raise ValueError(
+            f"directory: {directory!r} is neither a directory nor, without huggingface_hub installed, a "
+            f"Hugging Face hub id (pip install huggingface_hub)"
+        ) from None
+    try:
+        return huggingface_hub.snapshot_download(directory, allow_patterns=["*.json", "*.safetensors"])
+    except Exception as e:  # offline, not found, no access: every way the hub can say no
+        raise ValueError(
+            f"directory: {directory!r} is not a directory, and the Hugging Face hub did not give it "
+            f"({type(e).__name__}: {e}); offline, pass a local directory"
+        ) from e
+
+
+def from_pretrained(directory: str, *, backend: str = "auto", dtype=None, mesh=None) -> KDAForCausalLM:
+    """Load a checkpoint into a kdax model, by config.json's ``model_type``: "kda" (kdax or FLA's
+    ``KDAForCausalLM``), "kimi_linear" (:class:`kdax.models.KimiLinearForCausalLM`),
     "bailing_hybrid" (:class:`kdax.models.BailingHybridForCausalLM`).
 
+    Tensors are read one at a time and cast to ``dtype`` as they are read, so the host never
+    holds the whole model (nor, with ``mesh``, a device more than its shards).
+
     Args:
-        directory: holds config.json and model.safetensors (or its shards and their index).
+        directory: holds config.json and model.safetensors (or its shards and their index); or
+            a Hugging Face hub id ("org/name", fetched with ``huggingface_hub`` when installed).
         backend: the KDA layers' backend.
-        dtype: if given, the weights are cast to it (see :meth:`KDAForCausalLM.astype`).
+        dtype: if given, the weights' dtype (see :meth:`KDAForCausalLM.astype`).
+        mesh: if given, the model is laid out on it as :func:`kdax.models.shard` does, each
+            tensor placed as it is read.
 
     Returns:
         The model.
 
     Raises:
-        ValueError: a file is missing, truncated or corrupt (the error names it), or a tensor
-            is missing, left over or of the wrong shape (the error names the tensor).
+        ValueError: a file is missing, truncated or corrupt (the error names it), a hub id
+            cannot be fetched, or a tensor is missing, left over or of the wrong shape (the
+            error names the tensor).
     """
-    if not os.path.isdir(directory):
-        raise ValueError(f"directory: expected a checkpoint directory, {directory!r} is not a directory")
+    directory = _resolve(directory)
     path = os.path.join(directory, "config.json")
     if not os.path.exists(path):
         raise ValueError(f"directory: expected a config.json in {directory!r}")
     d = _read_json(path)
     model_type = d.get("model_type", "kda")
-    if model_type == "kda":
-        cls, load = KDAForCausalLM, load_fla_state_dict
-    elif model_type in hybrids.MODELS:
-        cls, load = hybrids.MODELS[model_type], hybrids.load_hub_state_dict
-    else:
+    if model_type != "kda" and model_type not in hybrids.MODELS:
         raise ValueError(
             f"directory: expected config.json's model_type in {('kda', *hybrids.MODELS)}, got {model_type!r} in {path!r}"
         )
+    cls = KDAForCausalLM if model_type == "kda" else hybrids.MODELS[model_type]
     config = cls.config_class.from_dict(d)
     model = nnx.eval_shape(lambda: cls(config, backend=backend, rngs=nnx.Rngs(0)))
-    model = load(model, _read_weights(directory))
-    return model if dtype is None else model.astype(dtype)
+    if dtype is not None:
+        model.astype(dtype)
+    model = load_state_dict(model, _Tensors(directory), mesh)
+    return model if mesh is None else sharding.shard(model, mesh)

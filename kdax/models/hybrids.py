@@ -11,15 +11,15 @@ bounded safe gate, and its MLA has interleaved RoPE and a head-wise output gate.
 The checkpoints keep the hub's tensor names (as transformers' ``save_pretrained`` writes them):
 ``q_conv1d``/``k_conv1d``/``v_conv1d`` apart, one tensor per expert and projection, Kimi's
 ``block_sparse_moe`` and ``f_a_proj``/``f_b_proj``, Ling's ``word_embeddings``, ``attention``,
-``dense`` and ``expert_bias``. :func:`hub_state_dict` and :func:`load_hub_state_dict` map them
-to and from the model's parameters.
+``dense`` and ``expert_bias``. :func:`hub_entries` names each parameter's tensors, and
+:func:`to_checkpoint` and :func:`from_checkpoint` convert between the two layouts
+(:mod:`kdax.models.checkpoint` reads and writes them).
 """
 
 from __future__ import annotations
 
 import re
 
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -81,7 +81,7 @@ def _mlp(config, layer_idx: int, rngs: nnx.Rngs):
     )
 
 
-class _HubCausalLM(KDAForCausalLM):
+class HubCausalLM(KDAForCausalLM):
     """What the two families share: MLA on the "full_attention" layers, KDA on the others, the
     MLPs of ``mlp_layer_types``, ``rms_norm_eps`` for every RMSNorm. A family sets its MLA's
     ``output_gate`` and its KDA layers' gate options."""
@@ -112,7 +112,7 @@ class _HubCausalLM(KDAForCausalLM):
         return config.rms_norm_eps
 
 
-class KimiLinearForCausalLM(_HubCausalLM):
+class KimiLinearForCausalLM(HubCausalLM):
     """Moonshot's Kimi Linear (transformers' ``KimiLinearForCausalLM``): KDA layers with low-rank
     forget and output gates, MLA without RoPE, DeepSeek-style MoE. The interface of
     :class:`kdax.models.KDAForCausalLM` (``model(ids, attention_mask=, cu_seqlens=)``,
@@ -127,7 +127,7 @@ class KimiLinearForCausalLM(_HubCausalLM):
     config_class = KimiLinearConfig
 
 
-class BailingHybridForCausalLM(_HubCausalLM):
+class BailingHybridForCausalLM(HubCausalLM):
     """inclusionAI's Ling hybrids (transformers' ``BailingHybridForCausalLM``): KDA layers with the
     bounded safe gate (``kda_safe_gate``) and one projection per gate, MLA with interleaved RoPE
     and a head-wise output gate, DeepSeek-style MoE. The interface of
@@ -208,9 +208,9 @@ def _a_log_shape(model_type: str, heads: int) -> tuple[int, ...]:
     return (1, 1, heads, 1) if model_type == "kimi_linear" else (heads,)
 
 
-def _entries(model: KDAForCausalLM):
+def hub_entries(model: HubCausalLM):
     """(path, value, hub names, kind) of every parameter and buffer; kind says how the kdax array
-    and the hub tensors relate (:func:`_to_hub`)."""
+    and the hub tensors relate (:func:`to_checkpoint`)."""
     model_type = model.config.to_dict()["model_type"]
     (gate, up, down), prefix = _EXPERTS[model_type]
     for path, value in nnx.to_flat_state(nnx.state(model, nnx.Any(nnx.Param, Buffer))):
@@ -228,9 +228,9 @@ def _entries(model: KDAForCausalLM):
         yield path, value, [name], (kind, _a_log_shape(model_type, value.shape[0])) if kind == "A_log" else kind
 
 
-def _to_hub(kind, a: np.ndarray, names: list[str]) -> dict[str, np.ndarray]:
-    """The hub tensors of the kdax array ``a``: experts split per expert and projection, kernels
-    transposed to torch's [out, in], A_log reshaped."""
+def to_checkpoint(kind, a: np.ndarray, names: list[str]) -> dict[str, np.ndarray]:
+    """The checkpoint tensors of the kdax array ``a`` by ``kind``: "same"; "transposed" (kernels
+    to torch's [out, in]); "experts" (split per expert and projection); ("A_log", shape)."""
     if kind == "experts":  # [E, H, n * I] -> per expert, per projection [I, H] (or [E, I, H] -> [H, I])
         n = len(names) // a.shape[0]
         return dict(zip(names, [np.ascontiguousarray(p.T) for e in a for p in np.split(e, n, axis=-1)]))
@@ -239,8 +239,8 @@ def _to_hub(kind, a: np.ndarray, names: list[str]) -> dict[str, np.ndarray]:
     return {names[0]: a.reshape(kind[1]) if kind != "same" else a}
 
 
-def _from_hub(kind, tensors: dict[str, np.ndarray], names: list[str], shape: tuple) -> np.ndarray:
-    """The kdax array of ``shape`` from its hub tensors (the inverse of :func:`_to_hub`)."""
+def from_checkpoint(kind, tensors: dict[str, np.ndarray], names: list[str], shape: tuple) -> np.ndarray:
+    """The kdax array of ``shape`` from its checkpoint tensors (the inverse of :func:`to_checkpoint`)."""
     if kind == "experts":
         n = len(names) // shape[0]
         return np.stack(
@@ -250,54 +250,13 @@ def _from_hub(kind, tensors: dict[str, np.ndarray], names: list[str], shape: tup
     return a.T if kind == "transposed" else a.reshape(-1) if kind != "same" else a
 
 
-def hub_state_dict(model: KDAForCausalLM) -> dict[str, np.ndarray]:
-    """The model's parameters under the hub checkpoint's names and layouts (float32 NumPy)."""
-    out = {}
-    for _, value, names, kind in _entries(model):
-        out.update(_to_hub(kind, np.asarray(value[...], np.float32), names))
-    return out
+def canonical_name(name: str) -> str:
+    """A checkpoint tensor's name as :func:`hub_entries` gives it: transformers 5.24 writes Kimi
+    Linear's dense MLPs under ``block_sparse_moe``, the hub under ``mlp``."""
+    return re.sub(r"\.block_sparse_moe\.(gate_proj|up_proj|down_proj)\.", r".mlp.\1.", name)
 
 
-def load_hub_state_dict(model: KDAForCausalLM, tensors: dict[str, np.ndarray]) -> KDAForCausalLM:
-    """Set the model's parameters from a hub state dict, in place.
-
-    Args:
-        model: a :class:`KimiLinearForCausalLM` or :class:`BailingHybridForCausalLM`.
-        tensors: {hub name: array}: every parameter's tensors with their shapes; Kimi's dense
-            MLPs under ``mlp`` or ``block_sparse_moe``; tensors of the layers past
-            ``num_hidden_layers`` (Ling's multi-token-prediction layers) are kept as they are in
-            ``model.mtp``; anything else left over is an error.
-
-    Returns:
-        The model.
-
-    Raises:
-        ValueError: naming the tensor that is missing, of the wrong shape, or left over.
-    """
-    left = dict(tensors)
-    if model.config.to_dict()["model_type"] == "kimi_linear":  # transformers writes dense MLPs either way
-        left = {
-            re.sub(r"\.block_sparse_moe\.(gate_proj|up_proj|down_proj)\.", r".mlp.\1.", k): v for k, v in left.items()
-        }
-    if model.config.tie_word_embeddings:
-        left.pop("lm_head.weight", None)
-    flat = []
-    for path, value, names, kind in _entries(model):
-        for name in names:
-            if name not in left:
-                raise ValueError(f"tensors: missing {name!r} (for parameter {'/'.join(map(str, path))})")
-        a = np.asarray(_from_hub(kind, {n: np.asarray(left.pop(n)) for n in names}, names, value.shape))
-        if a.shape != value.shape:
-            raise ValueError(
-                f"tensors[{names[0]!r}]: expected shape {tuple(value.shape)} in kdax's layout, got {a.shape}"
-            )
-        flat.append((path, jnp.asarray(a, value.dtype)))
-    n_layers = model.config.num_hidden_layers
-    extra_layers = [k for k in left if (m := re.match(r"model\.layers\.(\d+)\.", k)) and int(m.group(1)) >= n_layers]
-    extra = sorted(set(left) - set(extra_layers))
-    if extra:
-        raise ValueError(f"tensors: unexpected entries {sorted(extra)[:8]} (the config may not match the checkpoint)")
-    nnx.update(model, nnx.from_flat_state(flat))
-    for name in extra_layers:
-        model.mtp[name] = Buffer(jnp.asarray(left[name]))
-    return model
+def layer_of(name: str) -> int:
+    """The decoder layer a checkpoint tensor belongs to (-1: none)."""
+    m = re.match(r"model\.layers\.(\d+)\.", name)
+    return int(m.group(1)) if m else -1

@@ -306,7 +306,8 @@ class KDAForCausalLM(nnx.Module):
         if not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
             raise ValueError(f"dtype: expected a floating dtype, got {jnp.dtype(dtype)}")
         for _, p in _weights(self):
-            p.set_value(p.get_value().astype(dtype))
+            v = p.get_value()  # an array, or a ShapeDtypeStruct in an abstract model (nnx.eval_shape)
+            p.set_value(v.astype(dtype) if hasattr(v, "astype") else jax.ShapeDtypeStruct(v.shape, dtype))
         self.model.embeddings.dtype = jnp.dtype(dtype)  # nnx.Embed fixes its output dtype at init
         return self
 

@@ -13,6 +13,7 @@ import math
 import jax
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -162,6 +163,11 @@ def shard(model: KDAForCausalLM, mesh: jax.sharding.Mesh) -> KDAForCausalLM:
             module.layout = layout
     nnx.update(model, place(nnx.state(model, nnx.Any(nnx.Param, Buffer)), mesh))  # buffers replicated
     return model
+
+
+def to_host(a: jax.Array) -> np.ndarray:
+    """``a`` as a float32 NumPy array on this host, gathered from every process where it spans several."""
+    return np.asarray(a if a.is_fully_addressable else multihost_utils.process_allgather(a, tiled=True), np.float32)
 
 
 def place(tree, mesh: jax.sharding.Mesh):

@@ -60,3 +60,50 @@ def test_calibration_statistics_on_mla_layers(model):
     layers, pairs, importance = layer_statistics(model, _ids(1, 64), topk_percent=10, min_k=2, tile_size=16)
     assert layers == [1, 3] and pairs.shape == (2, 2, 2, 2) and importance.shape == (2,)
     assert np.all((pairs[0, 1] >= 0) & (pairs[0, 1] <= 1 + 1e-6)) and np.all(importance > 0)
+
+
+def test_from_pretrained_reads_each_tensor_once_in_the_dtype_onto_a_mesh(monkeypatch):
+    """Tensor by tensor: each read once from its shard file, cast to bf16 as read (the same values
+    as casting the float32 model), placed on a mesh as kdax.models.shard lays it out."""
+    from kdax.models import checkpoint
+    from kdax.models.sharding import make_mesh
+
+    reads = []
+    get = checkpoint._Tensors.__getitem__
+    monkeypatch.setattr(checkpoint._Tensors, "__getitem__", lambda self, name: reads.append(name) or get(self, name))
+    path = os.path.join(FIXTURES, "ling_b")  # two shards and an index, an MTP layer
+    bf16 = from_pretrained(path, backend="xla", dtype=jnp.bfloat16, mesh=make_mesh("data=1"))
+    assert sorted(reads) == sorted(set(reads)) and len(reads) == len(checkpoint._Tensors(path))
+    f32 = from_pretrained(path, backend="xla").astype(jnp.bfloat16)
+    kernel = lambda m: m.model.layers[2].mlp.gate_up.get_value()
+    assert kernel(bf16).dtype == jnp.bfloat16 and kernel(bf16).sharding.mesh.shape == {"data": 1}
+    np.testing.assert_array_equal(kernel(bf16), kernel(f32))
+    ids = _ids(1, 20)
+    np.testing.assert_array_equal(bf16(ids), f32(ids))
+
+
+def test_from_pretrained_takes_a_hub_id(monkeypatch):
+    """An "org/name" that is not a directory goes to huggingface_hub's snapshot_download; without
+    the package, or when the hub says no (offline), a ValueError says so."""
+    import sys
+    import types
+
+    asked = []
+    fake = types.SimpleNamespace(
+        snapshot_download=lambda repo, allow_patterns: asked.append(repo) or FIXTURES + "/kimi_a"
+    )
+    monkeypatch.setitem(sys.modules, "huggingface_hub", fake)
+    assert from_pretrained("moonshotai/Kimi-Linear-tiny", backend="xla").config.vocab_size == 128
+    assert asked == ["moonshotai/Kimi-Linear-tiny"]
+
+    def offline(repo, allow_patterns):
+        raise OSError("offline mode is enabled")
+
+    monkeypatch.setitem(sys.modules, "huggingface_hub", types.SimpleNamespace(snapshot_download=offline))
+    with pytest.raises(ValueError, match="the Hugging Face hub did not give it .*offline mode"):
+        from_pretrained("moonshotai/Kimi-Linear-tiny")
+    monkeypatch.setitem(sys.modules, "huggingface_hub", None)  # not installed
+    with pytest.raises(ValueError, match="without huggingface_hub installed"):
+        from_pretrained("moonshotai/Kimi-Linear-tiny")
+    with pytest.raises(ValueError, match="is not a directory"):
+        from_pretrained("/no/such/dir")

@@ -11,7 +11,17 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from kdax.bench.measure import rel_rms
-from kdax.models import PRESETS, KDAConfig, KDAForCausalLM, generate, generation, tiny_config
+from kdax.models import (
+    PRESETS,
+    BailingHybridForCausalLM,
+    KDAConfig,
+    KDAForCausalLM,
+    KimiLinearForCausalLM,
+    generate,
+    generation,
+    model_class,
+    tiny_config,
+)
 from kdax.models.checkpoint import from_pretrained, save_pretrained
 from kdax.models.kda import row_segments
 from tests.tolerances import BF16, F32
@@ -233,7 +243,12 @@ def test_config_round_trips_through_json():
 
 
 def test_presets_build_their_configs():
-    assert set(PRESETS) == {"tiny", "attn8", "24x2048"} and PRESETS["tiny"] is tiny_config
+    assert set(PRESETS) == {"tiny", "attn8", "24x2048", "kimi-tiny", "ling-tiny"} and PRESETS["tiny"] is tiny_config
+    kimi, ling = PRESETS["kimi-tiny"](), PRESETS["ling-tiny"]()
+    assert model_class(kimi) is KimiLinearForCausalLM and model_class(ling) is BailingHybridForCausalLM
+    assert kimi.vocab_size == ling.vocab_size == 256 and model_class(tiny_config()) is KDAForCausalLM
+    with pytest.raises(ValueError, match="config: expected one of"):
+        model_class({"model_type": "kda"})
     assert PRESETS["tiny"]().vocab_size == 256 and tiny_config(num_hidden_layers=3).num_hidden_layers == 3
     big = PRESETS["24x2048"]()
     assert (big.num_hidden_layers, big.hidden_size, big.attn["layers"]) == (24, 2048, [3, 7, 11, 15, 19, 23])
