@@ -6,8 +6,8 @@ transformers checkpoints convert both ways.
 
 FLA's names map mechanically: the NNX path joined by dots, ``layers.N`` inside nnx.Sequential
 dropped to ``N``, ``kernel`` -> ``weight`` transposed ([in, out] -> torch's [out, in]),
-``embedding`` -> ``weight``. Loading reads one tensor at a time, cast to the model's dtype and
-placed on its mesh as it is read."""
+``embedding`` -> ``weight``. Loading reads one parameter's tensors at a time (an MoE layer's experts together), cast to
+the model's dtype and placed on its mesh as they are read."""
 
 from __future__ import annotations
 
@@ -71,7 +71,7 @@ def state_dict(model: KDAForCausalLM) -> dict[str, np.ndarray]:
 
 
 def load_state_dict(model: KDAForCausalLM, tensors: Mapping, mesh: jax.sharding.Mesh | None = None) -> KDAForCausalLM:
-    """Set the model's parameters from a checkpoint's tensors, in place, one tensor at a time.
+    """Set the model's parameters from a checkpoint's tensors, in place, one parameter's tensors at a time.
 
     Args:
         model: the model (concrete or abstract, from ``nnx.eval_shape``); each tensor is cast to
@@ -214,8 +214,9 @@ def from_pretrained(directory: str, *, backend: str = "auto", dtype=None, mesh=N
     ``KDAForCausalLM``), "kimi_linear" (:class:`kdax.models.KimiLinearForCausalLM`),
     "bailing_hybrid" (:class:`kdax.models.BailingHybridForCausalLM`).
 
-    Tensors are read one at a time and cast to ``dtype`` as they are read, so the host never
-    holds the whole model (nor, with ``mesh``, a device more than its shards).
+    Each parameter's tensors are read (an MoE layer's experts together) and cast to ``dtype``
+    as they are read, so the host never holds the whole model (nor, with ``mesh``, a device
+    more than its shards).
 
     Args:
         directory: holds config.json and model.safetensors (or its shards and their index); or
