@@ -14,12 +14,13 @@ from kdax.ops.kascade.schedule import KascadeSchedule
 from tests.tolerances import F32
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "..", "fixtures", "hf")
-# kimi_a and ling_a have MLA on layers 1 and 3, two heads each
+# kimi_a and ling_a have MLA on layers 1 and 3, two heads each; Ling's (RoPE, output gate) by hand
+# with -m slow (its MLA layer runs in CI through tests/nn/test_mla.py and the parity tests)
 FULL = KascadeSchedule((1, 3), (1,), {3: (1, 0)}, topk_percent=100, min_k=10_000, tile_size=16)
 SPARSE = KascadeSchedule((1, 3), (1,), {3: (1, 0)}, topk_percent=10, min_k=2, tile_size=16)
 
 
-@pytest.fixture(scope="module", params=["kimi_a", "ling_a"])
+@pytest.fixture(scope="module", params=["kimi_a", pytest.param("ling_a", marks=pytest.mark.slow)])
 def model(request):
     return from_pretrained(os.path.join(FIXTURES, request.param), backend="xla")
 
