@@ -182,8 +182,7 @@ class Attention(nnx.Module):
                 allowed &= segment_ids[:, :, None] == segment_ids[:, None, :]
         else:
             first = positions[:, :1]  # [B, 1]
-            n = T if segment_ids is None else jnp.sum(segment_ids == segment_ids[:, :1], axis=1, keepdims=True)
-            new_cache = tuple(_store(c, new, first, first + n - 1) for c, new in zip(cache, (k, v)))
+            new_cache, n = store_tokens(positions, segment_ids, cache, (k, v))
             if self.window_size is not None and T > 1:  # the ring may drop keys that earlier new tokens need
                 key_pos = jnp.concatenate([_slot_positions(first - 1, cache[0].shape[1]), positions], axis=1)
                 k, v = (jnp.concatenate([c.astype(new.dtype), new], axis=1) for c, new in zip(cache, (k, v)))
@@ -213,8 +212,32 @@ class Attention(nnx.Module):
         return self.o_proj(o.reshape(B, T, -1).astype(dtype)), cache, indices
 
 
+def store_tokens(positions, segment_ids, cache, new):
+    """A cache with each row's new tokens stored: row b's first segment (all T tokens without
+    segment_ids), at positions[b, 0] + t.
+
+    Args:
+        positions: [B, T] the tokens' positions; segment_ids: [B, T] or None.
+        cache: a layer's cache (arrays [B, slots, ...]).
+        new: the new tokens' entries of each cache array ([B, T, ...] each).
+
+    Returns:
+        (the cache, n [B, 1] int32: the tokens stored in each row).
+    """
+    first, n = positions[:, :1], _row_tokens(positions, segment_ids)
+    return tuple(_store(c, x, first, first + n - 1) for c, x in zip(cache, new)), n
+
+
+def _row_tokens(positions, segment_ids) -> jax.Array:
+    """[B, 1] int32: each row's tokens, those of its first segment (all T without segment_ids)."""
+    B, T = positions.shape
+    n = T if segment_ids is None else jnp.sum(segment_ids == segment_ids[:, :1], axis=1, keepdims=True)
+    return jnp.broadcast_to(jnp.asarray(n, jnp.int32), (B, 1))
+
+
 def kascade_keys(positions, segment_ids, cache, new):
-    """Where a Kascade step's keys come from, and the cache with the new tokens stored.
+    """Where a Kascade step's keys come from, and the cache with the new tokens stored
+    (:func:`store_tokens`).
 
     Args:
         positions: [B, T] the tokens' positions; segment_ids: [B, T] or None (row b's tokens
@@ -227,15 +250,11 @@ def kascade_keys(positions, segment_ids, cache, new):
         cache (T = 1 with a cache; else the keys are the new tokens, a prefill into an empty
         cache), the cache with the new tokens stored, or None).
     """
-    B, T = positions.shape
-    first = positions[:, :1]
-    if cache is not None and T == 1:
-        return first[:, 0] + 1, True, tuple(_store(c, x, first, first) for c, x in zip(cache, new))
-    n = T if segment_ids is None else jnp.sum(segment_ids == segment_ids[:, :1], axis=1)
-    lengths = jnp.broadcast_to(jnp.asarray(n, jnp.int32), (B,))
+    decode = cache is not None and positions.shape[1] == 1
+    n = _row_tokens(positions, segment_ids)
     if cache is not None:
-        cache = tuple(_store(c, x, first, first + lengths[:, None] - 1) for c, x in zip(cache, new))
-    return lengths, False, cache
+        cache, n = store_tokens(positions, segment_ids, cache, new)
+    return (positions[:, 0] + 1 if decode else n[:, 0]), decode, cache
 
 
 def kascade_attend(q, k, v, lengths, step: KascadeStep, *, decode: bool, scale: float | None = None):

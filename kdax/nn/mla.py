@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from kdax.nn.attention import KascadeStep, _slot_positions, _store, kascade_attend, kascade_keys, rope
+from kdax.nn.attention import KascadeStep, _slot_positions, kascade_attend, kascade_keys, rope, store_tokens
 from kdax.nn.norm import RMSNorm
 
 
@@ -188,28 +188,26 @@ class MLA(nnx.Module):
             if segment_ids is not None:
                 allowed &= segment_ids[:, :, None] == segment_ids[:, None, :]
         else:
-            first = positions[:, :1]
-            n = T if segment_ids is None else jnp.sum(segment_ids == segment_ids[:, :1], axis=1, keepdims=True)
-            cache = tuple(_store(c, new, first, first + n - 1) for c, new in zip(cache, (latent, k_rope)))
-            key_pos = _slot_positions(first + n - 1, cache[0].shape[1])
+            cache, n = store_tokens(positions, segment_ids, cache, (latent, k_rope))
+            key_pos = _slot_positions(positions[:, :1] + n - 1, cache[0].shape[1])
             latent, k_rope = (c.astype(x.dtype) for c in cache)
             allowed = (positions[:, :, None] >= key_pos[:, None, :]) & (key_pos >= 0)[:, None, :]
         f32 = lambda a: a.astype(jnp.promote_types(x.dtype, jnp.float32))  # float32, or float64 inputs' own
-        w_uk, w_uv = (f32(w) for w in self._kv_b())
-        c, kr = f32(latent[:, :, 0]), f32(k_rope[:, :, 0])  # [B, S, r], [B, S, dr]
-        rope_scores = jnp.einsum("bthd,bsd->bhts", f32(q_rope), kr)
         if cache is not None and T == 1:  # absorbed: the query moves to latent space, the cache stays compressed
+            w_uk, w_uv = (f32(w) for w in self._kv_b())
+            c = f32(latent[:, :, 0])  # [B, S, r]
             q_lat = jnp.einsum("bthd,rhd->bthr", f32(q_nope), w_uk)
-            scores = jnp.einsum("bthr,bsr->bhts", q_lat, c) + rope_scores
+            scores = jnp.einsum("bthr,bsr->bhts", q_lat, c) + jnp.einsum(
+                "bthd,bsd->bhts", f32(q_rope), f32(k_rope[:, :, 0])
+            )
         else:  # expanded: per-head keys and values from the latents
-            k_nope = jnp.einsum("bsr,rhd->bshd", c, w_uk)
-            scores = jnp.einsum("bthd,bshd->bhts", f32(q_nope), k_nope) + rope_scores
-        scores = jnp.where(allowed[:, None], scores * self.qk_head_dim**-0.5, -jnp.inf)
-        p = jax.nn.softmax(scores, axis=-1)
+            k, v = self.expand(f32(latent), f32(k_rope))
+            scores = jnp.einsum("bthd,bshd->bhts", f32(jnp.concatenate([q_nope, q_rope], -1)), k)
+        p = jax.nn.softmax(jnp.where(allowed[:, None], scores * self.qk_head_dim**-0.5, -jnp.inf), axis=-1)
         if cache is not None and T == 1:
             o = jnp.einsum("bthr,rhd->bthd", jnp.einsum("bhts,bsr->bthr", p, c), w_uv)
         else:
-            o = jnp.einsum("bhts,bshd->bthd", p, jnp.einsum("bsr,rhd->bshd", c, w_uv))
+            o = jnp.einsum("bhts,bshd->bthd", p, v)
         return self._out(x, o), cache
 
     def _out(self, x, o):
