@@ -1,7 +1,8 @@
 """kdax on a mesh of 8 fake CPU devices, in one subprocess (the rest of the suite keeps one device;
 one test, so that pytest-xdist starts the worker once): context-parallel chunk_kda against one
 device, every op on batch- and head-sharded arrays without communication, and the model's sharded
-training step and checkpoints against one device."""
+training step and checkpoints against one device; by hand (slow), Kimi Linear and Ling with an
+expert axis."""
 
 from __future__ import annotations
 
@@ -10,13 +11,16 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 BAR = 1e-5  # fp32 rel. RMS of outputs, final states and every gradient
 
 
-def test_context_parallel_and_sharded_ops_on_8_devices():
+def _worker(*args) -> dict:
+    """The worker's results, run on 8 fake CPU devices."""
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
     run = subprocess.run(
-        [sys.executable, "-m", "tests.multidevice.worker"],
+        [sys.executable, "-m", "tests.multidevice.worker", *args],
         capture_output=True,
         text=True,
         env=env,
@@ -24,7 +28,11 @@ def test_context_parallel_and_sharded_ops_on_8_devices():
         check=False,
     )
     assert run.returncode == 0, run.stderr[-4000:]
-    r = json.loads(run.stdout.strip().splitlines()[-1])
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def test_context_parallel_and_sharded_ops_on_8_devices():
+    r = _worker()
     failures = []
 
     # (o, final, dq, dk, dv, dg, dbeta, dh0) against one device, GVA, K != V, a burst of strong decay:
@@ -77,8 +85,15 @@ def test_context_parallel_and_sharded_ops_on_8_devices():
     ):
         if words not in m[case]:
             failures.append(f"{case}: {m[case]}")
-    # Kimi Linear and Ling (KDA, MLA, MoE) with experts over an expert axis, against one device
-    h = r["hybrids"]
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.slow
+def test_kimi_linear_and_ling_with_an_expert_axis_on_8_devices():
+    """Kimi Linear on data=2,expert=2,context=2 and Ling on data=2,model=2,expert=2 (KDA, MLA, MoE):
+    loss and every gradient against one device, experts stored split; two AdamW steps of Kimi."""
+    h = _worker("hybrids")
+    failures = []
     for case, got in h.items():
         if case in ("one_device", "mesh"):
             continue

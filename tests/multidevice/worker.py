@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import tempfile
 
 import jax
@@ -285,10 +286,12 @@ def main():
         "errors": errors(),
         "sharded_ops": sharded_ops(),
         "model": model_on_mesh(),
-        "hybrids": hybrids_on_mesh(),
     }
     print(json.dumps(results))
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:] == ["hybrids"]:  # the slow test's part
+        print(json.dumps(hybrids_on_mesh()))
+    else:
+        main()
