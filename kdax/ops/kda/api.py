@@ -15,12 +15,12 @@ from kdax.ops.common.dispatch import BACKENDS, OpBackends, register
 from kdax.ops.common.sharding import per_shard
 from kdax.ops.common.validation import check_array, check_traced, fail
 from kdax.ops.common.varlen import chunk_layout, valid_offsets
-from kdax.ops.kda import context_parallel, pallas_gpu, pallas_tpu, xla
+from kdax.ops.kda import context_parallel, pallas_gpu, pallas_tpu, slots, xla
 from kdax.ops.kda.checks import check_inputs, offsets
 from kdax.ops.kda.context_parallel import ContextParallel
 from kdax.ops.kda.gate import beta_activation, kda_gate, l2norm
 from kdax.ops.kda.recurrent import fused_recurrent_kda_xla
-from kdax.ops.kda.reference import naive_recurrent_kda
+from kdax.ops.kda.reference import naive_recurrent_kda, naive_token_states
 
 CONFIGS = {
     "xla": xla.Config,
@@ -50,17 +50,19 @@ class Options:
     state_v_first: bool = False
     chunk_size: int | None = 64
     check_offsets: bool = False  # traced cu_seqlens under kdax.debug_checks(): checkify.check them
+    token_states: bool = False  # a third output: the state after each token (per-token slots)
 
     @classmethod
     def of(cls, op: str, args: dict) -> Options:
         """The options among a public op's arguments (its ``locals()``; one it lacks is None)."""
-        names = [f.name for f in dataclasses.fields(cls) if f.name not in ("op", "check_offsets")]
+        names = [f.name for f in dataclasses.fields(cls) if f.name not in _INTERNAL]
         return cls(op=op, **{n: args.get(n) for n in names}, check_offsets=check_traced(args["cu_seqlens"]))
 
     def keywords(self) -> dict:  # as chunk_kda takes them
-        return {
-            f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("op", "check_offsets")
-        }
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in _INTERNAL}
+
+
+_INTERNAL = ("op", "check_offsets", "token_states")  # Options that are no public op's arguments
 
 
 def _validate(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, o: Options) -> int:
@@ -156,7 +158,8 @@ def _run(core, o: Options, N, q, k, v, g, beta, initial_state, cu_seqlens):
     cu = None if cu_seqlens is None else valid_offsets(cu_seqlens, q.shape[1], check=o.check_offsets)
     o_, final, *states = core(qc, kc, vc, gc, bc, h0.reshape(B, n_per_row, HV, K, V), cu)
     final = final.reshape(N, HV, K, V).astype(jnp.promote_types(dt, jnp.float32))
-    return o_.astype(q.dtype), (final if o.output_final_state else None), *(h.astype(q.dtype) for h in states)
+    states_dtype = final.dtype if o.token_states else q.dtype  # FLA's h in q's dtype; token states as final
+    return o_.astype(q.dtype), (final if o.output_final_state else None), *(h.astype(states_dtype) for h in states)
 
 
 def chunk_kda(
@@ -185,6 +188,7 @@ def chunk_kda(
     backend: str = "auto",
     config: xla.Config | pallas_tpu.Config | pallas_gpu.Config | None = None,
     context_parallel: ContextParallel | None = None,
+    ssm_state_indices: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array | None] | tuple[jax.Array, jax.Array | None, jax.Array]:
     """Chunked Kimi Delta Attention (training and prefill), with FLA's ``chunk_kda`` keywords.
 
@@ -229,9 +233,17 @@ def chunk_kda(
             device and row, whatever T): with its mesh, on global arrays; without, inside the
             caller's ``jax.shard_map`` on each device's slice (docs/scale.md). Same results as
             one device to float32 rounding, gradients included.
+        ssm_state_indices: [N] int slots of a state pool (serving): ``initial_state`` is then the
+            pool [S, HV, K, V] (float32), sequence n starts from ``initial_state[idx[n]]`` and its
+            final state is written there; a negative index is a padding row (zero state, nothing
+            written). The second output is the updated pool (``output_final_state`` is implied),
+            every other slot unchanged; under ``jax.jit`` with the pool donated it is updated in
+            place. Concrete slots must be < S and distinct (ValueError); traced ones out of range
+            read zeros and write nothing.
 
     Returns:
-        ``(o, final_state)``, and with ``return_intermediate_states`` ``(o, final_state, h)``:
+        ``(o, final_state)`` (``(o, pool)`` with ``ssm_state_indices``), and with
+        ``return_intermediate_states`` ``(o, final_state, h)``:
         o [B, T, HV, V] in q's dtype; final_state [N, HV, K, V] in float32 (float64 for float64
         inputs), or None without ``output_final_state``; h in q's dtype (as FLA's, in k's),
         [B, NT, HV, K, V] with NT = ceil(T / chunk_size), or with ``cu_seqlens`` [1, NT, HV, K, V]
@@ -244,6 +256,8 @@ def chunk_kda(
         NotImplementedError: a backend this op lacks.
     """
     cu_seqlens = offsets(cu_seqlens)
+    if ssm_state_indices is not None:
+        return _slotted("chunk", locals())
     opts = Options.of("chunk", locals())
     if context_parallel is not None:
         return _context_parallel(context_parallel, opts, q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias)
@@ -354,6 +368,8 @@ def fused_recurrent_kda(
     state_v_first: bool = False,
     cu_seqlens: jax.Array | Sequence[int] | None = None,
     backend: str = "auto",
+    ssm_state_indices: jax.Array | None = None,
+    num_accepted_tokens: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
     """Token-by-token Kimi Delta Attention (decoding, short T), with FLA's ``fused_recurrent_kda`` keywords.
 
@@ -367,20 +383,58 @@ def fused_recurrent_kda(
             FLA's ``fused_recurrent_kda`` takes and ignores them: nothing is recomputed, and
             there are no chunks (two outputs whatever ``return_intermediate_states`` says).
         backend: "auto", "xla" or "naive".
+        ssm_state_indices: slots of a state pool ``initial_state`` [S, HV, K, V], as
+            :func:`chunk_kda` takes them ([N]), or [N, Tmax] for speculative decoding: the state
+            after token t of sequence n (at most Tmax tokens) is written to ``idx[n, t]``, and
+            the sequence starts from ``idx[n, num_accepted_tokens[n] - 1]`` (column 0 without
+            ``num_accepted_tokens``): the state after the last token the previous step accepted.
+        num_accepted_tokens: [N] ints in [1, Tmax], with [N, Tmax] ``ssm_state_indices``
+            (traced counts are clipped to that range).
 
     Returns:
-        ``(o [B, T, HV, V] in q's dtype, final_state [N, HV, K, V] float32 or None)``.
+        ``(o [B, T, HV, V] in q's dtype, final_state [N, HV, K, V] float32 or None)``, or
+        ``(o, pool)`` with ``ssm_state_indices``.
 
     Raises:
         ValueError: a bad argument, named, with what was expected and what came.
         NotImplementedError: a backend this op lacks.
     """
     cu_seqlens = offsets(cu_seqlens)
+    if ssm_state_indices is not None:
+        return _slotted("recurrent", locals())
     opts = Options.of("recurrent", locals())
     N = _validate(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, opts)
     backend, _ = _OPS["fused_recurrent_kda"].resolve(backend, q.dtype)
     opts = dataclasses.replace(opts, backend=backend, disable_recompute=False, return_intermediate_states=False)
     return _call(opts, N, q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens)
+
+
+def _slotted(op: str, args: dict):
+    """A public op's call with ``ssm_state_indices`` (``args``: its ``locals()``): each sequence's
+    state read from the pool, the op run as without slots, the states written back
+    (:mod:`kdax.ops.kda.slots`). Returns the op's outputs with the updated pool second."""
+    q, k, v, g, beta = (args[n] for n in ("q", "k", "v", "g", "beta"))
+    pool, idx, cu = args["initial_state"], args["ssm_state_indices"], args["cu_seqlens"]
+    accepted = args.get("num_accepted_tokens")
+    opts = dataclasses.replace(Options.of(op, args), output_final_state=True)
+    N = _validate(q, k, v, g, beta, None, args["A_log"], args["dt_bias"], cu, opts)
+    HV, V, K = *v.shape[2:], q.shape[-1]
+    lengths = None if isinstance(cu, jax.core.Tracer) else np.full(N, q.shape[1]) if cu is None else np.diff(cu)
+    state = (HV, V, K) if opts.state_v_first else (HV, K, V)
+    slots.check(pool, idx, accepted, N=N, state_shape=state, per_token=op == "recurrent", lengths=lengths)
+    h0 = slots.read(pool, idx, accepted)
+    if idx.ndim == 1:
+        skip = ("q", "k", "v", "g", "beta", "initial_state", "output_final_state", "ssm_state_indices")
+        keywords = {n: x for n, x in args.items() if n not in (*skip, "num_accepted_tokens")}
+        run = chunk_kda if op == "chunk" else fused_recurrent_kda
+        o, final, *h = run(q, k, v, g, beta, initial_state=h0, output_final_state=True, **keywords)
+        return (o, slots.write(pool, idx, final), *h)
+    backend, _ = _OPS["fused_recurrent_kda"].resolve(opts.backend, q.dtype)
+    opts = dataclasses.replace(
+        opts, backend=backend, disable_recompute=False, return_intermediate_states=False, token_states=True
+    )
+    o, _, states = _call(opts, N, q, k, v, g, beta, h0, args["A_log"], args["dt_bias"], cu)
+    return o, slots.write_tokens(pool, idx, states, cu)
 
 
 def _call(o: Options, N, q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens):
@@ -395,7 +449,7 @@ def _core(o: Options):
     """(q, k, v, g, beta, h0, cu_seqlens, **in-core options) -> (o, final[, states entering each chunk]) of a
     backend."""
     if o.op == "recurrent":
-        return _repeated_qk(fused_recurrent_kda_xla)
+        return _repeated_qk(functools.partial(fused_recurrent_kda_xla, token_states=o.token_states))
     kernels = {
         "xla": xla.chunk_kda_xla,
         "pallas_tpu": pallas_tpu.chunk_kda_pallas_tpu,
@@ -436,7 +490,9 @@ def _apply(o: Options, N, q, k, v, g, beta, initial_state, A_log, dt_bias, cu_se
         )
         o = dataclasses.replace(o, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, scale=None)
     q, k, g, beta = _preprocess(q, k, g, beta, A_log, dt_bias, o)
-    if o.backend == "naive":
+    if o.backend == "naive" and o.token_states:
+        out = naive_token_states(q, k, v, g, beta, scale=o.scale, initial_state=initial_state, cu_seqlens=cu_seqlens)
+    elif o.backend == "naive":
         out = naive_recurrent_kda(
             q,
             k,
@@ -461,7 +517,7 @@ def _apply_per_shard(o: Options, N, q, k, v, g, beta, initial_state, A_log, dt_b
     bthd, bth = ("batch", None, "heads", None), ("batch", None, "heads")
     roles = (bthd, bthd, bthd, bthd, bth, (rows, "heads", None, None), ("heads",), ("heads",), None)
     outs = (bthd, (rows, "heads", None, None) if o.output_final_state else None)
-    outs += (("batch", None, "heads", None, None),) if o.return_intermediate_states else ()
+    outs += (("batch", None, "heads", None, None),) if o.return_intermediate_states or o.token_states else ()
 
     def local(q, k, v, g, beta, h0, A_log, dt_bias, cu):
         n = q.shape[0] if cu is None else N  # sequences on this shard

@@ -13,11 +13,12 @@ from jax import lax
 _HI = lax.Precision.HIGHEST
 
 
-def fused_recurrent_kda_xla(q, k, v, g, beta, h0, cu_seqlens=None):
+def fused_recurrent_kda_xla(q, k, v, g, beta, h0, cu_seqlens=None, token_states=False):
     """q, k: [B, T, HV, K] (q scaled); v: [B, T, HV, V]; g: [B, T, HV, K]; beta: [B, T, HV];
     h0: [B, N, HV, K, V]; cu_seqlens: [N + 1] or None (then N = 1 per batch row).
 
-    Returns (o [B, T, HV, V], final [B, N, HV, K, V]) in the inputs' dtype.
+    Returns (o [B, T, HV, V], final [B, N, HV, K, V]) in the inputs' dtype, and with
+    ``token_states`` a third output, the state after each token [B, T, HV, K, V].
     """
     T = q.shape[1]
     t = jnp.arange(T, dtype=jnp.int32)
@@ -37,8 +38,9 @@ def fused_recurrent_kda_xla(q, k, v, g, beta, h0, cu_seqlens=None):
         S = S + (b_t[..., None] * k_t)[..., None] * (v_t - pred)[..., None, :]
         o_t = jnp.einsum("bhk,bhkv->bhv", q_t, S, precision=_HI)
         final = final.at[:, n].set(jnp.where(is_last, S, final[:, n]))
-        return (S, final), o_t
+        return (S, final), (o_t, S if token_states else None)
 
     xs = tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, beta)) + (seq, first, last)
-    (_, final), o = lax.scan(step, (jnp.zeros_like(h0[:, 0]), h0), xs)
-    return jnp.moveaxis(o, 0, 1), final
+    (_, final), (o, states) = lax.scan(step, (jnp.zeros_like(h0[:, 0]), h0), xs)
+    o = jnp.moveaxis(o, 0, 1)
+    return (o, final, jnp.moveaxis(states, 0, 1)) if token_states else (o, final)

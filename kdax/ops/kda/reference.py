@@ -110,9 +110,12 @@ def _chunk_one(q, k, v, g, beta, S, chunk_size):
     return o, S, None
 
 
-def _run(one: Callable, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size=None):
+def _run(
+    one: Callable, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size=None, h_dtype=None
+):
     """(o, final state or None, per-chunk states or None as ``one`` gives them, for every sequence),
-    the arguments checked as every entry point checks them (:func:`check_inputs`)."""
+    the arguments checked as every entry point checks them (:func:`check_inputs`); the states in
+    ``h_dtype`` (default q's dtype)."""
     cu_seqlens = offsets(cu_seqlens)
     check_inputs(
         q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size
@@ -142,7 +145,8 @@ def _run(one: Callable, q, k, v, g, beta, scale, initial_state, output_final_sta
         o = jnp.concatenate(outs, axis=1) if outs else jnp.zeros((1, 0, HV, V), q.dtype)
         S = jnp.concatenate(states, axis=0)
         h = jnp.concatenate(hs, axis=1) if hs and hs[0] is not None else None
-    return o.astype(out_dtype), (S if output_final_state else None), (None if h is None else h.astype(out_dtype))
+    h = None if h is None else h.astype(h_dtype or out_dtype)
+    return o.astype(out_dtype), (S if output_final_state else None), h
 
 
 def naive_recurrent_kda(
@@ -183,6 +187,26 @@ def naive_recurrent_kda(
     chunk = chunk_size if return_intermediate_states else None
     o, S, h = _run(one, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk)
     return (o, S, h) if return_intermediate_states else (o, S)
+
+
+def naive_token_states(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=None):
+    """:func:`naive_recurrent_kda` with the state after every token (speculative decoding's
+    per-token slots, :func:`kdax.fused_recurrent_kda`'s ``num_accepted_tokens``).
+
+    Args:
+        q, k, v, g, beta, scale, initial_state, cu_seqlens: as :func:`naive_recurrent_kda`.
+
+    Returns:
+        ``(o [B, T, HV, V] in q's dtype, final_state [N, HV, K, V], states [B, T, HV, K, V])``,
+        the states in the compute dtype (float32, or float64 for float64 inputs).
+    """
+
+    def one(q, k, v, g, beta, S):
+        o, S, h = _recurrent_one(q, k, v, g, beta, S, chunk_size=1, intermediate=True)
+        return o, S, jnp.concatenate([h[:, 1:], S[:, None]], axis=1)  # h[t]: the state entering token t
+
+    dt = jnp.promote_types(q.dtype, jnp.float32)  # T >= 1: some sequence has tokens, so states is not None
+    return _run(one, q, k, v, g, beta, scale, initial_state, True, cu_seqlens, h_dtype=dt)
 
 
 def naive_chunk_kda(
