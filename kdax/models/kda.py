@@ -39,18 +39,21 @@ class Segments(NamedTuple):
             (None: one sequence per row).
         positions: [B, T] int32 RoPE positions.
         segment_ids: [B, T] int32 attention groups (None: one per row).
+        kda_slots: None, or the KDA sequences' slots in pools of states (the KDA layers' caches
+            are then pools: :mod:`kdax.serving`), [N] or [N, Tmax] as the layers take them.
     """
 
     kda_cu: jax.Array | None
     positions: jax.Array
     segment_ids: jax.Array | None
+    kda_slots: jax.Array | None = None
 
 
 def _arange(B: int, T: int) -> jax.Array:
     return jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
 
 
-def row_segments(B: int, T: int, lengths: jax.Array) -> Segments:
+def row_segments(B: int, T: int, lengths: jax.Array, first=None) -> Segments:
     """Segments of rows holding lengths[b] tokens followed by padding.
 
     Each row's tokens and its padding become two KDA sequences (2B in all; row b's tokens are
@@ -60,13 +63,15 @@ def row_segments(B: int, T: int, lengths: jax.Array) -> Segments:
         B: the rows.
         T: the row length.
         lengths: [B] int32, each in [0, T].
+        first: [B] int32, the position of each row's first token (default 0).
 
     Returns:
-        The :class:`Segments`, positions counted from each row's start.
+        The :class:`Segments`, positions counted from ``first``.
     """
     starts = jnp.arange(B, dtype=jnp.int32) * T
     cu = jnp.concatenate([jnp.stack([starts, starts + lengths], 1).reshape(-1), jnp.array([B * T], jnp.int32)])
-    return Segments(cu, _arange(B, T), (_arange(B, T) >= lengths[:, None]).astype(jnp.int32))
+    positions = _arange(B, T) if first is None else first[:, None] + _arange(B, T)
+    return Segments(cu, positions, (_arange(B, T) >= lengths[:, None]).astype(jnp.int32))
 
 
 def packed_segments(T: int, cu_seqlens: jax.Array) -> Segments:
@@ -178,7 +183,9 @@ class KDABlock(nnx.Module):
         else:
             B, T, D = h.shape
             flat = h if seg.kda_cu is None else h.reshape(1, B * T, D)
-            flat, cache = self.attn(flat, cu_seqlens=seg.kda_cu, cache=cache, output_cache=output_cache, mode=mode)
+            flat, cache = self.attn(
+                flat, cu_seqlens=seg.kda_cu, cache=cache, output_cache=output_cache, mode=mode, slots=seg.kda_slots
+            )
             h = flat.reshape(B, T, D)
         x = x + h
         return x + self.mlp(self.mlp_norm(x)), cache, indices
@@ -412,26 +419,31 @@ class KDAForCausalLM(nnx.Module):
         return ModelCache(layers, jnp.zeros((batch_size,), jnp.int32))
 
     def prefill(self, input_ids, cache: ModelCache, lengths=None, kascade: KascadeSchedule | None = None):
-        """Run a prompt through the chunk path into an empty cache.
+        """Run a prompt, or the next part of one, through the chunk path: each row continues
+        from its cached tokens (none in a cache fresh from :meth:`init_cache`), so a prompt may
+        be prefilled in parts, and a cache saved after a prefix (prefix caching: the KDA and
+        convolution states and the keys) continues as the whole prompt's prefill does.
 
         Args:
             input_ids: [B, T] ints, row b's lengths[b] tokens first and padding after.
-            cache: an empty :class:`ModelCache` from :meth:`init_cache` (batch_size B,
-                max_length >= T).
+            cache: a :class:`ModelCache` (batch_size B) with room for T more tokens per row.
             lengths: [B] ints in [1, T], the tokens of each row (default T).
-            kascade: a :class:`kdax.KascadeSchedule`, or None (dense attention).
+            kascade: a :class:`kdax.KascadeSchedule`, or None (dense attention); only into a
+                fresh cache (its prefill attends to the new tokens alone).
 
         Returns:
             (logits [B, T, vocab_size] float32, meaningless on padding; the cache holding
-            each row's tokens, lengths set).
+            each row's tokens, lengths advanced).
         """
         B, T = input_ids.shape
         lengths = jnp.full((B,), T, jnp.int32) if lengths is None else jnp.asarray(lengths, jnp.int32)
-        fresh = tuple(None if is_kda(b) else c for b, c in zip(self.model.layers, cache.layers))
-        h, layers = self.model(input_ids, row_segments(B, T, lengths), fresh, True, "chunk", kascade)
-        rows = lambda c: jax.tree.map(lambda x: x[::2], c)  # row b's tokens are KDA sequence 2b
+        pad = lambda x: jnp.stack([x, jnp.zeros_like(x)], 1).reshape(-1, *x.shape[1:])  # row b: sequence 2b
+        layers = tuple(jax.tree.map(pad, c) if is_kda(b) else c for b, c in zip(self.model.layers, cache.layers))
+        seg = row_segments(B, T, lengths, cache.lengths)
+        h, layers = self.model(input_ids, seg, layers, True, "chunk", kascade)
+        rows = lambda c: jax.tree.map(lambda x: x[::2], c)
         layers = tuple(rows(c) if is_kda(b) else c for b, c in zip(self.model.layers, layers))
-        return self._logits(h), ModelCache(layers, lengths)
+        return self._logits(h), ModelCache(layers, cache.lengths + lengths)
 
     def decode(self, tokens, cache: ModelCache, kascade: KascadeSchedule | None = None):
         """One token per row through the recurrent path.

@@ -42,7 +42,7 @@ class ShortConvolution(nnx.Module):
         self.weight = nnx.Param(uniform((hidden_size, 1, kernel_size)))
         self.bias = nnx.Param(uniform((hidden_size,))) if bias else None
 
-    def __call__(self, x, cache=None, output_final_state=False, cu_seqlens=None):
+    def __call__(self, x, cache=None, output_final_state=False, cu_seqlens=None, token_states=False):
         """Convolve each sequence, continuing from ``cache``.
 
         Args:
@@ -52,10 +52,11 @@ class ShortConvolution(nnx.Module):
             output_final_state: whether to return the updated cache.
             cu_seqlens: [N + 1] int offsets of sequences packed in one row (B = 1), or None
                 (N = B, one sequence per row).
+            token_states: return the cache after each token [B, T, D, W] instead.
 
         Returns:
             (y [B, T, D] in x's dtype, the updated cache [N, D, W] in the dtype of ``cache``
-            (of x without one), or None unless ``output_final_state``).
+            (of x without one), or None unless ``output_final_state`` or ``token_states``).
 
         Raises:
             ValueError: ``x``'s last dim is not D, or its batch size is not 1 with
@@ -71,10 +72,14 @@ class ShortConvolution(nnx.Module):
         if cache is not None and tuple(cache.shape) != (N, D, W):
             raise ValueError(f"cache: expected shape {(N, D, W)}, got {tuple(cache.shape)}")
         bias = None if self.bias is None else self.bias[...]
-        return short_conv(x, self.weight[...], bias, self.activation, cache, output_final_state, cu_seqlens)
+        return short_conv(
+            x, self.weight[...], bias, self.activation, cache, output_final_state, cu_seqlens, token_states
+        )
 
 
-def short_conv(x, weight, bias=None, activation=None, cache=None, output_final_state=False, cu_seqlens=None):
+def short_conv(
+    x, weight, bias=None, activation=None, cache=None, output_final_state=False, cu_seqlens=None, token_states=False
+):
     """:class:`ShortConvolution`'s computation on checked arguments, with its weights given (so it
     also runs on a device's slice of the channels inside ``shard_map``).
 
@@ -82,9 +87,11 @@ def short_conv(x, weight, bias=None, activation=None, cache=None, output_final_s
         x: [B, T, D].
         weight: [D, 1, W]; bias: [D] or None; activation: None, "silu" or "swish".
         cache, output_final_state, cu_seqlens: as :meth:`ShortConvolution.__call__`.
+        token_states: return instead of the final cache the cache after each token, [B, T, D, W]
+            (speculative decoding keeps one per draft token).
 
     Returns:
-        (y [B, T, D] in x's dtype, the cache [N, D, W] or None).
+        (y [B, T, D] in x's dtype, the cache [N, D, W] (or per token [B, T, D, W]) or None).
     """
     B, T, D = x.shape
     W = weight.shape[-1]
@@ -107,11 +114,13 @@ def short_conv(x, weight, bias=None, activation=None, cache=None, output_final_s
         y = y + bias
     if activation is not None:
         y = jax.nn.silu(y)
-    final = None
-    if output_final_state:
+    final, window = None, jnp.arange(W, dtype=jnp.int32) - W
+    if token_states:  # the last W inputs up to and including each token
+        final = jnp.swapaxes(at(seq[:, None], pos[:, None] + 1 + window), 1, 2).reshape(B, T, D, W)
+    elif output_final_state:
         n = jnp.arange(N, dtype=jnp.int32)[:, None]
-        lengths = (cu[1:] - cu[:-1])[:, None]
-        final = jnp.swapaxes(at(n, lengths - W + jnp.arange(W, dtype=jnp.int32)), 1, 2)  # [N, D, W]
+        final = jnp.swapaxes(at(n, (cu[1:] - cu[:-1])[:, None] + window), 1, 2)  # [N, D, W]
+    if final is not None:
         final = final.astype(x.dtype if cache is None else cache.dtype)
     return y.reshape(B, T, D).astype(x.dtype), final
 

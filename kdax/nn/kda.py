@@ -14,6 +14,7 @@ from kdax.nn.conv import ShortConvolution, from_previous_device, short_conv
 from kdax.nn.norm import GatedRMSNorm
 from kdax.ops.common.dispatch import PORTABLE, scoped_backend
 from kdax.ops.common.sharding import Layout
+from kdax.ops.kda import slots as pool_slots
 from kdax.ops.kda.api import chunk_kda, fused_recurrent_kda
 from kdax.ops.kda.context_parallel import ContextParallel
 
@@ -183,7 +184,14 @@ class KimiDeltaAttention(nnx.Module):
         return "fused_recurrent" if self.deterministic and num_tokens <= RECURRENT_MAX_TOKENS else self.mode
 
     def __call__(
-        self, x, *, cu_seqlens=None, cache: KDACache | None = None, output_cache: bool = False, mode: str | None = None
+        self,
+        x,
+        *,
+        cu_seqlens=None,
+        cache: KDACache | None = None,
+        output_cache: bool = False,
+        mode: str | None = None,
+        slots=None,
     ):
         """Run the layer over each sequence, continuing from ``cache``.
 
@@ -194,10 +202,15 @@ class KimiDeltaAttention(nnx.Module):
             cache: the :class:`KDACache` each sequence starts from, or None (zeros).
             output_cache: whether to return the final state.
             mode: "chunk" or "fused_recurrent"; None: :meth:`pick_mode`'s choice.
+            slots: None, or the sequences' slots in ``cache``, which is then a pool of S states
+                (:meth:`init_cache` of S) read and written as :func:`kdax.fused_recurrent_kda`'s
+                ``ssm_state_indices`` says, the convolution caches too: [N] (one per sequence), or
+                [N, Tmax] (the state after each token, for speculative decoding: the recurrent
+                form, on the xla backend where the layer's is a Pallas one).
 
         Returns:
             (y [B, T, hidden_size] in the dtype x and the weights promote to, the final
-            :class:`KDACache` if ``output_cache`` else None).
+            :class:`KDACache` if ``output_cache`` else None; with ``slots`` the updated pool).
 
         Raises:
             ValueError: ``x``'s last dim is not hidden_size; ``mode`` is not None, "chunk" or
@@ -207,7 +220,10 @@ class KimiDeltaAttention(nnx.Module):
         B, T, D = x.shape
         if D != self.hidden_size:
             raise ValueError(f"x: expected last dim {self.hidden_size}, got shape {tuple(x.shape)}")
-        mode = self.pick_mode(T) if mode is None else mode
+        per_token = slots is not None and slots.ndim == 2
+        mode = "fused_recurrent" if per_token else self.pick_mode(T) if mode is None else mode
+        if slots is not None and cache is None:
+            raise ValueError("cache: expected the pool of states (init_cache(S)) that slots index, got None")
         if mode not in MODES:
             raise ValueError(f"mode: expected None or one of {MODES}, got {mode!r}")
         K, HV = self.head_k_dim, self.num_v_heads
@@ -227,10 +243,19 @@ class KimiDeltaAttention(nnx.Module):
         else:
             if self.use_short_conv:
                 conv_in = (None,) * 3 if cache is None else cache.conv
+                if slots is not None:
+                    conv_in = tuple(pool_slots.read(c, slots) for c in cache.conv)
                 convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
-                outs = [conv(r, c, output_cache, cu_seqlens) for conv, r, c in zip(convs, raw, conv_in)]
+                save = output_cache or slots is not None
+                outs = [conv(r, c, save, cu_seqlens, per_token) for conv, r, c in zip(convs, raw, conv_in)]
                 (q, _), (k, _), (v, _) = outs
                 conv_out = tuple(o[1] for o in outs)
+                if per_token:
+                    conv_out = tuple(
+                        pool_slots.write_tokens(p, slots, c, cu_seqlens) for p, c in zip(cache.conv, conv_out)
+                    )
+                elif slots is not None:
+                    conv_out = tuple(pool_slots.write(p, slots, c) for p, c in zip(cache.conv, conv_out))
             else:
                 q, k, v = (jax.nn.silu(r) for r in raw)
                 conv_out = None
@@ -240,16 +265,21 @@ class KimiDeltaAttention(nnx.Module):
                 initial_state=None if cache is None else cache.recurrent,
                 output_final_state=output_cache,
                 cu_seqlens=cu_seqlens,
+                ssm_state_indices=slots,
             )
             backend = scoped_backend() if self.backend == "auto" else self.backend
             g = g.reshape(B, T, HV, K)
-            if mode == "fused_recurrent" and backend in ("auto", *PORTABLE):
+            if per_token:  # the recurrent form alone writes a state per token
+                o, final = fused_recurrent_kda(
+                    q, k, v, g, beta, backend=self.backend if backend in PORTABLE else "xla", **options
+                )
+            elif mode == "fused_recurrent" and backend in ("auto", *PORTABLE):
                 o, final = fused_recurrent_kda(q, k, v, g, beta, backend=self.backend, **options)
             else:  # the chunked form; on a Pallas backend decoding too (no recurrent kernels there)
                 o, final = chunk_kda(q, k, v, g, beta, chunk_size=self.chunk_size, backend=self.backend, **options)
         gate = self.g_proj(x).reshape(B, T, HV, self.head_v_dim)
         y = self.o_proj(self.o_norm(o, gate).reshape(B, T, HV * self.head_v_dim))
-        return y, (KDACache(final, conv_out) if output_cache else None)
+        return y, (KDACache(final, conv_out) if output_cache or slots is not None else None)
 
     def _on_mesh(self, q, k, v, g, beta, options):
         """The chunked form on this layer's :class:`Layout`, under ``jax.shard_map``: each device

@@ -1,0 +1,165 @@
+"""kdax.serving: continuous batching, speculative decoding and prefix caching give the tokens of
+plain greedy generation; the pools after rollback equal the plain run's."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from kdax.models import KDAForCausalLM, KimiLinearForCausalLM, generate, kimi_tiny_config, tiny_config
+from kdax.serving import Batch, Scheduler, copy_slots, init_pool, prompt_lookup, step
+
+LENGTHS = (5, 17, 40, 1, 37, 9, 33, 20)
+NEW = (6, 9, 4, 12, 5, 8, 7, 10)
+
+
+@pytest.fixture(scope="module")
+def model():
+    cfg = tiny_config(
+        hidden_size=64,
+        head_dim=16,
+        num_hidden_layers=3,
+        vocab_size=64,
+        attn={"layers": [1], "num_heads": 4, "num_kv_heads": 2},
+    )
+    return KDAForCausalLM(cfg, rngs=nnx.Rngs(0))
+
+
+def prompts(seed=0, vocab=64):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(1, vocab, n).tolist() for n in LENGTHS]
+
+
+def greedy(model, prompts, new):
+    """Each prompt's greedy continuation, by one generate() call over the left-padded batch."""
+    T = max(map(len, prompts))
+    ids = np.zeros((len(prompts), T), np.int32)
+    mask = np.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, T - len(p) :], mask[i, T - len(p) :] = p, 1
+    out = np.asarray(generate(model, jnp.asarray(ids), max(new), attention_mask=jnp.asarray(mask)))
+    return [out[i, T : T + n].tolist() for i, n in enumerate(new)]
+
+
+def serve(scheduler, prompts, new):
+    """Requests join two at a time between steps; their outputs in order."""
+    ids, out = [], {}
+    for i, (p, n) in enumerate(zip(prompts, new)):
+        ids.append(scheduler.add(p, n))
+        if i % 2:
+            out.update(scheduler.step()[1])
+    out.update(scheduler.run())
+    return [out[i] for i in ids]
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    return greedy(model, prompts(), NEW)
+
+
+def test_continuous_batching_gives_the_tokens_of_generate(model, reference):
+    """8 requests of 1 to 40 prompt tokens joining at different steps, 4 at a time, prompts
+    prefilled in chunks of 16 beside other requests' decode tokens, pages of 8 tokens."""
+    s = Scheduler(model, max_requests=4, max_length=64, page_size=8, chunk_size=16)
+    assert serve(s, prompts(), NEW) == reference
+    assert any(C == 16 for _, C, _ in s.steps) and any(C == 1 for _, C, _ in s.steps)  # mixed and decode-only steps
+    assert s.idle and len(s._free_pages) == s.pool.layers[1][0].shape[0]  # every page returned
+
+
+def test_speculative_decoding_gives_the_tokens_of_greedy_decoding(model, reference):
+    """Drafts that are right, partly right and wrong (the reference with every third token
+    altered): the verified tokens are plain greedy decoding's."""
+    full = {tuple(p): r for p, r in zip(prompts(), reference)}
+
+    def draft(tokens, k):
+        for p, r in full.items():
+            if tuple(tokens[: len(p)]) == p:
+                done = len(tokens) - len(p)
+                guess = r[done : done + k]
+                return [(t + 1) % 64 if (done + i) % 3 == 2 else t for i, t in enumerate(guess)]
+        return []
+
+    s = Scheduler(model, max_requests=4, max_length=64, page_size=8, chunk_size=16, draft=draft, num_draft=3)
+    assert serve(s, prompts(), NEW) == reference
+    assert sum(n for (_, _, verify), n in s.steps.items() if verify) > 0
+
+
+def test_prefix_cache_hit_gives_the_tokens_without_it(model):
+    """Prompts sharing 32 or 16 leading tokens: the later ones start from the kept state (KDA,
+    convolution and shared pages) and generate what they generate without the cache."""
+    rng = np.random.default_rng(1)
+    head = rng.integers(1, 64, 40).tolist()
+    ps = [head + rng.integers(1, 64, n).tolist() for n in (3, 0, 9)] + [head[:20] + [5, 6]]
+    new = [5, 6, 4, 7]
+    s = Scheduler(model, max_requests=2, max_length=64, page_size=8, chunk_size=16, prefix_cache=3)
+    assert serve(s, ps, new) == greedy(model, ps, new)
+    assert s.prefix_hits >= 2
+
+
+def test_rollback_leaves_the_pool_of_the_plain_run(model):
+    """A verify step of 4 tokens of which 3 are accepted, then the rollback (the next step's
+    source): the request's KDA and convolution states and its cached keys equal those of 3 plain
+    decode steps."""
+    prompt = jnp.asarray(prompts(2)[2][:16], jnp.int32)[None]
+    pages = jnp.arange(8, dtype=jnp.int32)[None]
+
+    def batch(tokens, start, source=0):
+        tokens = jnp.asarray(tokens, jnp.int32)[None]
+        n = jnp.asarray([tokens.shape[1]], jnp.int32)
+        return Batch(tokens, n, jnp.asarray([0]), jnp.asarray([source]), jnp.asarray([start]), pages)
+
+    pool = init_pool(model, 4, 8, 8)
+    logits, pool = step(model, pool, batch(prompt[0], 0))
+    tokens = [int(jnp.argmax(logits[0]))]
+    plain = jax.tree.map(jnp.copy, pool)
+    for i in range(3):
+        logits, plain = step(model, plain, batch(tokens[-1:], 16 + i))
+        tokens.append(int(jnp.argmax(logits[0])))
+    draft = tokens[:3] + [(tokens[3] + 1) % 64]  # the last draft token is wrong
+    logits, pool = step(model, pool, batch(draft, 16), verify=True)
+    assert [int(t) for t in jnp.argmax(logits[0], -1)[:3]] == tokens[1:4]
+    pool = copy_slots(pool, jnp.asarray([2]), jnp.asarray([0]))  # the state after the 3rd token
+    for mine, theirs in zip(pool.layers, plain.layers):
+        for a, b in zip(jax.tree.leaves(mine), jax.tree.leaves(theirs)):
+            mine_, theirs_ = (x[0] if x.shape[0] == 4 else x.reshape(-1, *x.shape[2:])[:19] for x in (a, b))
+            np.testing.assert_allclose(mine_, theirs_, atol=1e-5)
+
+
+def test_prefill_in_two_parts_equals_the_whole_prefill(model):
+    """Model-level prefix caching: a cache saved after 32 tokens continues as the whole prompt's
+    prefill does (logits and every state, the convolution caches included)."""
+    ids = jnp.asarray([prompts(3)[2][:40], prompts(4)[2][:40]], jnp.int32)
+    whole, cache = model.prefill(ids, model.init_cache(2, 48))
+    _, part = model.prefill(ids[:, :32], model.init_cache(2, 48))
+    rest, part = model.prefill(ids[:, 32:], part)
+    np.testing.assert_allclose(rest, whole[:, 32:], atol=1e-4)
+    for a, b in zip(jax.tree.leaves(part), jax.tree.leaves(cache)):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_kimi_linear_with_mla_and_moe_serves_the_tokens_of_generate():
+    """The Hugging Face family: MLA's latent pages, MoE, Kimi's gates."""
+    model = KimiLinearForCausalLM(kimi_tiny_config(vocab_size=64), rngs=nnx.Rngs(0))
+    ps = prompts(5)
+    s = Scheduler(model, max_requests=4, max_length=64, page_size=8, chunk_size=16, draft=prompt_lookup, num_draft=2)
+    assert serve(s, ps, NEW) == greedy(model, ps, NEW)
+
+
+def test_bad_requests_and_batches_raise(model):
+    s = Scheduler(model, max_requests=2, max_length=32, page_size=8, chunk_size=16)
+    with pytest.raises(ValueError, match="prompt: expected at least one token id"):
+        s.add([], 3)
+    with pytest.raises(ValueError, match="prompt: expected at least one token id in"):
+        s.add([64], 3)
+    with pytest.raises(ValueError, match="max_length=32"):
+        s.add([1] * 30, 3)
+    with pytest.raises(ValueError, match="chunk_size: expected a positive multiple of page_size=8"):
+        Scheduler(model, page_size=8, chunk_size=12)
+    pool = init_pool(model, 2, 4, 8)
+    bad = Batch(jnp.zeros((2, 1), jnp.int32), *(jnp.zeros((3,), jnp.int32),) * 4, jnp.zeros((2, 4), jnp.int32))
+    with pytest.raises(ValueError, match=r"batch.counts: expected shape \(2,\)"):
+        step(model, pool, bad)
+    with pytest.raises(ValueError, match="num_slots: expected a positive int"):
+        init_pool(model, 0, 4, 8)
