@@ -1,4 +1,4 @@
-"""The ``kdax`` command line: ``kdax bench [kda|memory|model|kascade|cp|eager|gpu-compare|gpu-tune]``
+"""The ``kdax`` command line: ``kdax bench [kda|memory|model|serving|kascade|cp|eager|gpu-compare|gpu-tune]``
 prints a benchmark's table (each subcommand's flags are its module's, :mod:`kdax.bench`);
 ``kdax train`` trains the tiny hybrid; ``kdax kascade calibrate`` writes a Kascade schedule."""
 
@@ -13,7 +13,7 @@ import jax
 
 import kdax
 from kdax import train
-from kdax.bench import cp, eager, fla_compare, flags, gpu_tune, kascade, kda, model
+from kdax.bench import cp, eager, fla_compare, flags, gpu_tune, kascade, kda, model, serving
 from kdax.models.sharding import make_mesh
 from kdax.train import TrainConfig
 
@@ -115,7 +115,7 @@ def _train(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return 0
 
 
-BENCHES = (kda, model, kascade, cp, eager, fla_compare, gpu_tune)  # each registers its subcommands
+BENCHES = (kda, model, serving, kascade, cp, eager, fla_compare, gpu_tune)  # each registers its subcommands
 
 
 def main(argv: list[str] | None = None) -> int:

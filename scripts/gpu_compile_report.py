@@ -39,6 +39,12 @@ the same :data:`SPILL_BUDGET`. Their loops' trips depend on the tile or split, s
 "issued" give a program's at the mean trips over the grid (programs x issued is the grid's total);
 "MB" leaves out what a kernel never touches (scores past each tile, cache rows not selected). The
 closing lines sum each call's kernels.
+
+    python scripts/gpu_compile_report.py --op decode [--decode-batch 64 --T 1 --H 32 --K 128 --V 128] [--check]
+
+``--op decode`` reports the decode kernel (``fused_recurrent_kda`` on ``backend="pallas_gpu"``,
+:mod:`kdax.ops.kda.decode`) on --decode-batch rows of --T tokens with the in-op gate, L2 norm and
+beta sigmoid, held to the same budget.
 """
 
 from __future__ import annotations
@@ -388,8 +394,13 @@ OP_OPTIONS = {
         "block_scores": kascade_gpu.Config.block_scores,
         "block_decode": kascade_gpu.Config.block_decode,
     },
+    "decode": {"T": 1, "H": 32, "K": 128, "V": 128, "decode_batch": 64},
 }
-LAUNCHES = {"kda": pallas_gpu.LAUNCH, "kascade": kascade_gpu.LAUNCH}
+LAUNCHES = {
+    "kda": pallas_gpu.LAUNCH,
+    "kascade": kascade_gpu.LAUNCH,
+    "decode": {"fused_recurrent": pallas_gpu.DECODE_LAUNCH},
+}
 
 
 def report(rows, workdir: str, dtype: str, kernels) -> tuple[dict, dict, list[str], list[str]]:
@@ -431,6 +442,25 @@ def kda_rows(a, cfg: pallas_gpu.Config):
         yield label, name, *module, trips[name], "backward" if backward else "forward"
 
 
+def decode_rows(a):
+    """report()'s row for the decode kernel: fused_recurrent_kda(backend="pallas_gpu") on --decode-batch
+    rows of --T tokens, --H heads, the gate, L2 norm and beta sigmoid in the op (its loop: T trips)."""
+    dtype = jnp.dtype(a.dtype)
+    s = lambda *shape, dt=None: jax.ShapeDtypeStruct(shape, dt or dtype)
+    B, T, H, K, V = a.decode_batch, a.T, a.H, a.K, a.V
+    gate = {"A_log": jnp.zeros((H,)), "dt_bias": jnp.zeros((H * K,)), "use_gate_in_kernel": True}
+    in_op = {"use_qk_l2norm_in_kernel": True, "use_beta_sigmoid_in_kernel": True, **gate}
+
+    def step(q, k, v, g, beta, h0):
+        return kdax.fused_recurrent_kda(
+            q, k, v, g, beta, initial_state=h0, output_final_state=True, backend="pallas_gpu", **in_op
+        )
+
+    args = (s(B, T, H, K), s(B, T, H, K), s(B, T, H, V), s(B, T, H, K), s(B, T, H), s(B, H, K, V, dt=jnp.float32))
+    for name, *module in lowered_kernels(step, args, {"kda_fused_recurrent": "fused_recurrent"}):
+        yield name, name, *module, (T,), "decode step"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     hide = argparse.SUPPRESS  # an op's options are absent unless given: main checks they fit --op, then sets defaults
@@ -449,11 +479,11 @@ def main(argv=None) -> int:
         default=hide,
         help="kda: gate, L2 norm and beta sigmoid in the op, as vs FLA",
     )
-    p.add_argument("--H", type=int, default=hide, help="kascade: query heads (default 32)")
+    p.add_argument("--H", type=int, default=hide, help="kascade: query heads; decode: heads (default 32)")
     p.add_argument("--kv-heads", type=int, default=hide, help="kascade: KV heads (default 8)")
     p.add_argument("--head-dim", type=int, default=hide, help="kascade (default 128)")
     p.add_argument("--tile-size", type=int, default=hide, help="kascade: queries per tile (default 32)")
-    p.add_argument("--decode-batch", type=int, default=hide, help="kascade: decode rows (default 64)")
+    p.add_argument("--decode-batch", type=int, default=hide, help="kascade, decode: decode rows (default 64)")
     p.add_argument("--cache-len", type=int, default=hide, help="kascade: decode cache keys (default 32768)")
     p.add_argument("--block-scores", type=int, default=hide, help="kascade (default: its Config's)")
     p.add_argument("--block-decode", type=int, default=hide, help="kascade (default: its Config's)")
@@ -471,9 +501,11 @@ def main(argv=None) -> int:
         help=f"exit 1 when a kernel spills more than the budget a thread {SPILL_BUDGET} (by --dtype)",
     )
     a = p.parse_args(argv)
-    other = "kascade" if a.op == "kda" else "kda"
-    if wrong := sorted(set(vars(a)) & set(OP_OPTIONS[other]) - set(OP_OPTIONS[a.op])):
-        p.error(f"--{wrong[0].replace('_', '-')} is an option of --op {other}, not of --op {a.op}")
+    for other in (op for op in OP_OPTIONS if op != a.op):
+        if wrong := sorted(set(vars(a)) & set(OP_OPTIONS[other]) - set(OP_OPTIONS[a.op])):
+            p.error(f"--{wrong[0].replace('_', '-')} is an option of --op {other}, not of --op {a.op}")
+    if a.op == "decode" and a.launch:
+        p.error("--launch: --op decode runs pallas_gpu.DECODE_LAUNCH")
     for name, default in OP_OPTIONS[a.op].items():
         setattr(a, name, getattr(a, name, default))
     launches = LAUNCHES[a.op]
@@ -488,7 +520,9 @@ def main(argv=None) -> int:
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     versions = f"sm_90a, triton {triton.__version__}, jax {jax.__version__}"
     try:  # a bad block or launch: the Config's own message
-        if a.op == "kda":
+        if a.op == "decode":
+            cfg = None
+        elif a.op == "kda":
             cfg = pallas_gpu.Config(
                 block_v=a.block_v,
                 block_k=a.block_k,
@@ -516,6 +550,9 @@ def main(argv=None) -> int:
                 f"fla_options={a.fla_options}"
             )
             rows = kda_rows(a, cfg)
+        elif a.op == "decode":
+            print(f"{versions}, decode B={a.decode_batch} T={a.T} H={a.H} K={a.K} V={a.V} {a.dtype}, in-op options")
+            rows = decode_rows(a)
         else:
             print(
                 f"{versions}, prefill B=1 T={a.T}, decode B={a.decode_batch} over {a.cache_len} keys, H={a.H} "

@@ -38,6 +38,16 @@ def at_least(low: int):  # an int >= low
 percent = number(float, lambda x: 0 < x <= 100, "a percentage in (0, 100]")
 
 
+def ints(text: str) -> tuple[int, ...]:  # "8,32" -> (8, 32)
+    try:
+        found = tuple(int(n) for n in text.split(","))
+    except ValueError:
+        found = ()
+    if not found or min(found) < 1:
+        raise argparse.ArgumentTypeError(f"expected N[,N...] of positive integers, got {text!r}")
+    return found
+
+
 def pairs(text: str) -> list[tuple[int, int]]:  # "1x2048,8x8192" -> [(1, 2048), (8, 8192)]
     try:
         found = [tuple(int(n) for n in item.split("x")) for item in text.split(",")]

@@ -17,6 +17,7 @@ from kdax.ops.common.sharding import Layout
 from kdax.ops.kda import slots as pool_slots
 from kdax.ops.kda.api import chunk_kda, fused_recurrent_kda
 from kdax.ops.kda.context_parallel import ContextParallel
+from kdax.ops.kda.decode import MAX_TOKENS as MAX_DECODE_TOKENS
 
 MODES = ("chunk", "fused_recurrent")
 RECURRENT_MAX_TOKENS = 64  # FLA's rule: inference on <= 64 new tokens uses the recurrent kernel
@@ -44,10 +45,11 @@ class KimiDeltaAttention(nnx.Module):
     ``model.eval()`` / ``model.train()``) selects FLA's rule (:meth:`pick_mode`): in
     inference, inputs of <= 64 tokens run the recurrent kernel; everything else runs ``mode``
     (the chunked form by default). ``backend`` and ``chunk_size`` are passed to
-    :func:`kdax.chunk_kda`, ``backend`` to :func:`kdax.fused_recurrent_kda` too; the recurrent
-    op has no Pallas kernels, so on a Pallas backend (the layer's own or
-    :func:`kdax.use_backend`'s) decoding runs that backend's chunked kernels over the new
-    tokens.
+    :func:`kdax.chunk_kda`, ``backend`` to :func:`kdax.fused_recurrent_kda` too. The recurrent
+    op's Pallas kernels (the decode kernels) take rows of at most
+    ``kdax.ops.kda.decode.MAX_TOKENS`` tokens: on a Pallas backend (the layer's own or
+    :func:`kdax.use_backend`'s) packed or longer inputs decode with that backend's chunked
+    kernels, and per-token slots with the xla recurrence.
 
     Args:
         hidden_size: the input and output size.
@@ -269,13 +271,13 @@ class KimiDeltaAttention(nnx.Module):
             )
             backend = scoped_backend() if self.backend == "auto" else self.backend
             g = g.reshape(B, T, HV, K)
+            # the recurrent op runs where its backend takes the inputs (the decode kernels: rows of few tokens)
+            takes = backend in ("auto", *PORTABLE) or (cu_seqlens is None and T <= MAX_DECODE_TOKENS)
             if per_token:  # the recurrent form alone writes a state per token
-                o, final = fused_recurrent_kda(
-                    q, k, v, g, beta, backend=self.backend if backend in PORTABLE else "xla", **options
-                )
-            elif mode == "fused_recurrent" and backend in ("auto", *PORTABLE):
+                o, final = fused_recurrent_kda(q, k, v, g, beta, backend=self.backend if takes else "xla", **options)
+            elif mode == "fused_recurrent" and takes:
                 o, final = fused_recurrent_kda(q, k, v, g, beta, backend=self.backend, **options)
-            else:  # the chunked form; on a Pallas backend decoding too (no recurrent kernels there)
+            else:  # the chunked form; on a Pallas backend decoding inputs its decode kernels do not take
                 o, final = chunk_kda(q, k, v, g, beta, chunk_size=self.chunk_size, backend=self.backend, **options)
         gate = self.g_proj(x).reshape(B, T, HV, self.head_v_dim)
         y = self.o_proj(self.o_norm(o, gate).reshape(B, T, HV * self.head_v_dim))

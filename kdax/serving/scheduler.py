@@ -59,8 +59,8 @@ class Scheduler:
     Each step takes every running request (at most ``max_requests``): a request still in its
     prompt contributes its next ``chunk_size`` tokens, a decoding one its last token (and, with
     ``draft``, up to ``num_draft`` draft tokens to verify when no prompt is in the step). Steps
-    compile once per (rows, tokens per row) bucket: rows a power of two up to
-    ``max_requests``, tokens per row 1, ``num_draft + 1`` or ``chunk_size``.
+    compile once per (rows, tokens per row) bucket: rows one of ``row_buckets``, tokens per row 1,
+    ``num_draft + 1`` or ``chunk_size``.
 
     Args:
         model: the model.
@@ -76,10 +76,12 @@ class Scheduler:
         prefix_cache: the prompt prefixes kept (0: none): after a prefill chunk, the state at
             that boundary (KDA and convolution states, and the pages before it, shared) is kept;
             a later prompt with the same prefix starts there.
+        row_buckets: the rows a step may have, increasing, the last ``max_requests`` (default:
+            the powers of two below it, then it): a step runs the least that holds its requests.
 
     Raises:
-        ValueError: a size that is not a positive int, or ``chunk_size`` not a multiple of
-            ``page_size``.
+        ValueError: a size that is not a positive int, ``chunk_size`` not a multiple of
+            ``page_size``, or ``row_buckets`` not increasing up to ``max_requests``.
     """
 
     def __init__(
@@ -94,6 +96,7 @@ class Scheduler:
         draft: Callable[[list[int], int], list[int]] | None = None,
         num_draft: int = 4,
         prefix_cache: int = 0,
+        row_buckets: Sequence[int] | None = None,
     ):
         for name, n in (("max_requests", max_requests), ("max_length", max_length), ("page_size", page_size)):
             if not isinstance(n, int) or n < 1:
@@ -104,6 +107,18 @@ class Scheduler:
             raise ValueError(f"num_draft: expected a positive int with a draft, got {num_draft!r}")
         if not isinstance(prefix_cache, int) or prefix_cache < 0:
             raise ValueError(f"prefix_cache: expected an int >= 0, got {prefix_cache!r}")
+        if row_buckets is None:
+            row_buckets = [1 << i for i in range(max_requests.bit_length()) if 1 << i < max_requests] + [max_requests]
+        row_buckets = tuple(row_buckets)
+        if (
+            not row_buckets
+            or row_buckets[-1] != max_requests
+            or any(a >= b for a, b in zip(row_buckets, row_buckets[1:]))
+        ):
+            raise ValueError(
+                f"row_buckets: expected increasing ints ending at max_requests={max_requests}, got {row_buckets}"
+            )
+        self.row_buckets = row_buckets
         self.model, self.max_requests, self.max_length = model, max_requests, max_length
         self.page_size, self.chunk_size = page_size, chunk_size
         self.draft, self.num_draft = draft, num_draft if draft is not None else 0
@@ -195,7 +210,7 @@ class Scheduler:
             self._grow(r, r.pos + len(tokens))
             rows.append(tokens)
         C = self.chunk_size if prefilling else self.width if verify else 1
-        N = min(self.max_requests, 1 << (len(rows) - 1).bit_length())
+        N = next(n for n in self.row_buckets if n >= len(rows))
         batch = self._batch(rows, N, C)
         self.steps[(N, C, verify)] += 1
         _check(self.model, self.pool, batch, verify)
@@ -304,6 +319,14 @@ class Scheduler:
         pages = r.pages[: r.pos // self.page_size]
         self._refs.update(pages)
         self._prefixes[key] = (slot, pages)
+
+    def step_memory(self, rows: int, tokens: int, verify: bool = False) -> int:
+        """The compiled step's temporary bytes for ``rows`` rows of ``tokens`` tokens (beyond the
+        pool, which is donated and updated in place; compiles the step if not yet compiled)."""
+        z = jnp.zeros((rows,), jnp.int32)
+        batch = Batch(jnp.zeros((rows, tokens), jnp.int32), z, z, z, z, jnp.zeros((rows, self.max_pages), jnp.int32))
+        lowered = _compiled.lower(self._graphdef, self._state, self.pool, batch, verify, dispatch.context())
+        return lowered.compile().memory_analysis().temp_size_in_bytes
 
     @property
     def pool_slots(self) -> int:

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from kdax.models.kda import KDAForCausalLM, is_kda, row_segments
+from kdax.models.kda import KDAForCausalLM, Segments, is_kda, row_segments
 from kdax.nn.kda import KDACache
 from kdax.ops.common import dispatch
 from kdax.ops.kda import slots as pool_slots
@@ -163,12 +163,17 @@ def _compiled(graphdef, state, pool: Pool, batch: Batch, verify: bool, ctx):
                 caches.append(jax.tree.map(start, c))
             else:
                 caches.append(tuple(_view(p, batch.pages) for p in c))
-        seg = row_segments(N, C, batch.counts, batch.starts)
-        kda = jnp.stack([batch.slots, jnp.full_like(batch.slots, -1)], 1).reshape(-1)  # row n: KDA sequence 2n
-        if verify:
-            kda = jnp.where(kda[:, None] >= 0, kda[:, None] + jnp.arange(C, dtype=jnp.int32), -1)
+        t = jnp.arange(C, dtype=jnp.int32)
+        if verify or C == 1:  # one KDA sequence a row (the decode kernels' layout); its padding writes no state
+            live = (t < batch.counts[:, None]) & (batch.slots >= 0)[:, None]
+            kda = jnp.where(live, batch.slots[:, None] + t, -1) if verify else batch.slots
+            padding = (t >= batch.counts[:, None]).astype(jnp.int32)
+            seg = Segments(None, batch.starts[:, None] + t, padding, kda)
+        else:  # a row's tokens and its padding: KDA sequences 2n and 2n + 1
+            kda = jnp.stack([batch.slots, jnp.full_like(batch.slots, -1)], 1).reshape(-1)
+            seg = row_segments(N, C, batch.counts, batch.starts)._replace(kda_slots=kda)
         mode = "fused_recurrent" if verify or C == 1 else "chunk"
-        h, new = model.model(batch.tokens, seg._replace(kda_slots=kda), tuple(caches), True, mode)
+        h, new = model.model(batch.tokens, seg, tuple(caches), True, mode)
         layers = []
         for b, c, n in zip(blocks, pool.layers, new):
             layers.append(KDACache(*n) if is_kda(b) else tuple(_store(p, v, batch) for p, v in zip(c, n)))

@@ -15,10 +15,10 @@ from kdax.ops.common.dispatch import BACKENDS, OpBackends, register
 from kdax.ops.common.sharding import per_shard
 from kdax.ops.common.validation import check_array, check_traced, fail
 from kdax.ops.common.varlen import chunk_layout, valid_offsets
-from kdax.ops.kda import context_parallel, pallas_gpu, pallas_tpu, slots, xla
+from kdax.ops.kda import context_parallel, decode, pallas_gpu, pallas_tpu, slots, xla
 from kdax.ops.kda.checks import check_inputs, offsets
 from kdax.ops.kda.context_parallel import ContextParallel
-from kdax.ops.kda.gate import beta_activation, kda_gate, l2norm
+from kdax.ops.kda.gate import in_op
 from kdax.ops.kda.recurrent import fused_recurrent_kda_xla
 from kdax.ops.kda.reference import naive_recurrent_kda, naive_token_states
 
@@ -110,13 +110,11 @@ def _validate(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, o: Op
 
 def _preprocess(q, k, g, beta, A_log, dt_bias, o: Options):
     """The in-op transforms ``o`` asks for, in XLA."""
-    if o.use_qk_l2norm_in_kernel:
-        q, k = l2norm(q), l2norm(k)
-    if o.use_gate_in_kernel:
-        g = kda_gate(g, A_log, dt_bias, o.lower_bound)
-    if o.use_beta_sigmoid_in_kernel:
-        beta = beta_activation(beta, o.allow_neg_eigval)
-    return q, k, g, beta
+    flags = {"lower_bound": o.lower_bound, "allow_neg_eigval": o.allow_neg_eigval}
+    flags.update(
+        l2norm_qk=o.use_qk_l2norm_in_kernel, gate=o.use_gate_in_kernel, beta_sigmoid=o.use_beta_sigmoid_in_kernel
+    )
+    return in_op(q, k, g, beta, A_log, dt_bias, **flags)
 
 
 def _refuse(kernels, dtype, config, asked, chunk_size=None, head_dims=(128, 128)) -> str | None:
@@ -130,9 +128,21 @@ def _refuse(kernels, dtype, config, asked, chunk_size=None, head_dims=(128, 128)
     return None
 
 
+def _refuse_recurrent(kernels, dtype, config, asked, tokens=1, packed=False, **_) -> str | None:
+    """Why the decode kernels do not take the inputs of a ``fused_recurrent_kda`` call (None: they
+    do); :func:`kdax.explain_backend` asks for rows of one token (and passes chunk_kda's options)."""
+    if packed:
+        return "packed sequences (cu_seqlens): the decode kernels take rows"
+    if tokens > decode.MAX_TOKENS:
+        return f"{tokens} tokens a row: the decode kernels take at most {decode.MAX_TOKENS} (use chunk_kda)"
+    if kernels == "pallas_gpu" and not asked and not pallas_gpu.DECODE_VERIFIED_ON_GPU:
+        return "the GPU decode kernel is not yet verified on a GPU (pallas_gpu.DECODE_VERIFIED_ON_GPU)"
+    return None
+
+
 _OPS = {
     "chunk_kda": register(OpBackends("chunk_kda", tuple(CONFIGS), CONFIGS, _refuse)),
-    "fused_recurrent_kda": register(OpBackends("fused_recurrent_kda", ("xla",), CONFIGS, _refuse)),
+    "fused_recurrent_kda": register(OpBackends("fused_recurrent_kda", tuple(CONFIGS), CONFIGS, _refuse_recurrent)),
 }
 
 
@@ -382,7 +392,9 @@ def fused_recurrent_kda(
         disable_recompute, return_intermediate_states: accepted (validated) and ignored, as
             FLA's ``fused_recurrent_kda`` takes and ignores them: nothing is recomputed, and
             there are no chunks (two outputs whatever ``return_intermediate_states`` says).
-        backend: "auto", "xla" or "naive".
+        backend: "auto", "xla", "naive", "pallas_tpu" or "pallas_gpu" (the decode kernels: rows of
+            at most ``kdax.ops.kda.decode.MAX_TOKENS`` tokens, no ``cu_seqlens``; "auto" runs
+            them on their device where they take the inputs, :func:`kdax.explain_backend`).
         ssm_state_indices: slots of a state pool ``initial_state`` [S, HV, K, V], as
             :func:`chunk_kda` takes them ([N]), or [N, Tmax] for speculative decoding: the state
             after token t of sequence n (at most Tmax tokens) is written to ``idx[n, t]``, and
@@ -404,8 +416,10 @@ def fused_recurrent_kda(
         return _slotted("recurrent", locals())
     opts = Options.of("recurrent", locals())
     N = _validate(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, opts)
-    backend, _ = _OPS["fused_recurrent_kda"].resolve(backend, q.dtype)
-    opts = dataclasses.replace(opts, backend=backend, disable_recompute=False, return_intermediate_states=False)
+    backend, config = _recurrent_backend(backend, q, cu_seqlens)
+    opts = dataclasses.replace(
+        opts, backend=backend, config=config, disable_recompute=False, return_intermediate_states=False
+    )
     return _call(opts, N, q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens)
 
 
@@ -429,12 +443,27 @@ def _slotted(op: str, args: dict):
         run = chunk_kda if op == "chunk" else fused_recurrent_kda
         o, final, *h = run(q, k, v, g, beta, initial_state=h0, output_final_state=True, **keywords)
         return (o, slots.write(pool, idx, final), *h)
-    backend, _ = _OPS["fused_recurrent_kda"].resolve(opts.backend, q.dtype)
+    backend, config = _recurrent_backend(opts.backend, q, cu)
     opts = dataclasses.replace(
-        opts, backend=backend, disable_recompute=False, return_intermediate_states=False, token_states=True
+        opts,
+        backend=backend,
+        config=config,
+        disable_recompute=False,
+        return_intermediate_states=False,
+        token_states=True,
     )
     o, _, states = _call(opts, N, q, k, v, g, beta, h0, args["A_log"], args["dt_bias"], cu)
     return o, slots.write_tokens(pool, idx, states, cu)
+
+
+def _recurrent_backend(backend: str, q, cu_seqlens):
+    """fused_recurrent_kda's backend and config: "auto" as :func:`kdax.explain_backend` says; a
+    Pallas backend asked for by name must take the inputs (ValueError otherwise)."""
+    options = {"tokens": q.shape[1], "packed": cu_seqlens is not None}
+    backend, config = _OPS["fused_recurrent_kda"].resolve(backend, q.dtype, **options)
+    if backend.startswith("pallas") and (why := _refuse_recurrent(backend, q.dtype, None, True, **options)):
+        fail("backend", f"inputs the {backend} decode kernel takes, not {why}", repr(backend))
+    return backend, config
 
 
 def _call(o: Options, N, q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens):
@@ -448,6 +477,8 @@ def _call(o: Options, N, q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seq
 def _core(o: Options):
     """(q, k, v, g, beta, h0, cu_seqlens, **in-core options) -> (o, final[, states entering each chunk]) of a
     backend."""
+    if o.op == "recurrent" and o.backend in _DECODE_KERNELS:
+        return functools.partial(_DECODE_KERNELS[o.backend], cfg=o.config)
     if o.op == "recurrent":
         return _repeated_qk(functools.partial(fused_recurrent_kda_xla, token_states=o.token_states))
     kernels = {
@@ -475,6 +506,12 @@ def _core(o: Options):
     return _repeated_qk(run) if o.backend == "xla" else run
 
 
+_DECODE_KERNELS = {
+    "pallas_tpu": pallas_tpu.fused_recurrent_pallas_tpu,
+    "pallas_gpu": pallas_gpu.fused_recurrent_pallas_gpu,
+}
+
+
 def _apply(o: Options, N, q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens):
     """Apply the in-op options and run the backend's core (or the naive reference). pallas_gpu
     gets the raw gate logits and unnormalised, unscaled q and k, with keyword arguments saying
@@ -483,7 +520,21 @@ def _apply(o: Options, N, q, k, v, g, beta, initial_state, A_log, dt_bias, cu_se
     if o.state_v_first and initial_state is not None:
         initial_state = jnp.swapaxes(initial_state, -1, -2)
     core = None if o.backend == "naive" else _core(o)
-    if o.backend == "pallas_gpu":
+    if o.op == "recurrent" and o.backend in _DECODE_KERNELS:  # the gate, norm, beta and scale in the kernel
+        in_kernel = decode.Options(
+            gate=o.use_gate_in_kernel,
+            lower_bound=o.lower_bound,
+            l2norm=o.use_qk_l2norm_in_kernel,
+            beta_sigmoid=o.use_beta_sigmoid_in_kernel,
+            allow_neg_eigval=o.allow_neg_eigval,
+            scale=o.scale,
+            token_states=o.token_states,
+        )
+        core = functools.partial(core, opt=in_kernel, gate_params=(A_log, dt_bias))
+        o = dataclasses.replace(
+            o, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False, scale=None
+        )
+    elif o.backend == "pallas_gpu":
         gate = (A_log, dt_bias, o.lower_bound) if o.use_gate_in_kernel else None
         core = functools.partial(
             core, input_dtype=q.dtype, g_dtype=g.dtype, gate=gate, l2norm_qk=o.use_qk_l2norm_in_kernel, scale=o.scale

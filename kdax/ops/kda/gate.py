@@ -139,3 +139,24 @@ def beta_activation(beta: jax.Array, allow_neg_eigval: bool = False) -> jax.Arra
     """
     b = jax.nn.sigmoid(_f32(beta))
     return 2.0 * b if allow_neg_eigval else b
+
+
+def in_op(q, k, g, beta, A_log, dt_bias, *, l2norm_qk, gate, lower_bound, beta_sigmoid, allow_neg_eigval):
+    """The in-op transforms a KDA call asks for (``use_qk_l2norm_in_kernel``, ``use_gate_in_kernel``,
+    ``use_beta_sigmoid_in_kernel``), in XLA.
+
+    Args:
+        q, k: [B, T, H, K]; g: [B, T, HV, K]; beta: [B, T, HV]; A_log, dt_bias: as :func:`kda_gate`.
+        l2norm_qk, gate, beta_sigmoid: which transforms to apply; lower_bound, allow_neg_eigval:
+            as :func:`kda_gate` and :func:`beta_activation` take them.
+
+    Returns:
+        (q, k, g, beta) transformed.
+    """
+    if l2norm_qk:
+        q, k = l2norm(q), l2norm(k)
+    if gate:
+        g = kda_gate(g, A_log, dt_bias, lower_bound)
+    if beta_sigmoid:
+        beta = beta_activation(beta, allow_neg_eigval)
+    return q, k, g, beta

@@ -14,7 +14,8 @@ GPU kernels). Two kernel pipelines compute the forward (docs/kda_tpu.md):
   on chip (default);
 - ``staged``: intra-chunk kernel -> state kernel -> output kernel, through HBM.
 
-Off TPU the kernels run in the Pallas TPU interpreter (for tests; slow).
+Off TPU the kernels run in the Pallas TPU interpreter (for tests; slow). The recurrent form's
+decode kernel (``fused_recurrent_kda``) is :mod:`kdax.ops.kda.decode`'s, launched here.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from jax.experimental.pallas import tpu as pltpu
 from kdax.ops.common import dispatch
 from kdax.ops.common.arrays import LOG2E, pad_last, round_up
 from kdax.ops.common.varlen import ChunkLayout
+from kdax.ops.kda import decode
 from kdax.ops.kda.tiles import Intra, Tiles, chunk_states, gated, head_major, last_row
 
 LANE = 128
@@ -441,3 +443,17 @@ def chunk_kda_pallas_tpu(
     if not intermediate_states:
         return o, final
     return o, final, chunk_states(layout, S_in, K, V)
+
+
+def fused_recurrent_pallas_tpu(*args, opt: decode.Options, gate_params, cfg: Config):
+    """Core recurrent KDA (decoding, draft verification) with the TPU decode kernel
+    (:func:`kdax.ops.kda.decode.fused_recurrent`, its arguments and outputs): K and V padded to
+    multiples of 128."""
+    cfg = cfg.resolved()
+    q, v = args[0], args[2]
+    Kp, Vp = round_up(q.shape[-1], LANE), round_up(v.shape[-1], LANE)
+    pads = {"Kp": Kp, "Vp": Vp, "BV": LANE, "Tp": q.shape[1]}
+    params = pltpu.CompilerParams(dimension_semantics=("parallel",) * 3)
+    return decode.fused_recurrent(
+        *args, opt=opt, gate_params=gate_params, **pads, interpret=_interpret(cfg), params=params
+    )

@@ -30,7 +30,7 @@ def test_use_backend_scopes_what_auto_runs():
     with kdax.use_backend("pallas_tpu"):
         assert kdax.explain_backend(jnp.float32) == ("pallas_tpu", "kdax.use_backend('pallas_tpu')")
         assert kdax.explain_backend(jnp.float64)[0] == "xla"  # no float64 kernels: "auto" falls back
-        assert kdax.explain_backend(op="fused_recurrent_kda") == ("xla", "the op has no pallas_tpu kernels")
+        assert kdax.explain_backend(op="fused_recurrent_kda") == ("pallas_tpu", "kdax.use_backend('pallas_tpu')")
         assert _runs_pallas(lambda *a: kdax.chunk_kda(*a)[0], *_inputs())
         with kdax.use_backend("xla"):  # nested scopes: the innermost holds
             assert not _runs_pallas(lambda *a: kdax.chunk_kda(*a)[0], *_inputs())
@@ -78,13 +78,14 @@ def test_a_model_runs_the_scoped_backend_and_compiles_per_scope(caplog):
 
 
 def test_a_model_on_a_pallas_backend_decodes_on_it():
-    """The recurrent op has no Pallas kernels: a layer built with pallas_tpu decodes with its
-    chunked kernels (no silent switch to another backend), to the same tokens as xla."""
+    """A layer built with pallas_tpu decodes with its decode kernel (no silent switch to another
+    backend), to the same tokens as xla."""
     ids = jax.random.randint(jax.random.key(3), (2, 7), 0, 40, jnp.int32)
     models = {b: KDAForCausalLM(_tiny(), backend=b, rngs=nnx.Rngs(0)) for b in ("xla", "pallas_tpu")}
     layer = models["pallas_tpu"].model.layers[0].attn
     x = jax.random.normal(jax.random.key(4), (2, 1, 32), jnp.float32)
     cache = layer.init_cache(2)
-    assert _runs_pallas(lambda x: layer(x, cache=cache, output_cache=True, mode="fused_recurrent")[0], x)
+    step = lambda x: layer(x, cache=cache, output_cache=True, mode="fused_recurrent")[0]
+    assert "kda_fused_recurrent" in str(jax.make_jaxpr(step)(x))
     tokens = {b: generate(m, ids, 5) for b, m in models.items()}
     np.testing.assert_array_equal(tokens["pallas_tpu"], tokens["xla"])

@@ -37,5 +37,5 @@ def _examples(n: int):
     return settings(max_examples=n, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-test_chunk_kda_matches_reference = _examples(6)(_SHAPES(_matches_reference))
+test_chunk_kda_matches_reference = _examples(4)(_SHAPES(_matches_reference))
 test_chunk_kda_matches_reference_many = pytest.mark.slow(_examples(40)(_SHAPES(_matches_reference)))

@@ -94,7 +94,6 @@ OPS = {
 @pytest.mark.parametrize(
     "op, in_op",
     [
-        ("chunk-xla", False),
         ("chunk-xla", True),
         ("recurrent-xla", True),
         ("recurrent-naive", False),
@@ -112,7 +111,7 @@ def test_one_slot_per_row(op, in_op):
     check(got, reference(args, kw, pool, idx), pool, idx)
 
 
-@pytest.mark.parametrize("op", ["chunk-xla", "recurrent-xla"])
+@pytest.mark.parametrize("op", ["chunk-xla", pytest.param("recurrent-xla", marks=pytest.mark.slow)])
 def test_packed_sequences_with_empty_and_one_token_ones(op):
     """cu_seqlens with an empty and a one-token sequence, grouped heads, [HV, V, K] states."""
     lengths = (7, 0, 1, 22)
@@ -136,7 +135,9 @@ def test_chunk_kda_slots_with_intermediate_states_and_bf16():
     check((o, new), reference(args, kw, pool, idx), pool, idx, dtype=jnp.bfloat16)
 
 
-@pytest.mark.parametrize("backend, packed", [("xla", False), ("xla", True), ("naive", True)])
+@pytest.mark.parametrize(
+    "backend, packed", [("xla", False), pytest.param("xla", True, marks=pytest.mark.slow), ("naive", True)]
+)
 def test_speculative_slots(backend, packed):
     """[N, Tmax] slots: each sequence starts from the slot of its last accepted token and writes
     the state after every token; a padding sequence and a padding column write nothing."""
@@ -259,7 +260,7 @@ def test_chunk_kda_takes_one_slot_per_sequence_only():
         kdax.chunk_kda(*args, initial_state=pool, ssm_state_indices=np.zeros((2, 4), np.int32))
 
 
-@pytest.mark.parametrize("op", ["chunk-xla", "recurrent-xla"])
+@pytest.mark.parametrize("op", ["chunk-xla", pytest.param("recurrent-xla", marks=pytest.mark.slow)])
 def test_prefill_from_a_cached_chunk_boundary_equals_the_full_prefill(op):
     """Prefix caching: the state entering chunk j (``return_intermediate_states``), put in a slot,
     continues the prefill from token j * C as the full prefill does."""

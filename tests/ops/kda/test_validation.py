@@ -176,9 +176,13 @@ def test_references_check_their_inputs_as_the_ops_do(fn, name, args, kwargs, mes
 
 
 def test_backends_an_op_lacks_say_not_available():
-    for backend in ("pallas_gpu", "pallas_tpu"):  # fused_recurrent_kda has only the xla core
-        with pytest.raises(NotImplementedError, match=backend):
-            kdax.fused_recurrent_kda(**_args(), backend=backend)
+    from kdax.ops.common.dispatch import OpBackends
+    from kdax.ops.kda.api import CONFIGS
+
+    op = OpBackends("an_op", ("xla",), CONFIGS)  # every public KDA op has every backend now
+    for backend in ("pallas_gpu", "pallas_tpu"):
+        with pytest.raises(NotImplementedError, match=f"backend='{backend}': not available for an_op"):
+            op.resolve(backend, jnp.float32)
 
 
 def test_naive_backend_needs_concrete_cu_seqlens():
@@ -250,7 +254,9 @@ def test_explain_backend_says_what_auto_runs_and_why():
     assert backend == "xla" and "cpu" in why  # this machine has no accelerator
     assert kdax.explain_backend(config=pallas_tpu.Config()) == ("pallas_tpu", "the config's kernels")
     assert kdax.explain_backend(jnp.float64, config=pallas_tpu.Config())[0] == "xla"
-    assert kdax.explain_backend(config=pallas_tpu.Config(), op="fused_recurrent_kda")[0] == "xla"
+    assert (
+        kdax.explain_backend(config=pallas_tpu.Config(), op="fused_recurrent_kda")[0] == "pallas_tpu"
+    )  # decode kernel
     with pytest.raises(ValueError, match="op: expected one of") as err:
         kdax.explain_backend(op="attention")
     assert "'chunk_kda'" in str(err.value) and "'kascade_reuse_decode'" in str(err.value)

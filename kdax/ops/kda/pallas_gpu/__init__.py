@@ -27,9 +27,11 @@ kernel bodies), :mod:`.calls` (one helper per pallas_call, the forward and backw
 from __future__ import annotations
 
 import jax.numpy as jnp
+from jax.experimental.pallas import triton as pltriton
 
 from kdax.ops.common.arrays import pad_last
 from kdax.ops.common.varlen import ChunkLayout
+from kdax.ops.kda import decode
 from kdax.ops.kda.pallas_gpu import launch
 from kdax.ops.kda.pallas_gpu.calls import Static
 from kdax.ops.kda.pallas_gpu.kernels import QK, SUB, Gate
@@ -56,10 +58,12 @@ __all__ = [
     "PRECISIONS",
     "SHARED_MEMORY_KIB",
     "SUB",
+    "DECODE_VERIFIED_ON_GPU",
     "VERIFIED_ON_GPU",
     "Config",
     "chunk_fits",
     "chunk_kda_pallas_gpu",
+    "fused_recurrent_pallas_gpu",
     "shared_memory",
     "shared_memory_limit",
 ]
@@ -68,6 +72,9 @@ __all__ = [
 # (`scripts/gpu_session.sh tests`, recorded in BENCHMARKS.md). Until then backend="auto" runs
 # xla on a GPU; backend="pallas_gpu" runs these kernels all the same.
 VERIFIED_ON_GPU = False
+# The same for the decode kernel (fused_recurrent_kda), which "auto" runs on a GPU only once it has
+# passed there (tests/ops/kda/test_decode.py under scripts/gpu_session.sh).
+DECODE_VERIFIED_ON_GPU = False
 
 
 def _gate_params(gate, HV: int, K: int, Kp: int):  # [HV, 2, Kp]: exp(A_log), dt_bias (zeros when g is the decay)
@@ -162,3 +169,22 @@ def chunk_kda_pallas_gpu(
     if not intermediate_states:
         return o, final
     return o, final, chunk_states(layout, S_in, K, V)
+
+
+DECODE_BLOCK_V = 32  # V-block of the decode kernel: a [32, Kp] float32 state block in registers
+DECODE_LAUNCH = (4, 1)  # its (num_warps, num_stages); the chunk kernels' are LAUNCH
+
+
+def fused_recurrent_pallas_gpu(*args, opt: decode.Options, gate_params, cfg: Config):
+    """Core recurrent KDA (decoding, draft verification) with the GPU decode kernel
+    (:func:`kdax.ops.kda.decode.fused_recurrent`, its arguments and outputs): K, V and T padded to
+    powers of two (>= 16 for K and V), :data:`DECODE_LAUNCH` a program."""
+    cfg = cfg.resolved()
+    q, v = args[0], args[2]
+    Vp = pow2(v.shape[-1])
+    pads = {"Kp": pow2(q.shape[-1]), "Vp": Vp, "BV": min(cfg.block_v or DECODE_BLOCK_V, Vp)}
+    params = pltriton.CompilerParams(num_warps=DECODE_LAUNCH[0], num_stages=DECODE_LAUNCH[1])
+    Tp = 1 << (q.shape[1] - 1).bit_length()
+    return decode.fused_recurrent(
+        *args, opt=opt, gate_params=gate_params, **pads, Tp=Tp, interpret=cfg.interpret, params=params
+    )
