@@ -109,6 +109,7 @@ def run(
         "generate_tok_s": rate(baseline)._asdict(),
         "generate_ms_per_token": tpot(baseline)._asdict(),
         "steps": {f"{n}x{c}{' verify' if v else ''}": k for (n, c, v), k in sorted(s.steps.items())},
+        "drafts_accepted": [s.accepted, s.drafted],
         "pool_mib": sum(x.nbytes for x in jax.tree.leaves(s.pool)) / 2**20,
         "step_temp_mib": memory / 2**20,
     }
@@ -116,6 +117,11 @@ def run(
 
 def _spread(t: dict, fmt: str) -> str:
     return f"{t['median']:{fmt}} ({t['q25']:{fmt}}-{t['q75']:{fmt}})"
+
+
+def _drafts(r: dict) -> str:  # " +draft 3 (412/1020 accepted)"
+    accepted, drafted = r["drafts_accepted"]
+    return f" +draft {r['draft']} ({accepted}/{drafted} accepted)" if r["draft"] else ""
 
 
 def format_rows(rows: list[dict]) -> str:
@@ -126,7 +132,7 @@ def format_rows(rows: list[dict]) -> str:
     lines = [head, "|" + "---|" * 11]
     for r in rows:
         lines.append(
-            f"| {r['model']}{' +draft ' + str(r['draft']) if r['draft'] else ''} | {r['concurrency']} "
+            f"| {r['model']}{_drafts(r)} | {r['concurrency']} "
             f"| {r['requests']} | {r['prompt_len'][0]}-{r['prompt_len'][1]} | {r['new_tokens']} "
             f"| {_spread(r['served_tok_s'], ',.0f')} | {_spread(r['generate_tok_s'], ',.0f')} "
             f"| {_spread(r['served_ms_per_token'], '.2f')} | {_spread(r['generate_ms_per_token'], '.2f')} "

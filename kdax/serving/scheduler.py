@@ -139,6 +139,7 @@ class Scheduler:
         self._next_id = 0
         self.steps = collections.Counter()  # steps run per (rows, tokens per row, verify)
         self.prefix_hits = 0
+        self.drafted = self.accepted = 0  # draft tokens proposed and accepted
 
     def add(self, prompt: Sequence[int], max_new_tokens: int, eos_token_id: int | None = None) -> int:
         """Queue a request; it joins at the next step with room.
@@ -237,6 +238,7 @@ class Scheduler:
             while accepted < len(tokens) and tokens[accepted] == int(predicted[accepted - 1]):
                 accepted += 1
             new = [int(t) for t in predicted[:accepted]]
+            self.drafted, self.accepted = self.drafted + len(tokens) - 1, self.accepted + accepted - 1
             r.pos += accepted
             r.source = base + accepted - 1  # the state after the last accepted token
         else:
