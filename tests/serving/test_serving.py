@@ -7,7 +7,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from kdax.models import KDAForCausalLM, KimiLinearForCausalLM, generate, kimi_tiny_config, tiny_config
+from kdax.models import (
+    BailingHybridForCausalLM,
+    KDAForCausalLM,
+    KimiLinearForCausalLM,
+    generate,
+    kimi_tiny_config,
+    ling_tiny_config,
+    tiny_config,
+)
 from kdax.serving import Batch, Scheduler, copy_slots, init_pool, prompt_lookup, step
 
 LENGTHS = (5, 17, 40, 1, 37, 9, 33, 20)
@@ -142,9 +150,13 @@ def test_prefill_in_two_parts_equals_the_whole_prefill(model):
 
 
 @pytest.mark.slow
-def test_kimi_linear_with_mla_and_moe_serves_the_tokens_of_generate():
-    """The Hugging Face family: MLA's latent pages, MoE, Kimi's gates."""
-    model = KimiLinearForCausalLM(kimi_tiny_config(vocab_size=64), rngs=nnx.Rngs(0))
+@pytest.mark.parametrize("family", ["kimi", "ling"])
+def test_hugging_face_families_serve_the_tokens_of_generate(family):
+    """Kimi Linear and Ling: MLA's latent pages (Ling's with RoPE and the output gate), MoE, their gates."""
+    if family == "kimi":
+        model = KimiLinearForCausalLM(kimi_tiny_config(vocab_size=64), rngs=nnx.Rngs(0))
+    else:
+        model = BailingHybridForCausalLM(ling_tiny_config(vocab_size=64), rngs=nnx.Rngs(0))
     ps = prompts(5)
     s = Scheduler(model, max_requests=4, max_length=64, page_size=8, chunk_size=16, draft=prompt_lookup, num_draft=2)
     assert serve(s, ps, NEW) == greedy(model, ps, NEW)

@@ -375,7 +375,9 @@ def test_auto_picks_the_gpu_kernels_on_gpu_where_they_fit(monkeypatch):
     assert pick(jnp.float32, 64) == pick(jnp.bfloat16, 64) == pick(jnp.bfloat16, 128) == "pallas_gpu"
     assert pick(jnp.float32, 128) == "xla"  # float32 intermediates at C = 128 do not fit (shared memory)
     assert pick(jnp.float64, 64) == "xla"  # the kernels compute in float32 at most
-    assert pick(jnp.float32, None, "recurrent") == "xla"  # fused_recurrent_kda has no GPU kernel
+    assert pick(jnp.float32, None, "recurrent") == "xla"  # the decode kernel: not yet verified on a GPU
+    monkeypatch.setattr(pallas_gpu, "DECODE_VERIFIED_ON_GPU", True)
+    assert pick(jnp.float32, None, "recurrent") == "pallas_gpu"
     tf32 = pallas_gpu.Config(precision="tf32")
     assert pick(jnp.bfloat16, 128, config=tf32) == "xla"  # a float32 precision for bf16 inputs: float32 intermediates
 

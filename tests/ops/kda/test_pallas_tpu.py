@@ -115,4 +115,4 @@ def test_auto_picks_the_tpu_kernels_on_tpu(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
     assert pick(jnp.float32) == pick(jnp.bfloat16) == "pallas_tpu"
     assert pick(jnp.float64) == "xla"  # the kernels compute in float32 at most
-    assert pick(jnp.float32, "recurrent") == "xla"  # fused_recurrent_kda has no TPU kernel
+    assert pick(jnp.float32, "recurrent") == "pallas_tpu"  # the decode kernel (tests/ops/kda/test_decode.py)
