@@ -1,7 +1,7 @@
 """Continuous batching over :func:`kdax.serving.step`: requests join and leave between steps,
 prompts are prefilled in chunks beside other requests' decode tokens, pages are allocated as
 requests grow, and (optionally) draft tokens are verified and prompts' prefixes cached.
-Greedy decoding; the host-side bookkeeping of a small engine (docs/serving.md)."""
+Greedy decoding or sampling; the host-side bookkeeping of a small engine (docs/serving.md)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,12 @@ import collections
 import dataclasses
 from collections.abc import Callable, Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from kdax.models.generation import sample_logits
 from kdax.models.kda import KDAForCausalLM, is_kda
 from kdax.ops.common import dispatch
 from kdax.serving.step import Batch, _check, _compiled, copy_slots, init_pool
@@ -32,6 +34,9 @@ class _Request:
 
     def done(self) -> bool:
         return len(self.out) >= self.max_new_tokens or (bool(self.out) and self.out[-1] == self.eos)
+
+
+_sample = jax.jit(sample_logits, static_argnums=(2, 3, 4))
 
 
 def prompt_lookup(tokens: Sequence[int], k: int, n: int = 2) -> list[int]:
@@ -78,10 +83,15 @@ class Scheduler:
             a later prompt with the same prefix starts there.
         row_buckets: the rows a step may have, increasing, the last ``max_requests`` (default:
             the powers of two below it, then it): a step runs the least that holds its requests.
+        temperature, top_k, top_p: 0 for greedy decoding, else sampling as
+            :func:`kdax.models.generate` samples (:func:`kdax.models.generation.sample_logits`);
+            drafts need greedy decoding (their verification keeps greedy tokens).
+        seed: the sampling's random seed.
 
     Raises:
         ValueError: a size that is not a positive int, ``chunk_size`` not a multiple of
-            ``page_size``, or ``row_buckets`` not increasing up to ``max_requests``.
+            ``page_size``, ``row_buckets`` not increasing up to ``max_requests``, sampling
+            options out of range, or a draft with temperature > 0.
     """
 
     def __init__(
@@ -97,6 +107,10 @@ class Scheduler:
         num_draft: int = 4,
         prefix_cache: int = 0,
         row_buckets: Sequence[int] | None = None,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int = 0,
     ):
         for name, n in (("max_requests", max_requests), ("max_length", max_length), ("page_size", page_size)):
             if not isinstance(n, int) or n < 1:
@@ -119,6 +133,18 @@ class Scheduler:
                 f"row_buckets: expected increasing ints ending at max_requests={max_requests}, got {row_buckets}"
             )
         self.row_buckets = row_buckets
+        if not (isinstance(temperature, (int, float)) and 0 <= temperature < float("inf")):
+            raise ValueError(f"temperature: expected a finite float >= 0, got {temperature!r}")
+        if draft is not None and temperature > 0:
+            raise ValueError(
+                f"temperature: expected 0 with a draft (verification keeps greedy tokens), got {temperature}"
+            )
+        if top_k is not None and not (isinstance(top_k, int) and 1 <= top_k <= model.config.vocab_size):
+            raise ValueError(f"top_k: expected None or an int in [1, {model.config.vocab_size}], got {top_k!r}")
+        if top_p is not None and not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
+            raise ValueError(f"top_p: expected None or a float in (0, 1], got {top_p!r}")
+        self._sampling = (float(temperature), top_k, None if top_p is None else float(top_p))
+        self._rng = jax.random.key(seed)
         self.model, self.max_requests, self.max_length = model, max_requests, max_length
         self.page_size, self.chunk_size = page_size, chunk_size
         self.draft, self.num_draft = draft, num_draft if draft is not None else 0
@@ -216,7 +242,11 @@ class Scheduler:
         self.steps[(N, C, verify)] += 1
         _check(self.model, self.pool, batch, verify)
         logits, self.pool = _compiled(self._graphdef, self._state, self.pool, batch, verify, dispatch.context())
-        predicted = np.asarray(jnp.argmax(logits, axis=-1))
+        if verify or self._sampling[0] == 0:
+            predicted = np.asarray(jnp.argmax(logits, axis=-1))
+        else:
+            self._rng, key = jax.random.split(self._rng)
+            predicted = np.asarray(_sample(logits, key, *self._sampling))
         emitted = {}
         for n, (r, tokens) in enumerate(zip(self._running, rows)):
             emitted[r.id] = self._advance(r, tokens, predicted[n], verify)

@@ -162,6 +162,31 @@ def test_hugging_face_families_serve_the_tokens_of_generate(family):
     assert serve(s, ps, NEW) == greedy(model, ps, NEW)
 
 
+def test_sampling_with_top_k_1_is_greedy_and_a_seed_repeats(model, reference):
+    s = Scheduler(
+        model, max_requests=4, max_length=64, page_size=8, chunk_size=16, row_buckets=[4], temperature=0.8, top_k=1
+    )
+    assert serve(s, prompts(), NEW) == reference
+    runs = [
+        serve(
+            Scheduler(
+                model,
+                max_requests=4,
+                max_length=64,
+                page_size=8,
+                chunk_size=16,
+                row_buckets=[4],
+                temperature=1.0,
+                seed=3,
+            ),
+            prompts()[:4],
+            NEW[:4],
+        )
+        for _ in range(2)
+    ]
+    assert runs[0] == runs[1] and all(0 <= t < 64 for r in runs[0] for t in r)
+
+
 def test_bad_requests_and_batches_raise(model):
     s = Scheduler(model, max_requests=2, max_length=32, page_size=8, chunk_size=16)
     with pytest.raises(ValueError, match="prompt: expected at least one token id"):
@@ -175,6 +200,10 @@ def test_bad_requests_and_batches_raise(model):
     with pytest.raises(ValueError, match="row_buckets: expected increasing ints ending at max_requests=6"):
         Scheduler(model, max_requests=6, row_buckets=[4, 2, 6])
     assert Scheduler(model, max_requests=6, max_length=32).row_buckets == (1, 2, 4, 6)
+    with pytest.raises(ValueError, match="temperature: expected 0 with a draft"):
+        Scheduler(model, draft=prompt_lookup, temperature=0.5)
+    with pytest.raises(ValueError, match=r"top_p: expected None or a float in \(0, 1\]"):
+        Scheduler(model, top_p=0.0)
     pool = init_pool(model, 2, 4, 8)
     bad = Batch(jnp.zeros((2, 1), jnp.int32), *(jnp.zeros((3,), jnp.int32),) * 4, jnp.zeros((2, 4), jnp.int32))
     with pytest.raises(ValueError, match=r"batch.counts: expected shape \(2,\)"):
