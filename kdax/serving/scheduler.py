@@ -17,7 +17,7 @@ from flax import nnx
 from kdax.models.generation import sample_logits
 from kdax.models.kda import KDAForCausalLM, is_kda
 from kdax.ops.common import dispatch
-from kdax.serving.step import Batch, _check, _compiled, copy_slots, init_pool
+from kdax.serving.step import Batch, _compiled, copy_slots, init_pool
 
 
 @dataclasses.dataclass
@@ -240,7 +240,6 @@ class Scheduler:
         N = next(n for n in self.row_buckets if n >= len(rows))
         batch = self._batch(rows, N, C)
         self.steps[(N, C, verify)] += 1
-        _check(self.model, self.pool, batch, verify)
         logits, self.pool = _compiled(self._graphdef, self._state, self.pool, batch, verify, dispatch.context())
         if verify or self._sampling[0] == 0:
             predicted = np.asarray(jnp.argmax(logits, axis=-1))
