@@ -23,6 +23,10 @@
 #                                                  jax.nn.dot_product_attention (B=1 H=32 G=8 D=128
 #                                                  bf16 prefill at T, default 32768; decode B=64 over
 #                                                  CACHE keys, default 32768)
+#   scripts/gpu_session.sh decode                  the decode kernel (fused_recurrent_kda, pallas_gpu) compiled: its
+#                                                  tests, its compile report (--op decode --check), then a
+#                                                  decode step against the xla scan at B = 1, 8, 64, H = 32,
+#                                                  K = V = 128, bf16, the gate, norm and beta in the op
 # Expects jax with CUDA, torch and triton; FLA's wheels in .wheels/ (installed to /tmp/site).
 # Results and logs go to $OUT (default ./gpu_out) as they are made, so a stage cut short keeps them.
 set -euo pipefail
@@ -76,5 +80,27 @@ print(format_compare(json.load(open(sys.argv[1]))))" "$OUT/$name.json" | tee "$O
     python3 -c "import json,sys; from kdax.bench.kascade import Row, format_table; \
 print(format_table([Row(**{**r, 'iqr_ms': tuple(r['iqr_ms'])}) for r in json.load(open(sys.argv[1]))['kascade']]))" \
       "$OUT/$name.json" | tee "$OUT/$name.md" ;;
-  *) echo "unknown stage $stage (compare, report, tests, tune, kascade)" >&2; exit 2 ;;
+  decode)
+    python3 -m pytest -v -p no:cacheprovider -p no:benchmark -m "" --timeout=300 tests/ops/kda/test_decode.py \
+      -k "pallas_gpu or gpu" 2>&1 | tee "$OUT/decode-tests.txt" || true
+    python3 scripts/gpu_compile_report.py --op decode --check 2>&1 | tee "$OUT/report-decode.md" || true
+    python3 - <<'PY' 2>&1 | tee "$OUT/decode-timing.md"
+import jax, jax.numpy as jnp, kdax
+from kdax.bench.measure import jax_batch, time_batches
+H, K, V = 32, 128, 128
+print("| B | backend | median us (IQR) |\n|---|---|---|")
+for B in (1, 8, 64):
+    ks = jax.random.split(jax.random.key(B), 6)
+    x = lambda i, *s: jax.random.normal(ks[i], (B, 1, *s), jnp.bfloat16)
+    args = (x(0, H, K), x(1, H, K), x(2, H, V), x(3, H, K), x(4, H), jax.random.normal(ks[5], (B, H, K, V)))
+    opts = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                A_log=jnp.zeros((H,)), dt_bias=jnp.zeros((H * K,)), output_final_state=True)
+    for backend in ("xla", "pallas_gpu"):
+        f = jax.jit(lambda q, k, v, g, b, h0, backend=backend: kdax.fused_recurrent_kda(
+            q, k, v, g, b, initial_state=h0, backend=backend, **opts))
+        t = time_batches(jax_batch(f, args), 20)
+        print(f"| {B} | {backend} | {1e3 * t.median:.1f} ({1e3 * t.q25:.1f}-{1e3 * t.q75:.1f}) |")
+PY
+    ;;
+  *) echo "unknown stage $stage (compare, report, tests, tune, kascade, decode)" >&2; exit 2 ;;
 esac
