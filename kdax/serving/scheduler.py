@@ -152,8 +152,10 @@ class Scheduler:
         self.max_pages = -(-max_length // page_size)
         kept = prefix_cache * (-(-max_length // chunk_size)) * (chunk_size // page_size)
         num_pages = max_requests * self.max_pages + kept if num_pages is None else num_pages
-        self.prefix_slots = prefix_cache
-        self.pool = init_pool(model, max_requests * self.width + prefix_cache, num_pages, page_size)
+        self.prefix_slots = range(
+            max_requests * self.width, max_requests * self.width + prefix_cache
+        )  # after the groups'
+        self.pool = init_pool(model, self.prefix_slots.stop, num_pages, page_size)
         self.has_pages = any(not is_kda(b) for b in model.model.layers)
         self._graphdef, self._state = nnx.split(model)
         self._free_groups = list(range(max_requests))
@@ -342,10 +344,10 @@ class Scheduler:
         key = tuple(r.prompt[: r.pos])
         if key in self._prefixes:
             return
-        if len(self._prefixes) == self.prefix_slots:
+        if len(self._prefixes) == len(self.prefix_slots):
             self._evict_prefix()
         used = {slot for slot, _ in self._prefixes.values()}
-        slot = next(s for s in range(self.max_requests * self.width, self.pool_slots) if s not in used)
+        slot = next(s for s in self.prefix_slots if s not in used)
         self.pool = copy_slots(self.pool, jnp.asarray([r.group * self.width]), jnp.asarray([slot]))
         pages = r.pages[: r.pos // self.page_size]
         self._refs.update(pages)
@@ -354,14 +356,9 @@ class Scheduler:
     def step_memory(self, rows: int, tokens: int, verify: bool = False) -> int:
         """The compiled step's temporary bytes for ``rows`` rows of ``tokens`` tokens (beyond the
         pool, which is donated and updated in place; compiles the step if not yet compiled)."""
-        z = jnp.zeros((rows,), jnp.int32)
-        batch = Batch(jnp.zeros((rows, tokens), jnp.int32), z, z, z, z, jnp.zeros((rows, self.max_pages), jnp.int32))
+        batch = self._batch([], rows, tokens)  # idle rows: the step's shapes
         lowered = _compiled.lower(self._graphdef, self._state, self.pool, batch, verify, dispatch.context())
         return lowered.compile().memory_analysis().temp_size_in_bytes
-
-    @property
-    def pool_slots(self) -> int:
-        return self.max_requests * self.width + self.prefix_slots
 
     def _evict_prefix(self) -> None:
         if not self._prefixes:
