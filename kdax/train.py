@@ -213,9 +213,11 @@ def _on_mesh(model: KDAForCausalLM, cfg: TrainConfig):
 
 def _checkpoints(out_dir: str, keep: int, create: bool) -> ocp.CheckpointManager:
     """The orbax manager of ``out_dir/state``: each save is written to a temporary directory and
-    renamed when complete, and only the newest ``keep`` are kept."""
+    renamed when complete, and only the newest ``keep`` are kept. Only a manager that saves
+    (``create``) removes the temporary directories of failed saves: orbax removes them in a
+    background thread, and two managers removing the same directory race."""
     options = ocp.CheckpointManagerOptions(
-        preservation_policy=ocp.checkpoint_managers.LatestN(keep), create=create, cleanup_tmp_directories=True
+        preservation_policy=ocp.checkpoint_managers.LatestN(keep), create=create, cleanup_tmp_directories=create
     )
     return ocp.CheckpointManager(os.path.abspath(os.path.join(out_dir, "state")), options=options)
 
