@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 
+from kdax.ops.kascade.blocks import SELECT_BANDS
 from kdax.ops.kascade.checks import budget
 
 
@@ -25,10 +26,14 @@ def prefill(T, H=32, G=8, D=128, tile=32, tenths=100, min_k=128, item=2):
     reuse_flops = 4 * H * D * tile * (keys + len(starts) * diag)
     reuse_bytes = qkvo + keys * G * D * item * 2
     # anchor scoring: q K^T again for keys before the tile, exp, and the pooled scores written
-    # (bf16, only blocks before the tile) and read back by the top-k (the whole [G, NT, T] rectangle)
+    # (float32, only keys before each tile); the top-k in bands of tiles (blocks.banded_select)
+    # reads each band's keys before its last tile and sorts them as (float32 value, int32 index)
+    # pairs it first writes; one pass of the sort counted, then the indices written
     score_flops = 2 * H * D * T * T / 2
-    scores = G * len(starts) * T * item
-    select_bytes = scores / 2 + scores + G * len(starts) * int(budget(starts[-1], tenths, min_k)) * 4
+    NT = len(starts)
+    per_band = -(-NT // min(NT, SELECT_BANDS))
+    banded = sum((min(NT, t0 + per_band) - t0) * (min(NT, t0 + per_band) - 1) * tile for t0 in range(0, NT, per_band))
+    select_bytes = G * (sum(starts) * 4 + banded * (4 + 8) + NT * int(budget(starts[-1], tenths, min_k)) * 4)
     anchor = (dense_flops + score_flops + reuse_flops, qkvo + kv + select_bytes + reuse_bytes)
     return {"dense": (dense_flops, qkvo + kv), "reuse": (reuse_flops, reuse_bytes), "anchor": anchor}
 

@@ -167,7 +167,7 @@ def _scores_kernel(lengths_ref, q_ref, lse_ref, k_ref, p_ref, *, tile, R, Rp, bs
     def _(c):
         keys = c * bs + lax.broadcasted_iota(jnp.int32, (1, bs), 1)
         s2 = bl.dot_nt(q, k_ref[pl.ds(c * bs, bs), :], prec) * scale2
-        p_ref[pl.ds(c * bs, bs)] = bl.pooled(s2, lse2, row_ok & (keys < start))[0].astype(p_ref.dtype)
+        p_ref[pl.ds(c * bs, bs)] = bl.pooled(s2, lse2, row_ok & (keys < start))[0]
 
 
 def _attend(qp, kp, vp, lengths, indices, plan: bl.Plan, *, cfg):
@@ -208,7 +208,7 @@ def _attend(qp, kp, vp, lengths, indices, plan: bl.Plan, *, cfg):
 
 
 def _scores(qp, kp, lse2, lengths, plan: bl.Plan, *, cfg):
-    """Pooled probabilities P [B, G, NT, Tp] (in q's dtype; only keys before each tile written)."""
+    """Pooled probabilities P [B, G, NT, Tp] float32 (only keys before each tile written)."""
     B, G, Tp, Dp = kp.shape
     row = lambda t, g, b: (b, g, t, 0)
     kernel = functools.partial(
@@ -231,7 +231,7 @@ def _scores(qp, kp, lse2, lengths, plan: bl.Plan, *, cfg):
             pl.BlockSpec((None, None, Tp, Dp), lambda t, g, b: (b, g, 0, 0)),
         ],
         out_specs=pl.BlockSpec((None, None, None, Tp), row),
-        out_shape=jax.ShapeDtypeStruct((B, G, plan.NT, Tp), qp.dtype),
+        out_shape=jax.ShapeDtypeStruct((B, G, plan.NT, Tp), jnp.float32),
         compiler_params=_params(cfg, "scores"),
         interpret=cfg.interpret,
     )(lengths, qp, lse2, kp)

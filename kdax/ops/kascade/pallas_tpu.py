@@ -231,7 +231,7 @@ def _scores_kernel(lengths_ref, q_ref, lse_ref, k_hbm, p_ref, kbuf, sems, *, til
 
     def step(state, c, keys, kb, vb):
         s2 = bl.dot_nt(q, kb, prec) * scale2
-        p_ref[pl.ds(c, 1), :] = bl.pooled(s2, lse2, row_ok & (keys < start)).astype(p_ref.dtype)
+        p_ref[pl.ds(c, 1), :] = bl.pooled(s2, lse2, row_ok & (keys < start))
         return state
 
     reads = _Blocks(k_hbm, None, lambda x, j, n: x.at[b, g, pl.ds(j, n)], kbuf, None, sems, bs)
@@ -282,7 +282,7 @@ def _attend(qp, kp, vp, lengths, indices, plan: bl.Plan, *, cfg):
 
 
 def _scores(qp, kp, lse2, lengths, plan: bl.Plan, *, cfg):
-    """Pooled probabilities P [B, G, NT, Tp] (in q's dtype; only keys before each tile written)."""
+    """Pooled probabilities P [B, G, NT, Tp] float32 (only keys before each tile written)."""
     B, G, Tp, D = kp.shape
     NT, rows, bs = plan.NT, plan.rows, cfg.block_scores
     kernel = functools.partial(
@@ -308,7 +308,7 @@ def _scores(qp, kp, lse2, lengths, plan: bl.Plan, *, cfg):
             out_specs=pl.BlockSpec((None, None, None, Tp // bs, bs), lambda b, g, t, *_: (b, g, t, 0, 0)),
             scratch_shapes=[pltpu.VMEM((2, bs, D), qp.dtype), pltpu.SemaphoreType.DMA((4, 2))],
         ),
-        out_shape=jax.ShapeDtypeStruct((B, G, NT, Tp // bs, bs), qp.dtype),
+        out_shape=jax.ShapeDtypeStruct((B, G, NT, Tp // bs, bs), jnp.float32),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",) * 3),
         interpret=_interpret(cfg),
     )(lengths, qp, lse2, kp)

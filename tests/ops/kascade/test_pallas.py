@@ -15,7 +15,9 @@ import pytest
 
 import kdax
 from kdax.bench.measure import rel_rms
+from kdax.ops.kascade import blocks as bl
 from kdax.ops.kascade import pallas_gpu, pallas_tpu, reference
+from kdax.ops.kascade.checks import prefill_k_max
 from tests.tolerances import BF16, F32
 
 # Small blocks, so every loop takes several steps (TPU's lane-sized blocks cover these T at once).
@@ -110,18 +112,42 @@ def test_decode_matches_definition(backend, dtype):
     assert rel_rms(o, want_reuse) <= bar
 
 
-@pytest.mark.parametrize("backend", KERNELS)
-def test_prefill_in_bf16_within_bars(backend):
-    """bfloat16 inputs: the reuse output within 1e-2 of float64 (the selection held fixed), and
-    the anchor's selection the float64 one's where the margins are clear of bf16 rounding."""
-    case = Case("bf16", G=1, lengths=(40, 30))
+# The GQA case where bf16 pooled scores changed the selection: H = 8 over G = 2 at top-k 10%.
+BF16_CASES = [
+    Case("bf16_gqa_300", B=1, T=300, H=8, G=2, D=32, tile_size=32),
+    Case("bf16_lengths", G=1, lengths=(40, 30)),
+]
+
+
+@pytest.mark.parametrize("backend", ["xla", *KERNELS])
+@pytest.mark.parametrize("case", BF16_CASES, ids=str)
+def test_bf16_selections_equal_the_definitions(backend, case):
+    """bfloat16 inputs: every backend selects the keys the float64 definition selects from the
+    same bf16 values (the kernels pool in float32), and the sparse output is within 1e-2."""
     (q, k, v), exact = inputs(case, jnp.bfloat16)
-    lengths, opts = _lengths(case), dict(OPTIONS, tile_size=case.tile_size)
+    lengths = _lengths(case)
+    opts = {"topk_percent": 10, "min_k": 8, "tile_size": case.tile_size}
     want_idx, want = reference.naive_kascade_anchor(*exact, **opts, lengths=lengths)
-    idx, o = kdax.kascade_anchor(q, k, v, **opts, lengths=lengths, backend=backend, config=KERNELS[backend])
+    cfg = {"config": KERNELS[backend]} if backend in KERNELS else {}
+    idx, o = kdax.kascade_anchor(q, k, v, **opts, lengths=lengths, backend=backend, **cfg)
     assert o.dtype == jnp.bfloat16
     np.testing.assert_array_equal(idx, want_idx)
     assert rel_rms(o, want) <= BF16["out"]
+
+
+def test_banded_selection_equals_the_whole_rectangle():
+    """The kernels' top-k in bands of tiles (over the keys before each band's last tile) selects
+    what one top-k over the whole [NT, T] rectangle does, ties included, for NT not a multiple
+    of the bands and rows past their length."""
+    plan = bl.Plan(T=600, H=2, G=2, D=16, Rp=1, Dp=16, Tp=608, tile_size=32, scale2=1.0)
+    r = np.random.default_rng(1)
+    P = jnp.asarray(r.integers(0, 50, (2, 2, plan.NT, plan.Tp)), jnp.float32)  # many ties
+    lengths = jnp.asarray([600, 250], jnp.int32)
+    budget = {"tenths": 150, "min_k": 8, "k_max": prefill_k_max(plan.T, plan.tile_size, 150, 8)}
+    starts = jnp.arange(plan.NT, dtype=jnp.int32) * plan.tile_size
+    want = bl.select(P[..., : plan.T], starts, lengths, **budget)
+    banded = jax.jit(lambda P, lengths: bl.banded_select(P, lengths, plan, **budget))
+    np.testing.assert_array_equal(banded(P, lengths), want)
 
 
 def test_kernels_are_forward_only_with_a_clear_error():
