@@ -64,7 +64,11 @@ def _calibrate(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(
             f"--anchors: expected an int in [1, {attention}] (the checkpoint's full-attention layers), got {anchors}"
         )
-    print(f"calibrating on {ns.rows} x {ns.seq_len} tokens from token {start}...", file=sys.stderr, flush=True)
+    print(
+        f"calibrating by {ns.objective} on {ns.rows} x {ns.seq_len} tokens from token {start}...",
+        file=sys.stderr,
+        flush=True,
+    )
     schedule = calibrate(
         model,
         np.stack(rows).astype(np.int32),
@@ -72,6 +76,7 @@ def _calibrate(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         topk_percent=ns.topk_percent,
         min_k=ns.min_k,
         tile_size=ns.tile_size,
+        objective=ns.objective,
     )
     schedule.save(ns.out)
     print(f"anchors {list(schedule.anchors)} of layers {list(schedule.layers)} -> {ns.out}")
@@ -169,6 +174,12 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--min-k", type=flags.at_least(0), default=128, help="the least keys a tile keeps")
     c.add_argument(
         "--tile-size", type=int, default=32, choices=(16, 32, 64, 128), help="queries per tile (16, 32, 64 or 128)"
+    )
+    c.add_argument(
+        "--objective",
+        default="output",
+        choices=("output", "mass"),
+        help="what ranks anchor heads and anchors: the error of each layer's output, or the attention mass kept",
     )
     c.add_argument("--out", default="kascade_schedule.json", help="where to write the schedule (JSON)")
     ns = parser.parse_args(argv)

@@ -2,8 +2,10 @@
 mass, dense against Kascade and against baselines with the same key budget.
 
 Methods (every full-attention layer but the schedule's first, which stays dense):
-  kascade          the schedule: anchors select, reuse layers read their anchor's heads by head map
-  kascade_no_remap the same anchors, each reuse head reading the anchor head of its own index
+  kascade          the schedule calibrated by output error: anchors select, reuse layers read
+                   their anchor's heads by head map
+  kascade_mass     the schedule calibrated by attention mass (the Kascade paper's objective)
+  kascade_no_remap kascade's anchors, each reuse head reading the anchor head of its own index
   sink_window      the first 4 keys and the most recent keys before the tile, the same budget k_t
   random           k_t keys drawn uniformly from those before the tile (seeded)
   oracle           every layer an anchor: each selects from its own exact attention (the most
@@ -26,13 +28,12 @@ import numpy as np
 import optax
 
 from kdax.models import KDAForCausalLM
-from kdax.models.kascade import calibrate, dense_pass, forward_with
-from kdax.nn import KascadeStep
+from kdax.models.kascade import OBJECTIVES, calibrate, sparse_pass
 from kdax.ops.kascade.checks import budget, percent_tenths, prefill_k_max
-from kdax.ops.kascade.schedule import KascadeSchedule, recall
+from kdax.ops.kascade.schedule import KascadeSchedule
 
 SINKS = 4
-METHODS = ("dense", "kascade", "kascade_no_remap", "sink_window", "random", "oracle")
+METHODS = ("dense", "kascade", "kascade_mass", "kascade_no_remap", "sink_window", "random", "oracle")
 
 
 def baseline_indices(kind: str, B: int, G: int, T: int, schedule: KascadeSchedule, seed: int = 0) -> np.ndarray:
@@ -68,59 +69,53 @@ def _perplexity(logits, ids) -> float:
     return float(math.exp(float(jnp.mean(nll))))
 
 
-def evaluate(model: KDAForCausalLM, schedule: KascadeSchedule, ids, topk_percent: float, seed: int = 0) -> list[dict]:
+def run_method(model: KDAForCausalLM, ids, method: str, schedule: KascadeSchedule, seed: int = 0):
+    """One method on rows ``ids`` [B, T]: (logits [B, T, vocab], per full-attention layer the
+    share of its attention mass the keys it attended keep, measured on this run:
+    :func:`kdax.models.kascade.sparse_pass`). ``schedule`` is the calibrated one, at the budget."""
+    B, T = ids.shape
+    G = model.model.layers[schedule.layers[0]].attn.num_kv_heads
+    if method == "dense":
+        return sparse_pass(model, ids)
+    if method in ("kascade", "kascade_mass"):
+        return sparse_pass(model, ids, schedule=schedule)
+    if method == "kascade_no_remap":
+        same = {layer: tuple(range(G)) for layer in schedule.head_maps}
+        return sparse_pass(model, ids, schedule=dataclasses.replace(schedule, head_maps=same))
+    if method == "oracle":
+        return sparse_pass(model, ids, schedule=dataclasses.replace(schedule, anchors=schedule.layers, head_maps={}))
+    idx = jnp.asarray(baseline_indices(method, B, G, T, schedule, seed))
+    return sparse_pass(model, ids, schedule=schedule, fixed=dict.fromkeys(schedule.layers[1:], idx))
+
+
+def evaluate(model: KDAForCausalLM, schedules: dict, ids, topk_percent: float, seed: int = 0) -> list[dict]:
     """Perplexity and per-layer recall of every method at one budget.
 
     Args:
         model: the trained model.
-        schedule: a calibrated schedule (its budget is replaced by ``topk_percent``).
+        schedules: the calibrated schedules by objective, "output" and "mass" (their budget is
+            replaced by ``topk_percent``); "kascade_mass" runs the mass one, the other methods
+            the output one's anchors and maps.
         ids: [B, T] held-out tokens.
         topk_percent: the budget.
         seed: the random baseline's seed.
 
     Returns:
         One dict per method: method, topk_percent, perplexity, recall (per full-attention layer, the
-        kept share of its dense attention mass, measured on the dense run's attention).
+        kept share of its attention mass, measured on the method's own run).
     """
-    sched = dataclasses.replace(schedule, topk_percent=topk_percent)
-    G = model.model.layers[sched.layers[0]].attn.num_kv_heads
-    no_remap = dataclasses.replace(sched, head_maps={k: tuple(range(G)) for k in sched.head_maps})
-    oracle = dataclasses.replace(sched, anchors=sched.layers, head_maps={})
-    B, T = ids.shape
-    layers, probs, selections, _ = dense_pass(
-        model, ids, topk_percent=topk_percent, min_k=sched.min_k, tile_size=sched.tile_size
-    )
-    where = {layer: i for i, layer in enumerate(layers)}
-    blind = {kind: baseline_indices(kind, B, G, T, sched, seed) for kind in ("sink_window", "random")}
     rows = []
     for method in METHODS:
-        if method == "dense":
-            logits, chosen = model(ids), None
-        elif method in ("kascade", "kascade_no_remap", "oracle"):
-            s = {"kascade": sched, "kascade_no_remap": no_remap, "oracle": oracle}[method]
-            logits = model(ids, kascade=s)
-
-            def chosen(layer, s=s):
-                role, anchor, head_map = s.role(layer)
-                own = selections[where[layer if role == "anchor" else anchor]]
-                return own if role == "anchor" else own[:, list(head_map)]
-        else:
-            idx = jnp.asarray(blind[method])
-            steps = {layer: KascadeStep(sched, "reuse", indices=idx) for layer in sched.layers[1:]}
-            logits = forward_with(model, ids, steps)
-            chosen = lambda layer, idx=blind[method]: idx
-        per_layer = []
-        for layer in layers:
-            if chosen is None or layer == sched.layers[0] or layer not in sched.layers:
-                per_layer.append(1.0)  # dense
-            else:
-                per_layer.append(recall(probs[where[layer]], chosen(layer), sched.tile_size))
+        sched = dataclasses.replace(
+            schedules["mass" if method == "kascade_mass" else "output"], topk_percent=topk_percent
+        )
+        logits, kept = run_method(model, ids, method, sched, seed)
         rows.append(
             {
                 "method": method,
                 "topk_percent": topk_percent,
                 "perplexity": _perplexity(logits, ids),
-                "recall": [round(r, 4) for r in per_layer],
+                "recall": [round(r, 4) for r in kept],
             }
         )
     return rows
@@ -158,7 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--min-k", type=int, default=32, help="the least keys a tile keeps")
     p.add_argument("--tile-size", type=int, default=32, help="queries per tile")
     p.add_argument("--budgets", default="10,20", help="topk_percent values to evaluate")
-    p.add_argument("--schedule-out", default=None, help="write the calibrated schedule here (JSON)")
+    p.add_argument(
+        "--schedule-out", default=None, help="write the first budget's output-calibrated schedule here (JSON)"
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     ns = p.parse_args(argv)
     tokens = load_corpus(None)
@@ -172,24 +169,26 @@ def main(argv: list[str] | None = None) -> int:
     budgets = [float(b) for b in ns.budgets.split(",")]
     rows, schedules = [], {}
     for pct in budgets:
-        print(f"calibrating at {pct:g}% on {ns.calib_rows} x {L} tokens...", file=sys.stderr, flush=True)
-        schedule = calibrate(model, calib, ns.anchors, topk_percent=pct, min_k=ns.min_k, tile_size=ns.tile_size)
-        schedules[pct] = schedule
-        print(
-            f"  anchors {list(schedule.anchors)}; evaluating on {ns.eval_rows} x {L} held-out tokens...",
-            file=sys.stderr,
-            flush=True,
-        )
-        got = evaluate(model, schedule, ev, pct)
+        opts = {"topk_percent": pct, "min_k": ns.min_k, "tile_size": ns.tile_size}
+        for objective in OBJECTIVES:
+            print(
+                f"calibrating by {objective} at {pct:g}% on {ns.calib_rows} x {L} tokens...",
+                file=sys.stderr,
+                flush=True,
+            )
+            schedules[pct, objective] = calibrate(model, calib, ns.anchors, objective=objective, **opts)
+            print(f"  {schedules[pct, objective]}", file=sys.stderr, flush=True)
+        print(f"evaluating on {ns.eval_rows} x {L} held-out tokens...", file=sys.stderr, flush=True)
+        got = evaluate(model, {o: schedules[pct, o] for o in OBJECTIVES}, ev, pct)
         rows += [r for r in got if r["method"] != "dense" or not rows]
     if ns.schedule_out:
-        schedules[budgets[0]].save(ns.schedule_out)
-    layers = list(schedules[budgets[0]].layers)
+        schedules[budgets[0], OBJECTIVES[0]].save(ns.schedule_out)
+    layers = list(schedules[budgets[0], OBJECTIVES[0]].layers)
     meta = {
         "jax": jax.__version__,
         "device": jax.devices()[0].device_kind,
         "command": " ".join(sys.argv),
-        "schedules": {str(k): json.loads(s.to_json()) for k, s in schedules.items()},
+        "schedules": {f"{pct:g}% {o}": json.loads(s.to_json()) for (pct, o), s in schedules.items()},
     }
     print(json.dumps({"meta": meta, "rows": rows}, indent=1) if ns.json else format_table(rows, layers))
     return 0

@@ -86,18 +86,43 @@ def test_bad_schedules_raise(model, schedule, kwargs, match):
         model(ids, kascade=schedule, **kwargs)
 
 
-def test_calibration_statistics_and_schedule(model):
+@pytest.mark.parametrize("objective", ["output", "mass"])
+def test_calibration_statistics_and_schedule(model, objective):
     from kdax.models.kascade import calibrate, layer_statistics
 
     ids = _ids(2, 96, seed=3)
-    layers, pairs, importance = layer_statistics(model, ids, topk_percent=10, min_k=4, tile_size=16)
+    opts = {"topk_percent": 10, "min_k": 4, "tile_size": 16, "objective": objective}
+    layers, pairs, importance = layer_statistics(model, ids, **opts)
     assert layers == [0, 1, 3, 4] and pairs.shape == (4, 4, 2, 2) and importance.shape == (4,)
-    for i in range(4):
-        np.testing.assert_allclose(np.diagonal(pairs[i, i]), 1.0, rtol=F32["same"])  # a layer's own selection
+    if objective == "mass":
+        for i in range(4):
+            np.testing.assert_allclose(np.diagonal(pairs[i, i]), 1.0, rtol=F32["same"])  # a layer's own selection
+    else:  # 1 - G x a relative squared error: below 1, and a layer's own selection the best of its own heads
+        assert (pairs[np.triu_indices(4)] < 1).all() and (pairs[np.triu_indices(4)] > -1).all()
     assert (pairs[np.triu_indices(4)] <= 1 + 1e-6).all() and (importance > 0).all()
-    schedule = calibrate(model, ids, 2, topk_percent=10, min_k=4, tile_size=16)
+    schedule = calibrate(model, ids, 2, **opts)
     assert schedule.layers == (0, 1, 3, 4) and schedule.anchors[0] == 0 and len(schedule.anchors) == 2
     assert np.isfinite(np.asarray(model(ids, kascade=schedule))).all()
+
+
+def test_calibration_objective_is_checked(model):
+    from kdax.models.kascade import calibrate
+
+    with pytest.raises(ValueError, match="objective: expected one of"):
+        calibrate(model, _ids(1, 32), 1, objective="recall")
+
+
+def test_sparse_pass_measures_recall_on_its_own_run(model):
+    """The study's pass: the schedule's logits, recall 1 on the dense first layer, and on the
+    others the share of that run's attention mass; at a full budget every share is 1."""
+    from kdax.models.kascade import sparse_pass
+
+    ids = _ids(1, 96, seed=4)
+    logits, kept = sparse_pass(model, ids, schedule=SPARSE)
+    np.testing.assert_allclose(logits, model(ids, kascade=SPARSE), atol=2 * F32["out"])
+    assert kept[0] == 1.0 and all(0 < r < 1 for r in kept[1:]), kept
+    _, full = sparse_pass(model, ids, schedule=FULL)
+    np.testing.assert_allclose(full, 1.0, rtol=1e-6)
 
 
 def test_kdax_kascade_calibrate_writes_a_schedule(model, tmp_path, capsys):
@@ -183,7 +208,8 @@ def test_quality_study_methods_agree_at_full_budget(model):
     from kdax.bench.kascade_quality import METHODS, baseline_indices, evaluate, format_table
 
     ids = _ids(1, 96, seed=5)
-    rows = evaluate(model, dataclasses.replace(SPARSE, min_k=10_000), ids, 100)
+    full = dataclasses.replace(SPARSE, min_k=10_000)
+    rows = evaluate(model, {"output": full, "mass": full}, ids, 100)
     assert [r["method"] for r in rows] == list(METHODS) and "oracle" in METHODS
     dense = rows[0]["perplexity"]
     for r in rows:  # every method keeps every key

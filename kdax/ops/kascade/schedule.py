@@ -1,8 +1,11 @@
 """Kascade schedules: which softmax layers are anchors, which KV head of its anchor each head of a
 reuse layer reads, and the statistics and dynamic program that choose them from a calibration run.
 
-Statistics (per calibration batch): for a candidate anchor a, a layer l >= a, a KV head g of l and
-a KV head g' of a, the share of layer l's pooled attention mass (head g) that falls on a's top-k
+Statistics (per calibration batch), for a candidate anchor a, a layer l >= a, a KV head g of l and
+a KV head g' of a, by one of two objectives. Output error (the default of
+:func:`kdax.models.kascade.calibrate`): 1 - G x the squared error of layer l's output when head g
+attends a's selection of head g', relative to its dense output's squared norm. Attention mass (the
+Kascade paper's): the share of layer l's pooled attention mass (head g) that falls on a's top-k
 selection (head g') plus each tile's own causal block, relative to the share on l's own top-k plus
 that block; the minimum over query tiles (a selection must serve every tile), averaged over the
 batch's rows. Layer l's similarity to anchor a is the mean over g of the best g'; that best g' is
@@ -157,6 +160,45 @@ def pair_similarity(P, own, anchor, tile_size: int) -> np.ndarray:
     mine = np.diagonal(on_own, axis1=1, axis2=2).transpose(0, 2, 1)  # [B, G, NT]
     ratio = (on_anchor + block[:, :, None]) / np.maximum(mine + block, 1e-300)[:, :, None]
     return ratio.min(axis=-1).mean(axis=0)
+
+
+def output_similarity(run, selections, tile_size: int) -> np.ndarray:
+    """Head-pair similarities by the error of a layer's output: entry [a, l, g, g'] is
+    ``1 - G * e``, e the squared error of layer l's output when its KV head g attends anchor
+    a's head-g' selection (plus each tile's own block) and its other heads every key, relative
+    to the squared norm of its output with every key, over the calibration rows. The mean over
+    g of the best entries is then 1 - the summed error of the layer with its best head map (the
+    heads' cross terms left out): the measure :func:`choose_anchors`
+    maximises.
+
+    Args:
+        run: ``run(l, indices)`` -> layer l's output (any shape) when its KV heads attend
+            indices [B, G, NT, W] (-1 for none) besides each tile's own block.
+        selections: per layer its own selection [B, G, NT, k] (:func:`kdax.models.kascade.dense_pass`).
+        tile_size: queries per tile.
+
+    Returns:
+        [L, L, G, G] float64 (0 below the diagonal).
+    """
+    B, G, NT = selections[0].shape[:3]
+    W = (NT - 1) * tile_size
+    keys = np.arange(W)[None, :]
+    every = np.where(keys < (np.arange(NT) * tile_size)[:, None], keys, -1).astype(np.int32)
+    every = np.broadcast_to(every, (B, G, NT, W))
+    L = len(selections)
+    pairs = np.zeros((L, L, G, G))
+    for l in range(L):
+        dense = np.asarray(run(l, jnp.asarray(every)), np.float64)
+        norm = max(float(np.sum(dense**2)), 1e-300)
+        for a in range(l + 1):
+            chosen = np.pad(selections[a], [(0, 0)] * 3 + [(0, W - selections[a].shape[-1])], constant_values=-1)
+            for g in range(G):
+                for g2 in range(G):
+                    idx = every.copy()
+                    idx[:, g] = chosen[:, g2]
+                    y = np.asarray(run(l, jnp.asarray(idx)), np.float64)
+                    pairs[a, l, g, g2] = 1 - G * float(np.sum((y - dense) ** 2)) / norm
+    return pairs
 
 
 def recall(P, selection, tile_size: int) -> float:

@@ -17,6 +17,7 @@ from kdax.ops.kascade.schedule import (
     choose_anchors,
     layer_importance,
     layer_similarity,
+    output_similarity,
     pair_similarity,
 )
 from tests.tolerances import F32, F64
@@ -132,3 +133,38 @@ def test_layer_importance():
     x = jnp.asarray(np.random.default_rng(0).standard_normal((3, 5, 8)))
     assert abs(layer_importance(x, jnp.zeros_like(x))) < F32["same"]
     assert abs(layer_importance(x, -2 * x) - 2.0) < F32["same"]
+
+
+def test_output_error_and_mass_disagree_and_output_picks_the_output_better_head():
+    """Keys 3 and 5 hold 0.3 of a layer's attention each with opposite values, key 7 holds 0.4
+    with the mean value. Anchor head 0 selected {3, 7} (0.7 of the mass), head 1 {3, 5} (0.6):
+    mass prefers head 0, while head 1's keys reproduce the output exactly, so the output
+    objective prefers head 1, and the schedule's head maps follow each objective."""
+    T, D, tile = 48, 16, 16
+    q = np.zeros((1, T, 2, D))
+    q[..., 0] = 1.0
+    k = np.zeros((1, T, 2, D))
+    for key, mass in ((3, 0.3), (5, 0.3), (7, 0.4)):
+        k[0, key, :, 0] = (np.log(mass) + 12) * np.sqrt(D)  # scores ln(mass) + 12 against ~0 elsewhere
+    v = np.zeros((1, T, 2, D))
+    v[..., 1] = 1.0  # a common part, so the output is not 0
+    v[0, 3, :, 0], v[0, 5, :, 0] = 1.0, -1.0
+    q, k, v = (jnp.asarray(x, jnp.float32) for x in (q, k, v))
+    anchor = -np.ones((1, 2, 3, 2), np.int32)
+    anchor[0, 0, 1:] = [3, 7]
+    anchor[0, 1, 1:] = [3, 5]
+    own = anchor[:, [0, 0]]  # the layer's own top 2: key 7, then 3 (ties toward the smaller index)
+
+    def run(l, indices):
+        return kdax.kascade_reuse(q, k, v, indices, tile_size=tile, backend="xla")
+
+    out = output_similarity(run, [anchor, own], tile)[0, 1]  # anchor layer 0 serving layer 1
+    P = reference.pooled_probabilities(q, k, tile_size=tile)
+    mass = pair_similarity(P, own, anchor, tile)
+    assert (out.argmax(-1) == 1).all() and (mass.argmax(-1) == 0).all(), (out, mass)
+    assert out[:, 1] == pytest.approx(1.0, abs=1e-6) and (out[:, 0] < 0.9).all()
+    for pairs, head in ((out, 1), (mass, 0)):
+        full = np.zeros((2, 2, 2, 2))
+        full[0, 1] = pairs
+        full[0, 0] = full[1, 1] = 1.0
+        assert build_schedule([0, 1], full, [1.0, 1.0], 1, min_k=2, tile_size=tile).head_maps == {1: (head, head)}
