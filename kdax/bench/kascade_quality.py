@@ -72,11 +72,11 @@ def _perplexity(logits, ids) -> float:
 def run_method(model: KDAForCausalLM, ids, method: str, schedule: KascadeSchedule, seed: int = 0):
     """One method on rows ``ids`` [B, T]: (logits [B, T, vocab], per full-attention layer the
     share of its attention mass the keys it attended keep, measured on this run:
-    :func:`kdax.models.kascade.sparse_pass`). ``schedule`` is the calibrated one, at the budget."""
-    B, T = ids.shape
-    G = model.model.layers[schedule.layers[0]].attn.num_kv_heads
+    :func:`kdax.models.kascade.sparse_pass`). ``schedule`` is the calibrated one, at the budget (None for "dense")."""
     if method == "dense":
         return sparse_pass(model, ids)
+    B, T = ids.shape
+    G = model.model.layers[schedule.layers[0]].attn.num_kv_heads
     if method in ("kascade", "kascade_mass"):
         return sparse_pass(model, ids, schedule=schedule)
     if method == "kascade_no_remap":
