@@ -37,7 +37,6 @@ from kdax.models.kda import full_attention_layers
 from kdax.models.presets import attn8_config
 from kdax.ops.common.validation import fail
 
-OPEN, BAR, CLOSE = ord("{"), ord("|"), ord("}")
 KEY, VALUE = 4, 4
 RECORD = KEY + VALUE + 3
 
