@@ -120,7 +120,7 @@ BF16_CASES = [
 
 
 @pytest.mark.parametrize("backend", ["xla", *KERNELS])
-@pytest.mark.parametrize("case", BF16_CASES, ids=str)
+@pytest.mark.parametrize("case", CASES + BF16_CASES, ids=str)
 def test_bf16_selections_equal_the_definitions(backend, case):
     """bfloat16 inputs: every backend selects the keys the float64 definition selects from the
     same bf16 values (the kernels pool in float32), and the sparse output is within 1e-2."""
