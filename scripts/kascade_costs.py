@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from kdax.ops.kascade.blocks import SELECT_BANDS
+from kdax.ops.kascade.blocks import select_bands
 from kdax.ops.kascade.checks import budget
 
 
@@ -31,8 +31,7 @@ def prefill(T, H=32, G=8, D=128, tile=32, tenths=100, min_k=128, item=2):
     # pairs it first writes; one pass of the sort counted, then the indices written
     score_flops = 2 * H * D * T * T / 2
     NT = len(starts)
-    per_band = -(-NT // min(NT, SELECT_BANDS))
-    banded = sum((min(NT, t0 + per_band) - t0) * (min(NT, t0 + per_band) - 1) * tile for t0 in range(0, NT, per_band))
+    banded = sum((t1 - t0) * (t1 - 1) * tile for t0, t1 in select_bands(NT))
     select_bytes = G * (sum(starts) * 4 + banded * (4 + 8) + NT * int(budget(starts[-1], tenths, min_k)) * 4)
     anchor = (dense_flops + score_flops + reuse_flops, qkvo + kv + select_bytes + reuse_bytes)
     return {"dense": (dense_flops, qkvo + kv), "reuse": (reuse_flops, reuse_bytes), "anchor": anchor}

@@ -23,13 +23,13 @@ import math
 import sys
 import time
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
 from tqdm import tqdm
 
+from kdax.bench import flags
 from kdax.bench.kascade_quality import METHODS, run_method
 from kdax.models import KDAForCausalLM, from_pretrained, save_pretrained
 from kdax.models.kascade import OBJECTIVES, calibrate
@@ -71,20 +71,15 @@ def document(text: np.ndarray, length: int, rng: np.random.Generator, records: i
     while len(pairs) < records:
         key, value = _record(rng)
         pairs.setdefault(key, value)
-    slots = np.sort(rng.choice(length // 4 // RECORD, records, replace=False)) * RECORD
-    for (key, value), at in zip(pairs.items(), slots):
-        tokens[at : at + RECORD] = np.frombuffer(b"{" + key + b"|" + value + b"}", np.uint8)
-        is_text[at : at + RECORD] = False
+    pairs = list(pairs.items())
+    early = np.sort(rng.choice(length // 4 // RECORD, records, replace=False)) * RECORD
     asked = rng.choice(records, queries, replace=False)
-    values = []
-    end = length - queries * RECORD
-    for n, i in enumerate(asked):
-        key, value = list(pairs.items())[i]
-        at = end + n * RECORD
+    late = length - queries * RECORD + np.arange(queries) * RECORD
+    for (key, value), at in [*zip(pairs, early), *((pairs[i], at) for i, at in zip(asked, late))]:
         tokens[at : at + RECORD] = np.frombuffer(b"{" + key + b"|" + value + b"}", np.uint8)
         is_text[at : at + RECORD] = False
-        values.append(np.arange(at + KEY + 2, at + KEY + 2 + VALUE))
-    return Document(tokens, np.stack(values), is_text)
+    values = late[:, None] + KEY + 2 + np.arange(VALUE)
+    return Document(tokens, values, is_text)
 
 
 def split_text(holdout: float = 0.1) -> tuple[np.ndarray, np.ndarray]:
@@ -123,7 +118,7 @@ def train_model(
     return losses
 
 
-def _scores(logits, doc: Document) -> tuple[float, float, int, int]:
+def _scores(logits, doc: Document) -> tuple[float, int, int, int]:
     """(text negative log-likelihood summed, over how many bytes; queries recalled, of how many)."""
     logits = np.asarray(logits, np.float32)
     ids = doc.tokens.astype(np.int32)
@@ -204,36 +199,33 @@ def format_table(rows: list[dict], layers: list[int]) -> str:
     return "\n".join(lines)
 
 
-def _ints(text: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in text.split(","))
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m kdax.bench.kascade_retrieval", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train the attn8 preset on retrieval documents")
     t.add_argument("--out", required=True, help="where the model is saved (FLA format)")
-    t.add_argument("--steps", type=int, default=400)
-    t.add_argument("--batch-size", type=int, default=2)
-    t.add_argument("--lengths", default="1024,2048", help="document lengths, one drawn per step")
+    t.add_argument("--steps", type=flags.at_least(1), default=400)
+    t.add_argument("--batch-size", type=flags.at_least(1), default=2)
+    t.add_argument("--lengths", type=flags.ints, default="1024,2048", help="document lengths, one drawn per step")
     t.add_argument("--lr", type=float, default=3e-3)
     t.add_argument("--seed", type=int, default=0)
     s = sub.add_parser("study", help="compare the methods on held-out retrieval documents")
     s.add_argument("--checkpoint", required=True, help="the trained model (FLA format)")
-    s.add_argument("--lengths", default="2048,4096,8192", help="document lengths to evaluate")
+    s.add_argument("--lengths", type=flags.ints, default="2048,4096,8192", help="document lengths to evaluate")
     s.add_argument("--budgets", default="10,20", help="topk_percent values")
-    s.add_argument("--calib-docs", type=int, default=2, help="calibration documents (training text)")
-    s.add_argument("--eval-docs", type=int, default=8, help="evaluation documents (held-out text)")
-    s.add_argument("--anchors", type=int, default=2)
+    s.add_argument("--calib-docs", type=flags.at_least(1), default=2, help="calibration documents (training text)")
+    s.add_argument("--eval-docs", type=flags.at_least(1), default=8, help="evaluation documents (held-out text)")
+    s.add_argument("--anchors", type=flags.at_least(1), default=2)
     s.add_argument("--min-k", type=int, default=32)
     s.add_argument("--tile-size", type=int, default=32)
     s.add_argument("--methods", default=",".join(METHODS), help="the methods to run, of " + ", ".join(METHODS))
     s.add_argument("--json", action="store_true", help="print JSON instead of the table")
     ns = p.parse_args(argv)
+    ns.command_line = " ".join(["python -m kdax.bench.kascade_retrieval", *(sys.argv[1:] if argv is None else argv)])
     if ns.command == "train":
         t0 = time.perf_counter()
         losses = train_model(
-            ns.out, steps=ns.steps, batch_size=ns.batch_size, lengths=_ints(ns.lengths), lr=ns.lr, seed=ns.seed
+            ns.out, steps=ns.steps, batch_size=ns.batch_size, lengths=ns.lengths, lr=ns.lr, seed=ns.seed
         )
         tail = losses[-20:]
         print(
@@ -247,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     model = from_pretrained(ns.checkpoint)
     rows, schedules = study(
         model,
-        lengths=_ints(ns.lengths),
+        lengths=ns.lengths,
         budgets=[float(b) for b in ns.budgets.split(",")],
         calib_docs=ns.calib_docs,
         eval_docs=ns.eval_docs,
@@ -256,15 +248,8 @@ def main(argv: list[str] | None = None) -> int:
         tile=ns.tile_size,
         methods=methods,
     )
-    meta = {
-        "jax": jax.__version__,
-        "device": jax.devices()[0].device_kind,
-        "command": " ".join(sys.argv),
-        "schedules": {f"{pct:g}% {o}": json.loads(x.to_json()) for (pct, o), x in schedules.items()},
-    }
-    layers = full_attention_layers(model)
-    print(json.dumps({"meta": meta, "rows": rows}, indent=1) if ns.json else format_table(rows, layers))
-    return 0
+    m = {**flags.meta(ns), "schedules": {f"{pct:g}% {o}": json.loads(x.to_json()) for (pct, o), x in schedules.items()}}
+    return flags.emit(ns, m, "rows", rows, format_table(rows, full_attention_layers(model)))
 
 
 if __name__ == "__main__":

@@ -97,7 +97,7 @@ def test_calibration_statistics_and_schedule(model, objective):
     if objective == "mass":
         for i in range(4):
             np.testing.assert_allclose(np.diagonal(pairs[i, i]), 1.0, rtol=F32["same"])  # a layer's own selection
-    else:  # 1 - G x a relative squared error: below 1, and a layer's own selection the best of its own heads
+    else:  # 1 - G x a relative squared error: below 1 for every pair, a sparse selection changes the output
         assert (pairs[np.triu_indices(4)] < 1).all() and (pairs[np.triu_indices(4)] > -1).all()
     assert (pairs[np.triu_indices(4)] <= 1 + 1e-6).all() and (importance > 0).all()
     schedule = calibrate(model, ids, 2, **opts)

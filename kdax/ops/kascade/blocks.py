@@ -105,20 +105,23 @@ def anchor(attend, scores, q, k, v, lengths, plan: Plan, *, tenths, min_k, k_max
 SELECT_BANDS = 8  # bands of query tiles the top-k takes apart (docs/kascade_gpu.md, "The anchor's selection")
 
 
+def select_bands(NT: int) -> list[tuple[int, int]]:
+    """The bands [t0, t1) of consecutive query tiles that :func:`banded_select` takes apart."""
+    per_band = -(-NT // min(NT, SELECT_BANDS))
+    return [(t0, min(NT, t0 + per_band)) for t0 in range(0, NT, per_band)]
+
+
 def banded_select(P, lengths, plan: Plan, *, tenths, min_k, k_max):
     """The anchor's selection from the float32 pooled scores P [B, G, NT, >= T] (only keys before
-    each tile read). The tiles go to the top-k in up to :data:`SELECT_BANDS` bands of consecutive
-    tiles, each over the keys before its last tile and with its last tile's budget, so the sort
-    sees about (1 + 1/bands) / 2 of the [NT, T] rectangle; the result is the whole-rectangle
-    selection's. Returns indices [B, G, NT, k_max] int32."""
-    NT, tile = plan.NT, plan.tile_size
-    per_band = -(-NT // min(NT, SELECT_BANDS))
+    each tile read). The tiles go to the top-k in :func:`select_bands` (up to
+    :data:`SELECT_BANDS` bands of consecutive tiles), each over the keys before its last tile and
+    with its last tile's budget, so the sort sees about (1 + 1/bands) / 2 of the [NT, T]
+    rectangle; the result is the whole-rectangle selection's. Returns indices [B, G, NT, k_max] int32."""
     out = []
-    for t0 in range(0, NT, per_band):
-        t1 = min(NT, t0 + per_band)
-        keys = (t1 - 1) * tile
+    for t0, t1 in select_bands(plan.NT):
+        keys = (t1 - 1) * plan.tile_size
+        starts = jnp.arange(t0, t1, dtype=jnp.int32) * plan.tile_size
         width = int(budget(keys, tenths, min_k))
-        starts = jnp.arange(t0, t1, dtype=jnp.int32) * tile
         band = select(P[:, :, t0:t1, :keys], starts, lengths, tenths=tenths, min_k=min_k, k_max=width)
         out.append(pad_selection(band, k_max))
     return jnp.concatenate(out, axis=2)
