@@ -14,6 +14,7 @@ import functools
 import json
 import os
 import time
+from collections.abc import Callable
 from importlib import resources
 
 import jax
@@ -181,12 +182,10 @@ def _optimizer(steps: int, lr: float, warmup: int, weight_decay: float, clip: fl
     return optax.chain(optax.clip_by_global_norm(clip), optax.adamw(schedule, weight_decay=weight_decay))
 
 
-def _batch(tokens: np.ndarray, rng: np.random.Generator, cfg: TrainConfig, mesh=None) -> jax.Array:
-    """[batch_size, seq_len + 1] random windows of ``tokens`` (every process draws the same), rows
-    over the mesh's data axis where there is a mesh."""
+def _windows(tokens: np.ndarray, rng: np.random.Generator, cfg: TrainConfig) -> np.ndarray:
+    """[batch_size, seq_len + 1] random windows of ``tokens`` (every process draws the same)."""
     starts = rng.integers(0, tokens.size - cfg.seq_len - 1, cfg.batch_size)
-    batch = np.stack([tokens[s : s + cfg.seq_len + 1] for s in starts]).astype(np.int32)
-    return jnp.asarray(batch) if mesh is None else sharding.global_batch(batch, mesh)
+    return np.stack([tokens[s : s + cfg.seq_len + 1] for s in starts]).astype(np.int32)
 
 
 def _on_mesh(model: KDAForCausalLM, cfg: TrainConfig):
@@ -293,14 +292,19 @@ def check_checkpoints(cfg: TrainConfig, resume: bool) -> None:
     if not resume and latest is not None:
         raise ValueError(
             f"out_dir: {cfg.out_dir!r} holds checkpoints up to step {latest}; "
-            "continue them with resume (kdax train --resume) or choose another out_dir"
+            "continue them with resume (--resume on the command line) or choose another out_dir"
         )
 
 
 def train(
-    model: KDAForCausalLM, tokens: np.ndarray, cfg: TrainConfig, progress: bool = True, resume: bool = False
+    model: KDAForCausalLM,
+    tokens: np.ndarray,
+    cfg: TrainConfig,
+    progress: bool = True,
+    resume: bool = False,
+    batches: Callable[[np.random.Generator], np.ndarray] | None = None,
 ) -> list[float]:
-    """Train ``model`` in place on random windows of ``tokens``.
+    """Train ``model`` in place on random windows of ``tokens`` (or on what ``batches`` draws).
 
     With ``cfg.out_dir``, orbax saves the training state (parameters, optimizer state, step and
     the batch generator's state) to ``out_dir/state/<step>`` every ``cfg.checkpoint_every``
@@ -347,12 +351,17 @@ def train(
         bar = tqdm(range(first + 1, cfg.steps + 1), initial=first, total=cfg.steps, disable=not shown, desc="train")
         try:
             for step in bar:
-                loss = float(train_step(model, optimizer, _batch(tokens, rng, cfg, mesh)))
+                batch = _windows(tokens, rng, cfg) if batches is None else batches(rng)
+                loss = float(
+                    train_step(
+                        model, optimizer, jnp.asarray(batch) if mesh is None else sharding.global_batch(batch, mesh)
+                    )
+                )
                 losses.append(loss)
                 if start is None:  # the first step includes compilation
                     start, done = time.perf_counter(), 0
                 else:
-                    done += cfg.batch_size * cfg.seq_len
+                    done += batch.shape[0] * (batch.shape[1] - 1)
                     bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{done / (time.perf_counter() - start):,.0f}")
                 if saving and (step % cfg.checkpoint_every == 0 or step == cfg.steps):
                     _save(manager, step, model, optimizer, rng, cfg)

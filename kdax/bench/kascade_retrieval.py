@@ -27,11 +27,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from tqdm import tqdm
 
 from kdax.bench import flags
 from kdax.bench.kascade_quality import METHODS, run_method
-from kdax.models import KDAForCausalLM, from_pretrained, save_pretrained
+from kdax.models import KDAForCausalLM, from_pretrained
 from kdax.models.kascade import OBJECTIVES, calibrate
 from kdax.models.kda import full_attention_layers
 from kdax.models.presets import attn8_config
@@ -92,30 +91,51 @@ def split_text(holdout: float = 0.1) -> tuple[np.ndarray, np.ndarray]:
 
 
 def train_model(
-    out: str, *, steps: int, batch_size: int, lengths: tuple[int, ...], lr: float, seed: int = 0, progress=True
+    out: str,
+    *,
+    steps: int,
+    batch_size: int,
+    lengths: tuple[int, ...],
+    lr: float,
+    seed: int = 0,
+    checkpoint_every: int = 500,
+    resume: bool = False,
+    progress: bool = True,
 ) -> list[float]:
     """Train the attn8 preset on retrieval documents of the training text, a length from
-    ``lengths`` drawn per step (one compilation per length), and save it to ``out``.
+    ``lengths`` drawn per step (one compilation per length), with :func:`kdax.train.train`: the
+    training state in ``out/state`` every ``checkpoint_every`` steps (``resume`` continues it;
+    the same ``lengths`` continue it exactly), the weights in ``out/model``.
 
     Returns:
-        The loss of every step.
+        The loss of every step this call ran.
+
+    Raises:
+        ValueError: as :func:`kdax.train.train` (``out`` holds a training state and ``resume``
+            is off, or none and it is on; settings that differ from the checkpoint's).
     """
-    from kdax.train import _optimizer, train_step
+    from kdax.train import TrainConfig, train
 
     train_text, _ = split_text()
-    config = attn8_config()
-    model = KDAForCausalLM(config, rngs=nnx.Rngs(seed))
-    optimizer = nnx.Optimizer(model, _optimizer(steps, lr, min(50, steps // 10), 0.01, 1.0), wrt=nnx.Param)
-    rng = np.random.default_rng(seed)
-    losses = []
-    bar = tqdm(range(steps), disable=not progress, desc="train")
-    for _ in bar:
+    cfg = TrainConfig(
+        preset="attn8",
+        steps=steps,
+        batch_size=batch_size,
+        seq_len=max(lengths),
+        lr=lr,
+        warmup=min(50, steps // 10),
+        weight_decay=0.01,
+        seed=seed,
+        checkpoint_every=checkpoint_every,
+        out_dir=out,
+    )
+
+    def batches(rng: np.random.Generator) -> np.ndarray:
         n = int(rng.choice(lengths))
-        batch = np.stack([document(train_text, n + 1, rng).tokens for _ in range(batch_size)]).astype(np.int32)
-        losses.append(float(train_step(model, optimizer, jnp.asarray(batch))))
-        bar.set_postfix(loss=f"{losses[-1]:.3f}", T=n)
-    save_pretrained(model, out)
-    return losses
+        return np.stack([document(train_text, n + 1, rng).tokens for _ in range(batch_size)]).astype(np.int32)
+
+    model = KDAForCausalLM(attn8_config(), rngs=nnx.Rngs(seed))
+    return train(model, train_text, cfg, progress=progress, resume=resume, batches=batches)
 
 
 def _scores(logits, doc: Document) -> tuple[float, int, int, int]:
@@ -203,12 +223,14 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m kdax.bench.kascade_retrieval", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train the attn8 preset on retrieval documents")
-    t.add_argument("--out", required=True, help="where the model is saved (FLA format)")
+    t.add_argument("--out", required=True, help="where the run is saved: state/<step> (for --resume) and model")
     t.add_argument("--steps", type=flags.at_least(1), default=400)
     t.add_argument("--batch-size", type=flags.at_least(1), default=2)
     t.add_argument("--lengths", type=flags.ints, default="1024,2048", help="document lengths, one drawn per step")
     t.add_argument("--lr", type=float, default=3e-3)
     t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--checkpoint-every", type=flags.at_least(0), default=500, help="save the training state (0: never)")
+    t.add_argument("--resume", action="store_true", help="continue the newest training state in --out")
     s = sub.add_parser("study", help="compare the methods on held-out retrieval documents")
     s.add_argument("--checkpoint", required=True, help="the trained model (FLA format)")
     s.add_argument("--lengths", type=flags.ints, default="2048,4096,8192", help="document lengths to evaluate")
@@ -223,14 +245,30 @@ def main(argv: list[str] | None = None) -> int:
     ns = p.parse_args(argv)
     ns.command_line = " ".join(["python -m kdax.bench.kascade_retrieval", *(sys.argv[1:] if argv is None else argv)])
     if ns.command == "train":
+        from kdax.train import Interrupted
+
         t0 = time.perf_counter()
-        losses = train_model(
-            ns.out, steps=ns.steps, batch_size=ns.batch_size, lengths=ns.lengths, lr=ns.lr, seed=ns.seed
-        )
+        try:
+            losses = train_model(
+                ns.out,
+                steps=ns.steps,
+                batch_size=ns.batch_size,
+                lengths=ns.lengths,
+                lr=ns.lr,
+                seed=ns.seed,
+                checkpoint_every=ns.checkpoint_every,
+                resume=ns.resume,
+            )
+        except ValueError as e:
+            p.error(str(e))
+        except Interrupted as stop:
+            where = "no training state saved" if stop.step is None else f"the state of step {stop.step} is in {ns.out}"
+            print(f"\ninterrupted; {where}: continue with the same command and --resume", file=sys.stderr)
+            return 130
         tail = losses[-20:]
         print(
-            f"trained {ns.steps} steps in {(time.perf_counter() - t0) / 60:.1f} min; loss {losses[0]:.3f} -> "
-            f"{sum(tail) / len(tail):.3f} (mean of the last {len(tail)}); saved to {ns.out}"
+            f"trained {len(losses)} steps in {(time.perf_counter() - t0) / 60:.1f} min; loss {losses[0]:.3f} -> "
+            f"{sum(tail) / len(tail):.3f} (mean of the last {len(tail)}); saved to {ns.out}/model"
         )
         return 0
     methods = tuple(ns.methods.split(","))

@@ -3,10 +3,12 @@ is run by hand (docs/kascade.md, "Long-range retrieval")."""
 
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pytest
 
-from kdax.bench.kascade_retrieval import KEY, RECORD, _scores, document, split_text
+from kdax.bench.kascade_retrieval import KEY, RECORD, _scores, document, split_text, train_model
 
 
 def test_documents_plant_records_early_and_query_them_at_the_end():
@@ -40,3 +42,16 @@ def test_documents_too_short_for_their_records_raise():
     _, held = split_text()
     with pytest.raises(ValueError, match="length: expected room for 16 records"):
         document(held, 400, np.random.default_rng(0))
+
+
+def test_training_resumes_exactly(tmp_path):
+    """4 steps straight equal 2 steps, a stop, a resume from the step-2 state and 2 more: the
+    documents drawn after the checkpoint are the same (the batch generator's state is kept)."""
+    kwargs = {"steps": 4, "batch_size": 1, "lengths": (704,), "lr": 3e-3, "progress": False, "checkpoint_every": 2}
+    straight = train_model(str(tmp_path / "a"), **kwargs)
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    shutil.rmtree(tmp_path / "b" / "state" / "4")  # a run stopped after its step-2 checkpoint
+    with pytest.raises(ValueError, match="out_dir: .* holds checkpoints up to step 2"):
+        train_model(str(tmp_path / "b"), **kwargs)
+    resumed = train_model(str(tmp_path / "b"), resume=True, **kwargs)
+    assert len(straight) == 4 and resumed == straight[2:]
