@@ -352,11 +352,8 @@ def train(
         try:
             for step in bar:
                 batch = _windows(tokens, rng, cfg) if batches is None else batches(rng)
-                loss = float(
-                    train_step(
-                        model, optimizer, jnp.asarray(batch) if mesh is None else sharding.global_batch(batch, mesh)
-                    )
-                )
+                placed = jnp.asarray(batch) if mesh is None else sharding.global_batch(batch, mesh)
+                loss = float(train_step(model, optimizer, placed))
                 losses.append(loss)
                 if start is None:  # the first step includes compilation
                     start, done = time.perf_counter(), 0
