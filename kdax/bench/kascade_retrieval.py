@@ -20,6 +20,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import sys
 import time
 
@@ -104,17 +105,18 @@ def train_model(
 ) -> list[float]:
     """Train the attn8 preset on retrieval documents of the training text, a length from
     ``lengths`` drawn per step (one compilation per length), with :func:`kdax.train.train`: the
-    training state in ``out/state`` every ``checkpoint_every`` steps (``resume`` continues it;
-    the same ``lengths`` continue it exactly), the weights in ``out/model``.
+    training state in ``out/state`` every ``checkpoint_every`` steps (``resume`` continues it
+    exactly), the lengths in ``out/lengths.json``, the weights in ``out/model``.
 
     Returns:
         The loss of every step this call ran.
 
     Raises:
         ValueError: as :func:`kdax.train.train` (``out`` holds a training state and ``resume``
-            is off, or none and it is on; settings that differ from the checkpoint's).
+            is off, or none and it is on; settings that differ from the checkpoint's), and
+            for ``lengths`` other than those of the run ``resume`` continues.
     """
-    from kdax.train import TrainConfig, train
+    from kdax.train import TrainConfig, check_checkpoints, train
 
     train_text, _ = split_text()
     cfg = TrainConfig(
@@ -129,6 +131,18 @@ def train_model(
         checkpoint_every=checkpoint_every,
         out_dir=out,
     )
+
+    check_checkpoints(cfg, resume)
+    path = os.path.join(out, "lengths.json")
+    if resume:
+        with open(path) as f:
+            saved = json.load(f)
+        if saved != list(lengths):
+            fail("lengths", f"those of the run in {out}, {saved}, to resume it", list(lengths))
+    else:
+        os.makedirs(out, exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(list(lengths), f)
 
     def batches(rng: np.random.Generator) -> np.ndarray:
         n = int(rng.choice(lengths))
