@@ -108,14 +108,7 @@ def _train(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
         train.main(cfg, ns.corpus, ns.sample_tokens, ns.resume)
     except train.Interrupted as stop:
-        if stop.step is None:
-            print("\nkdax train: interrupted before any training state was saved", file=sys.stderr)
-        else:
-            print(
-                f"\nkdax train: interrupted; the training state of step {stop.step} is in {stop.directory}: "
-                f"continue with the same command and --resume",
-                file=sys.stderr,
-            )
+        print(f"\nkdax train: {stop.advice()}", file=sys.stderr)
         return 130
     return 0
 

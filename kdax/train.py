@@ -227,11 +227,11 @@ def _save(
     model: KDAForCausalLM,
     optimizer: nnx.Optimizer,
     rng: np.random.Generator,
-    cfg: TrainConfig,
+    run: dict,
 ) -> None:
     """Parameters and optimizer state (arrays), the step, the batch generator's state and the run's settings."""
     arrays = {"model": nnx.state(model), "optimizer": nnx.state(optimizer)}
-    progress = {"step": step, "data": rng.bit_generator.state, "run": {f: getattr(cfg, f) for f in _RUN_FIELDS}}
+    progress = {"step": step, "data": rng.bit_generator.state, "run": run}
     manager.save(
         step, args=ocp.args.Composite(arrays=ocp.args.StandardSave(arrays), progress=ocp.args.JsonSave(progress))
     )
@@ -242,7 +242,7 @@ def _restore(
     model: KDAForCausalLM,
     optimizer: nnx.Optimizer,
     rng: np.random.Generator,
-    cfg: TrainConfig,
+    run: dict,
 ) -> int:
     """Load the newest complete checkpoint into the model, optimizer and batch generator; returns
     its step (0 where there is none)."""
@@ -253,8 +253,9 @@ def _restore(
     got = manager.restore(
         step, args=ocp.args.Composite(arrays=ocp.args.StandardRestore(target), progress=ocp.args.JsonRestore())
     )
+    saved = got.progress["run"]
     differ = [
-        f"{k}={v!r} (this run: {getattr(cfg, k)!r})" for k, v in got.progress["run"].items() if getattr(cfg, k) != v
+        f"{k}={saved.get(k)!r} (this run: {run.get(k)!r})" for k in {**saved, **run} if saved.get(k) != run.get(k)
     ]
     if differ:
         raise ValueError(
@@ -273,6 +274,15 @@ class Interrupted(KeyboardInterrupt):
     def __init__(self, step: int | None, directory: str | None):
         super().__init__(step, directory)
         self.step, self.directory = step, directory
+
+    def advice(self) -> str:
+        """Where the newest training state is and how to continue it, for the user."""
+        if self.step is None:
+            return "interrupted before any training state was saved"
+        return (
+            f"interrupted; the training state of step {self.step} is in {self.directory}: "
+            "continue with the same command and --resume"
+        )
 
 
 def check_checkpoints(cfg: TrainConfig, resume: bool) -> None:
@@ -303,6 +313,7 @@ def train(
     progress: bool = True,
     resume: bool = False,
     batches: Callable[[np.random.Generator], np.ndarray] | None = None,
+    settings: dict | None = None,
 ) -> list[float]:
     """Train ``model`` in place on random windows of ``tokens`` (or on what ``batches`` draws).
 
@@ -321,6 +332,11 @@ def train(
         resume: continue from the newest complete checkpoint in ``out_dir/state``; the batches
             and updates after it are those of an uninterrupted run, on this run's mesh whatever
             the checkpoint's was.
+        batches: None (windows of ``tokens``), or the batch source: called with the batch
+            generator (whose state the checkpoints keep), it returns the next step's token ids
+            [batch_size, T + 1], T at most ``seq_len`` (one compilation per T).
+        settings: further JSON settings of the run (those ``batches`` depends on), kept with each
+            checkpoint and checked on resume like ``cfg``'s.
 
     Returns:
         The loss of every step this call ran.
@@ -342,11 +358,12 @@ def train(
     if mesh is not None:  # and its step counter goes onto the mesh (committed where a restore puts it)
         nnx.update(optimizer, sharding.place(nnx.state(optimizer), mesh))
     rng = np.random.default_rng(cfg.seed)
+    run = {**{f: getattr(cfg, f) for f in _RUN_FIELDS}, **(settings or {})}
     saving = cfg.out_dir is not None and cfg.checkpoint_every > 0
     losses, start, first = [], None, 0
     with _checkpoints(cfg.out_dir, cfg.keep, saving) if saving or resume else contextlib.nullcontext() as manager:
         if resume:
-            first = _restore(manager, model, optimizer, rng, cfg)
+            first = _restore(manager, model, optimizer, rng, run)
         shown = progress and jax.process_index() == 0  # one bar for a run over several hosts
         bar = tqdm(range(first + 1, cfg.steps + 1), initial=first, total=cfg.steps, disable=not shown, desc="train")
         try:
@@ -361,7 +378,7 @@ def train(
                     done += batch.shape[0] * (batch.shape[1] - 1)
                     bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{done / (time.perf_counter() - start):,.0f}")
                 if saving and (step % cfg.checkpoint_every == 0 or step == cfg.steps):
-                    _save(manager, step, model, optimizer, rng, cfg)
+                    _save(manager, step, model, optimizer, rng, run)
         except KeyboardInterrupt:
             bar.close()
             raise Interrupted(manager.latest_step() if saving else None, cfg.out_dir) from None

@@ -20,7 +20,6 @@ import argparse
 import dataclasses
 import json
 import math
-import os
 import sys
 import time
 
@@ -105,18 +104,18 @@ def train_model(
 ) -> list[float]:
     """Train the attn8 preset on retrieval documents of the training text, a length from
     ``lengths`` drawn per step (one compilation per length), with :func:`kdax.train.train`: the
-    training state in ``out/state`` every ``checkpoint_every`` steps (``resume`` continues it
-    exactly), the lengths in ``out/lengths.json``, the weights in ``out/model``.
+    training state in ``out/state`` every ``checkpoint_every`` steps, ``lengths`` among its
+    settings (``resume`` continues it exactly), the weights in ``out/model``.
 
     Returns:
         The loss of every step this call ran.
 
     Raises:
         ValueError: as :func:`kdax.train.train` (``out`` holds a training state and ``resume``
-            is off, or none and it is on; settings that differ from the checkpoint's), and
-            for ``lengths`` other than those of the run ``resume`` continues.
+            is off, or none and it is on; settings, ``lengths`` included, that differ from the
+            checkpoint's).
     """
-    from kdax.train import TrainConfig, check_checkpoints, train
+    from kdax.train import TrainConfig, train
 
     train_text, _ = split_text()
     cfg = TrainConfig(
@@ -132,24 +131,13 @@ def train_model(
         out_dir=out,
     )
 
-    check_checkpoints(cfg, resume)
-    path = os.path.join(out, "lengths.json")
-    if resume:
-        with open(path) as f:
-            saved = json.load(f)
-        if saved != list(lengths):
-            fail("lengths", f"those of the run in {out}, {saved}, to resume it", list(lengths))
-    else:
-        os.makedirs(out, exist_ok=True)
-        with open(path, "w") as f:
-            json.dump(list(lengths), f)
-
     def batches(rng: np.random.Generator) -> np.ndarray:
         n = int(rng.choice(lengths))
         return np.stack([document(train_text, n + 1, rng).tokens for _ in range(batch_size)]).astype(np.int32)
 
     model = KDAForCausalLM(attn8_config(), rngs=nnx.Rngs(seed))
-    return train(model, train_text, cfg, progress=progress, resume=resume, batches=batches)
+    settings = {"lengths": list(lengths)}
+    return train(model, train_text, cfg, progress=progress, resume=resume, batches=batches, settings=settings)
 
 
 def _scores(logits, doc: Document) -> tuple[float, int, int, int]:
@@ -276,8 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             p.error(str(e))
         except Interrupted as stop:
-            where = "no training state saved" if stop.step is None else f"the state of step {stop.step} is in {ns.out}"
-            print(f"\ninterrupted; {where}: continue with the same command and --resume", file=sys.stderr)
+            print(f"\n{stop.advice()}", file=sys.stderr)
             return 130
         tail = losses[-20:]
         print(

@@ -53,7 +53,7 @@ def test_training_resumes_exactly(tmp_path):
     shutil.rmtree(tmp_path / "b" / "state" / "4")  # a run stopped after its step-2 checkpoint
     with pytest.raises(ValueError, match="out_dir: .* holds checkpoints up to step 2"):
         train_model(str(tmp_path / "b"), **kwargs)
-    with pytest.raises(ValueError, match=r"lengths: expected those of the run in .*, \[704\], to resume it"):
+    with pytest.raises(ValueError, match=r"resume: .* written with lengths=\[704\] \(this run: \[700, 704\]\)"):
         train_model(str(tmp_path / "b"), resume=True, **{**kwargs, "lengths": (700, 704)})
     resumed = train_model(str(tmp_path / "b"), resume=True, **kwargs)
     assert len(straight) == 4 and resumed == straight[2:]
