@@ -44,7 +44,8 @@ closing lines sum each call's kernels.
 
 ``--op decode`` reports the decode kernel (``fused_recurrent_kda`` on ``backend="pallas_gpu"``,
 :mod:`kdax.ops.kda.decode`) on --decode-batch rows of --T tokens with the in-op gate, L2 norm and
-beta sigmoid, held to the same budget.
+beta sigmoid, held to the same budget; then the same kernel on a pool of --decode-batch slots
+(``ssm_state_indices``, one a row) in both state layouts.
 """
 
 from __future__ import annotations
@@ -459,6 +460,30 @@ def decode_rows(a):
     args = (s(B, T, H, K), s(B, T, H, K), s(B, T, H, V), s(B, T, H, K), s(B, T, H), s(B, H, K, V, dt=jnp.float32))
     for name, *module in lowered_kernels(step, args, {"kda_fused_recurrent": "fused_recurrent"}):
         yield name, name, *module, (T,), "decode step"
+    # on a pool of B slots, one a row (so the pool's bytes are what a step reads and writes), in both layouts
+    for v_first in (False, True):
+
+        def slotted(q, k, v, g, beta, pool, idx, v_first=v_first):
+            return kdax.fused_recurrent_kda(
+                q,
+                k,
+                v,
+                g,
+                beta,
+                initial_state=pool,
+                ssm_state_indices=idx,
+                state_v_first=v_first,
+                backend="pallas_gpu",
+                **in_op,
+            )
+
+        pool = s(B, H, V, K, dt=jnp.float32) if v_first else args[-1]
+        kernels = lowered_kernels(
+            slotted, (*args[:-1], pool, s(B, dt=jnp.int32)), {"kda_fused_recurrent_slots": "fused_recurrent"}
+        )
+        layout = "[V, K]" if v_first else "[K, V]"
+        for name, *module in kernels:
+            yield f"{name}, slots {layout}", name, *module, (T,), f"decode step, slots {layout}"
 
 
 def main(argv=None) -> int:

@@ -85,6 +85,7 @@ print(format_table([Row(**{**r, 'iqr_ms': tuple(r['iqr_ms'])}) for r in json.loa
       -k "pallas_gpu or gpu" 2>&1 | tee "$OUT/decode-tests.txt" || true
     python3 scripts/gpu_compile_report.py --op decode --check 2>&1 | tee "$OUT/report-decode.md" || true
     python3 - <<'PY' 2>&1 | tee "$OUT/decode-timing.md"
+import time
 import jax, jax.numpy as jnp, kdax
 from kdax.bench.measure import jax_batch, time_batches
 H, K, V = 32, 128, 128
@@ -100,6 +101,21 @@ for B in (1, 8, 64):
             q, k, v, g, b, initial_state=h0, backend=backend, **opts))
         t = time_batches(jax_batch(f, args), 20)
         print(f"| {B} | {backend} | {1e3 * t.median:.1f} ({1e3 * t.q25:.1f}-{1e3 * t.q75:.1f}) |")
+    # a decode step on a donated pool of 4B slots: the kernel in place against xla's gather and scatter
+    opts.pop("output_final_state")
+    idx = 4 * jnp.arange(B, dtype=jnp.int32)
+    for backend in ("xla", "pallas_gpu"):
+        f = jax.jit(lambda pool, q, k, v, g, b, backend=backend: kdax.fused_recurrent_kda(
+            q, k, v, g, b, initial_state=pool, ssm_state_indices=idx, backend=backend, **opts), donate_argnums=0)
+        box = [jax.random.normal(ks[5], (4 * B, H, K, V))]
+        def batch(n):
+            t0 = time.perf_counter()
+            for _ in range(n):
+                o, box[0] = f(box[0], *args[:5])
+            jax.block_until_ready(box[0])
+            return 1e3 * (time.perf_counter() - t0) / n
+        t = time_batches(batch, 20)
+        print(f"| {B} | {backend}, slots | {1e3 * t.median:.1f} ({1e3 * t.q25:.1f}-{1e3 * t.q75:.1f}) |")
 PY
     ;;
   *) echo "unknown stage $stage (compare, report, tests, tune, kascade, decode)" >&2; exit 2 ;;

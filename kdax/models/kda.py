@@ -41,12 +41,15 @@ class Segments(NamedTuple):
         segment_ids: [B, T] int32 attention groups (None: one per row).
         kda_slots: None, or the KDA sequences' slots in pools of states (the KDA layers' caches
             are then pools: :mod:`kdax.serving`), [N] or [N, Tmax] as the layers take them.
+        kda_accepted: None, or with [N, Tmax] slots the sequences' accepted counts [N]: each
+            starts from slot column accepted - 1 (:func:`kdax.fused_recurrent_kda`).
     """
 
     kda_cu: jax.Array | None
     positions: jax.Array
     segment_ids: jax.Array | None
     kda_slots: jax.Array | None = None
+    kda_accepted: jax.Array | None = None
 
 
 def _arange(B: int, T: int) -> jax.Array:
@@ -184,7 +187,13 @@ class KDABlock(nnx.Module):
             B, T, D = h.shape
             flat = h if seg.kda_cu is None else h.reshape(1, B * T, D)
             flat, cache = self.attn(
-                flat, cu_seqlens=seg.kda_cu, cache=cache, output_cache=output_cache, mode=mode, slots=seg.kda_slots
+                flat,
+                cu_seqlens=seg.kda_cu,
+                cache=cache,
+                output_cache=output_cache,
+                mode=mode,
+                slots=seg.kda_slots,
+                accepted=seg.kda_accepted,
             )
             h = flat.reshape(B, T, D)
         x = x + h

@@ -194,6 +194,7 @@ class KimiDeltaAttention(nnx.Module):
         output_cache: bool = False,
         mode: str | None = None,
         slots=None,
+        accepted=None,
     ):
         """Run the layer over each sequence, continuing from ``cache``.
 
@@ -209,6 +210,8 @@ class KimiDeltaAttention(nnx.Module):
                 ``ssm_state_indices`` says, the convolution caches too: [N] (one per sequence), or
                 [N, Tmax] (the state after each token, for speculative decoding: the recurrent
                 form, on the xla backend where the layer's is a Pallas one).
+            accepted: None, or with [N, Tmax] slots :func:`kdax.fused_recurrent_kda`'s
+                ``num_accepted_tokens`` [N]: each sequence starts from slot column accepted - 1.
 
         Returns:
             (y [B, T, hidden_size] in the dtype x and the weights promote to, the final
@@ -246,7 +249,7 @@ class KimiDeltaAttention(nnx.Module):
             if self.use_short_conv:
                 conv_in = (None,) * 3 if cache is None else cache.conv
                 if slots is not None:
-                    conv_in = tuple(pool_slots.read(c, slots) for c in cache.conv)
+                    conv_in = tuple(pool_slots.read(c, slots, accepted) for c in cache.conv)
                 convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
                 save = output_cache or slots is not None
                 outs = [conv(r, c, save, cu_seqlens, per_token) for conv, r, c in zip(convs, raw, conv_in)]
@@ -274,7 +277,10 @@ class KimiDeltaAttention(nnx.Module):
             # the recurrent op runs where its backend takes the inputs (the decode kernels: rows of few tokens)
             takes = backend in ("auto", *PORTABLE) or (cu_seqlens is None and T <= MAX_DECODE_TOKENS)
             if per_token:  # the recurrent form alone writes a state per token
-                o, final = fused_recurrent_kda(q, k, v, g, beta, backend=self.backend if takes else "xla", **options)
+                backend = self.backend if takes else "xla"
+                o, final = fused_recurrent_kda(
+                    q, k, v, g, beta, backend=backend, num_accepted_tokens=accepted, **options
+                )
             elif mode == "fused_recurrent" and takes:
                 o, final = fused_recurrent_kda(q, k, v, g, beta, backend=self.backend, **options)
             else:  # the chunked form; on a Pallas backend decoding inputs its decode kernels do not take

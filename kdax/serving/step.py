@@ -153,20 +153,22 @@ def _compiled(graphdef, state, pool: Pool, batch: Batch, verify: bool, ctx):
     model = nnx.merge(graphdef, state)
     N, C = batch.tokens.shape
     blocks = model.model.layers
+    one_row = verify or C == 1  # one KDA sequence a row (the decode kernels' layout)
     with dispatch.restored(ctx):
         caches = []
         for b, c in zip(blocks, pool.layers):
-            if is_kda(b):  # the row's start state into its slot
+            if is_kda(b) and not one_row:  # the row's start state into its slot
                 start = lambda p: pool_slots.write(p, batch.slots, pool_slots.read(p, batch.sources))
                 caches.append(jax.tree.map(start, c))
             else:
-                caches.append(tuple(_view(p, batch.pages) for p in c))
+                caches.append(c if is_kda(b) else tuple(_view(p, batch.pages) for p in c))
         t = jnp.arange(C, dtype=jnp.int32)
-        if verify or C == 1:  # one KDA sequence a row (the decode kernels' layout); its padding writes no state
+        if one_row:  # slots per token, the source last: the ops read it in place (no copy into the slot)
             live = (t < batch.counts[:, None]) & (batch.slots >= 0)[:, None]
-            kda = jnp.where(live, batch.slots[:, None] + t, -1) if verify else batch.slots
+            kda = jnp.where(live, batch.slots[:, None] + (t if verify else 0), -1)  # its padding writes no state
+            kda = jnp.concatenate([kda, batch.sources[:, None]], axis=1)  # [N, C + 1]
             padding = (t >= batch.counts[:, None]).astype(jnp.int32)
-            seg = Segments(None, batch.starts[:, None] + t, padding, kda)
+            seg = Segments(None, batch.starts[:, None] + t, padding, kda, jnp.full((N,), C + 1, jnp.int32))
         else:  # a row's tokens and its padding: KDA sequences 2n and 2n + 1
             kda = jnp.stack([batch.slots, jnp.full_like(batch.slots, -1)], 1).reshape(-1)
             seg = row_segments(N, C, batch.counts, batch.starts)._replace(kda_slots=kda)

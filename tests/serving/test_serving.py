@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import kdax
 from kdax.models import (
     BailingHybridForCausalLM,
     KDAForCausalLM,
@@ -16,7 +17,9 @@ from kdax.models import (
     ling_tiny_config,
     tiny_config,
 )
-from kdax.serving import Batch, Scheduler, copy_slots, init_pool, prompt_lookup, step
+from kdax.models.kda import is_kda
+from kdax.ops.kda import decode
+from kdax.serving import Batch, Scheduler, init_pool, prompt_lookup, step
 
 LENGTHS = (5, 17, 40, 1, 37, 9, 33, 20)
 NEW = (6, 9, 4, 12, 5, 8, 7, 10)
@@ -107,10 +110,14 @@ def test_prefix_cache_hit_gives_the_tokens_without_it(model):
     assert s.prefix_hits >= 2
 
 
-def test_rollback_leaves_the_pool_of_the_plain_run(model):
+@pytest.mark.parametrize("backend", ["xla", "pallas_gpu"])
+def test_rollback_leaves_the_pool_of_the_plain_run(model, backend, monkeypatch):
     """A verify step of 4 tokens of which 3 are accepted, then the rollback (the next step's
     source): the request's KDA and convolution states and its cached keys equal those of 3 plain
-    decode steps."""
+    decode steps. With pallas_gpu the decode and verify steps run the decode kernel (interpreted)
+    on the pools in place."""
+    kernel_calls = []
+    monkeypatch.setattr(decode, "fused_recurrent_slots", _counted(decode.fused_recurrent_slots, kernel_calls))
     prompt = jnp.asarray(prompts(2)[2][:16], jnp.int32)[None]
     pages = jnp.arange(8, dtype=jnp.int32)[None]
 
@@ -123,17 +130,31 @@ def test_rollback_leaves_the_pool_of_the_plain_run(model):
     logits, pool = step(model, pool, batch(prompt[0], 0))
     tokens = [int(jnp.argmax(logits[0]))]
     plain = jax.tree.map(jnp.copy, pool)
-    for i in range(3):
-        logits, plain = step(model, plain, batch(tokens[-1:], 16 + i))
-        tokens.append(int(jnp.argmax(logits[0])))
-    draft = tokens[:3] + [(tokens[3] + 1) % 64]  # the last draft token is wrong
-    logits, pool = step(model, pool, batch(draft, 16), verify=True)
-    assert [int(t) for t in jnp.argmax(logits[0], -1)[:3]] == tokens[1:4]
-    pool = copy_slots(pool, jnp.asarray([2]), jnp.asarray([0]))  # the state after the 3rd token
+    with kdax.use_backend(backend):
+        for i in range(3):
+            logits, plain = step(model, plain, batch(tokens[-1:], 16 + i))
+            tokens.append(int(jnp.argmax(logits[0])))
+        draft = tokens[:3] + [(tokens[3] + 1) % 64]  # the last draft token is wrong
+        logits, pool = step(model, pool, batch(draft, 16), verify=True)
+        assert [int(t) for t in jnp.argmax(logits[0], -1)[:3]] == tokens[1:4]
+        # the next step starts from slot 2, the state after the 3rd token
+        logits, pool = step(model, pool, batch(tokens[3:4], 19, source=2))
+        logits_plain, plain = step(model, plain, batch(tokens[3:4], 19))
+    np.testing.assert_allclose(logits, logits_plain, atol=1e-5)
+    kda_layers = sum(is_kda(b) for b in model.model.layers)
+    assert len(kernel_calls) == (2 * kda_layers if backend == "pallas_gpu" else 0)  # traced: decode, verify
     for mine, theirs in zip(pool.layers, plain.layers):
         for a, b in zip(jax.tree.leaves(mine), jax.tree.leaves(theirs)):
-            mine_, theirs_ = (x[0] if x.shape[0] == 4 else x.reshape(-1, *x.shape[2:])[:19] for x in (a, b))
+            mine_, theirs_ = (x[0] if x.shape[0] == 4 else x.reshape(-1, *x.shape[2:])[:20] for x in (a, b))
             np.testing.assert_allclose(mine_, theirs_, atol=1e-5)
+
+
+def _counted(fn, calls):
+    def run(*args, **kw):
+        calls.append(1)
+        return fn(*args, **kw)
+
+    return run
 
 
 @pytest.mark.slow  # the scheduler's prefix-cache test covers it in CI, through the step

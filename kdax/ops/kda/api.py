@@ -400,6 +400,11 @@ def fused_recurrent_kda(
             after token t of sequence n (at most Tmax tokens) is written to ``idx[n, t]``, and
             the sequence starts from ``idx[n, num_accepted_tokens[n] - 1]`` (column 0 without
             ``num_accepted_tokens``): the state after the last token the previous step accepted.
+            No sequence may start from a slot another sequence of the call writes (the decode
+            kernels read and write the pool in place; ValueError when concrete). The decode
+            kernels address the pool themselves where it is float32 with K and V as they pad
+            them (128 on TPU, powers of two >= 16 on GPU); otherwise the states are gathered
+            before the op and scattered after it.
         num_accepted_tokens: [N] ints in [1, Tmax], with [N, Tmax] ``ssm_state_indices``
             (traced counts are clipped to that range).
 
@@ -424,9 +429,10 @@ def fused_recurrent_kda(
 
 
 def _slotted(op: str, args: dict):
-    """A public op's call with ``ssm_state_indices`` (``args``: its ``locals()``): each sequence's
-    state read from the pool, the op run as without slots, the states written back
-    (:mod:`kdax.ops.kda.slots`). Returns the op's outputs with the updated pool second."""
+    """A public op's call with ``ssm_state_indices`` (``args``: its ``locals()``): a decode kernel
+    on the pool in place where it takes it, else each sequence's state read from the pool, the op
+    run as without slots, the states written back (:mod:`kdax.ops.kda.slots`). Returns the op's
+    outputs with the updated pool second."""
     q, k, v, g, beta = (args[n] for n in ("q", "k", "v", "g", "beta"))
     pool, idx, cu = args["initial_state"], args["ssm_state_indices"], args["cu_seqlens"]
     accepted = args.get("num_accepted_tokens")
@@ -436,6 +442,12 @@ def _slotted(op: str, args: dict):
     lengths = None if isinstance(cu, jax.core.Tracer) else np.full(N, q.shape[1]) if cu is None else np.diff(cu)
     state = (HV, V, K) if opts.state_v_first else (HV, K, V)
     slots.check(pool, idx, accepted, N=N, state_shape=state, per_token=op == "recurrent", lengths=lengths)
+    if op == "recurrent" and cu is None and (fast := _in_kernel_slots(opts, q, pool, idx)):
+        o = dataclasses.replace(
+            opts, backend=fast[0], config=fast[1], scale=K**-0.5 if opts.scale is None else opts.scale
+        )
+        read, write = slots.kernel_tables(pool.shape[0], idx, accepted, q.shape[1])
+        return _compiled_slots(o, q, k, v, g, beta, pool, read, write, args["A_log"], args["dt_bias"])
     h0 = slots.read(pool, idx, accepted)
     if idx.ndim == 1:
         skip = ("q", "k", "v", "g", "beta", "initial_state", "output_final_state", "ssm_state_indices")
@@ -454,6 +466,18 @@ def _slotted(op: str, args: dict):
     )
     o, _, states = _call(opts, N, q, k, v, g, beta, h0, args["A_log"], args["dt_bias"], cu)
     return o, slots.write_tokens(pool, idx, states, cu)
+
+
+def _in_kernel_slots(opts: Options, q, pool, idx):
+    """(backend, config) where a decode kernel runs the call on the pool in place
+    (:func:`kdax.ops.kda.decode.in_place`), else None (the states gathered and scattered around
+    the op)."""
+    backend, config = _recurrent_backend(opts.backend, q, None)
+    if backend not in _DECODE_KERNELS:
+        return None
+    pads, v_first = _DECODE_SLOTS[backend][0], opts.state_v_first
+    K, V = pool.shape[-1:-3:-1] if v_first else pool.shape[-2:]
+    return (backend, config) if q.shape[1] and decode.in_place(pool, *pads(K, V), v_first) else None
 
 
 def _recurrent_backend(backend: str, q, cu_seqlens):
@@ -510,6 +534,23 @@ _DECODE_KERNELS = {
     "pallas_tpu": pallas_tpu.fused_recurrent_pallas_tpu,
     "pallas_gpu": pallas_gpu.fused_recurrent_pallas_gpu,
 }
+_DECODE_SLOTS = {  # (padded K and V, the kernel on a pool in place)
+    "pallas_tpu": (pallas_tpu.decode_pads, pallas_tpu.fused_recurrent_slots_pallas_tpu),
+    "pallas_gpu": (pallas_gpu.decode_pads, pallas_gpu.fused_recurrent_slots_pallas_gpu),
+}
+
+
+def _decode_options(o: Options) -> decode.Options:
+    """What the decode kernels apply in the op."""
+    return decode.Options(
+        gate=o.use_gate_in_kernel,
+        lower_bound=o.lower_bound,
+        l2norm=o.use_qk_l2norm_in_kernel,
+        beta_sigmoid=o.use_beta_sigmoid_in_kernel,
+        allow_neg_eigval=o.allow_neg_eigval,
+        scale=o.scale,
+        token_states=o.token_states,
+    )
 
 
 def _apply(o: Options, N, q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens):
@@ -521,16 +562,7 @@ def _apply(o: Options, N, q, k, v, g, beta, initial_state, A_log, dt_bias, cu_se
         initial_state = jnp.swapaxes(initial_state, -1, -2)
     core = None if o.backend == "naive" else _core(o)
     if o.op == "recurrent" and o.backend in _DECODE_KERNELS:  # the gate, norm, beta and scale in the kernel
-        in_kernel = decode.Options(
-            gate=o.use_gate_in_kernel,
-            lower_bound=o.lower_bound,
-            l2norm=o.use_qk_l2norm_in_kernel,
-            beta_sigmoid=o.use_beta_sigmoid_in_kernel,
-            allow_neg_eigval=o.allow_neg_eigval,
-            scale=o.scale,
-            token_states=o.token_states,
-        )
-        core = functools.partial(core, opt=in_kernel, gate_params=(A_log, dt_bias))
+        core = functools.partial(core, opt=_decode_options(o), gate_params=(A_log, dt_bias))
         o = dataclasses.replace(
             o, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False, scale=None
         )
@@ -578,3 +610,25 @@ def _apply_per_shard(o: Options, N, q, k, v, g, beta, initial_state, A_log, dt_b
 
 
 _compiled = jax.jit(_apply_per_shard, static_argnums=(0, 1))
+
+
+def _apply_slots(o: Options, q, k, v, g, beta, pool, read, write, A_log, dt_bias):
+    """A decode kernel's call on a state pool in place (``read``, ``write``:
+    :func:`kdax.ops.kda.slots.kernel_tables`), per shard of the head axis where the inputs'
+    types shard it. Returns (o in q's dtype, the pool)."""
+    dt = jnp.promote_types(q.dtype, jnp.float32)
+    kernel = functools.partial(
+        _DECODE_SLOTS[o.backend][1], opt=_decode_options(o), cfg=o.config, v_first=o.state_v_first
+    )
+
+    def local(q, k, v, g, beta, pool, read, write, A_log, dt_bias):
+        xs = (jnp.asarray(x, dt) for x in (q, k, v, g, beta))
+        out, pool = kernel(*xs, pool, read, write, gate_params=(A_log, dt_bias))
+        return out.astype(q.dtype), pool
+
+    thd, states = (None, None, "heads", None), (None, "heads", None, None)
+    roles = (thd, thd, thd, thd, (None, None, "heads"), states, None, None, ("heads",), ("heads",))
+    return per_shard(local, (q, k, v, g, beta, pool, read, write, A_log, dt_bias), roles, (thd, states))
+
+
+_compiled_slots = jax.jit(_apply_slots, static_argnums=0)

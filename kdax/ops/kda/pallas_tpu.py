@@ -445,15 +445,27 @@ def chunk_kda_pallas_tpu(
     return o, final, chunk_states(layout, S_in, K, V)
 
 
+def decode_pads(K: int, V: int) -> tuple[int, int]:
+    """K and V as the decode kernel pads them: multiples of 128."""
+    return round_up(K, LANE), round_up(V, LANE)
+
+
+def _decode_launch(q, cfg: Config) -> dict:
+    cfg = cfg.resolved()
+    params = pltpu.CompilerParams(dimension_semantics=("parallel",) * 3)
+    return {"BV": LANE, "Tp": q.shape[1], "interpret": _interpret(cfg), "params": params}
+
+
 def fused_recurrent_pallas_tpu(*args, opt: decode.Options, gate_params, cfg: Config):
     """Core recurrent KDA (decoding, draft verification) with the TPU decode kernel
     (:func:`kdax.ops.kda.decode.fused_recurrent`, its arguments and outputs): K and V padded to
     multiples of 128."""
-    cfg = cfg.resolved()
-    q, v = args[0], args[2]
-    Kp, Vp = round_up(q.shape[-1], LANE), round_up(v.shape[-1], LANE)
-    pads = {"Kp": Kp, "Vp": Vp, "BV": LANE, "Tp": q.shape[1]}
-    params = pltpu.CompilerParams(dimension_semantics=("parallel",) * 3)
-    return decode.fused_recurrent(
-        *args, opt=opt, gate_params=gate_params, **pads, interpret=_interpret(cfg), params=params
-    )
+    Kp, Vp = decode_pads(args[0].shape[-1], args[2].shape[-1])
+    return decode.fused_recurrent(*args, opt=opt, gate_params=gate_params, Kp=Kp, Vp=Vp, **_decode_launch(args[0], cfg))
+
+
+def fused_recurrent_slots_pallas_tpu(*args, opt: decode.Options, gate_params, cfg: Config, v_first: bool):
+    """The TPU decode kernel on a state pool in HBM, each row's state copied in and out by DMA
+    (:func:`kdax.ops.kda.decode.fused_recurrent_slots`, its arguments and outputs)."""
+    launch = _decode_launch(args[0], cfg)
+    return decode.fused_recurrent_slots(*args, opt=opt, gate_params=gate_params, v_first=v_first, dma=True, **launch)

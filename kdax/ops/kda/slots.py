@@ -4,7 +4,8 @@ A call with ``ssm_state_indices`` reads each sequence's initial state from the p
 as it runs without slots, and writes the final state (or, for speculative decoding, the state
 after every token) back into the pool. The reads gather N states and the writes scatter N (or one
 per token); under ``jax.jit`` with the pool donated the scatter updates the pool in place, so a
-call costs O(tokens) whatever the number of slots S.
+call costs O(tokens) whatever the number of slots S. The decode kernels instead address the pool
+themselves (:func:`kernel_tables` gives them the slots; :func:`kdax.ops.kda.decode.fused_recurrent_slots`).
 
 Shapes: pool [S, HV, K, V] ([S, HV, V, K] with ``state_v_first``); indices [N] (one slot per
 sequence) or [N, Tmax] (one per token) with accepted [N] in [1, Tmax]. A negative index is a
@@ -34,8 +35,9 @@ def check(pool, indices, accepted, *, N: int, state_shape: tuple, per_token: boo
 
     Raises:
         ValueError: naming the first argument that is not as above, or whose concrete values are
-            out of range: slots >= S, a slot used twice, accepted counts outside [1, Tmax], a
-            sequence longer than Tmax.
+            out of range: slots >= S, a slot written twice, a sequence starting from a slot that
+            another sequence writes (the kernels read and write the pool in place, so the call
+            would race), accepted counts outside [1, Tmax], a sequence longer than Tmax.
     """
     if pool is None:
         fail("initial_state", f"the state pool [S, {', '.join(map(str, state_shape))}] with ssm_state_indices", None)
@@ -65,6 +67,16 @@ def check(pool, indices, accepted, *, N: int, state_shape: tuple, per_token: boo
             fail("ssm_state_indices", f"slots in [0, {S}) or negative (padding)", f"slot {used.max()}")
         if np.unique(used).size != used.size:
             fail("ssm_state_indices", "each slot written at most once per call", f"{np.asarray(indices).tolist()}")
+        if Tmax is not None and (accepted is None or not isinstance(accepted, jax.core.Tracer)):
+            start = np.asarray(_starts(indices, None if accepted is None else np.asarray(accepted)))
+            writer = {int(slot): n for n, row in enumerate(idx) for slot in row if slot >= 0}
+            for n, slot in enumerate(start.tolist()):
+                if writer.get(slot, n) != n:
+                    fail(
+                        "ssm_state_indices",
+                        "no sequence starting from a slot that another sequence of the call writes",
+                        f"sequence {n} starts from slot {slot}, which sequence {writer[slot]} writes",
+                    )
     if accepted is not None and not isinstance(accepted, jax.core.Tracer):
         acc = np.asarray(accepted)
         if acc.size and (acc.min() < 1 or acc.max() > Tmax):
@@ -74,6 +86,16 @@ def check(pool, indices, accepted, *, N: int, state_shape: tuple, per_token: boo
 def _valid(indices, S):
     """Negative indices (padding) as S, one past the last slot, which reads zeros and writes nothing."""
     return jnp.where(indices < 0, S, indices).astype(jnp.int32)
+
+
+def _starts(indices, accepted):
+    """Each sequence's start slot [N]: ``indices`` [N], or column ``accepted - 1`` of [N, Tmax]
+    (column 0 without ``accepted``; traced counts clipped to [1, Tmax])."""
+    if indices.ndim == 1:
+        return indices
+    col = jnp.zeros(indices.shape[:1], jnp.int32) if accepted is None else accepted.astype(jnp.int32) - 1
+    col = jnp.clip(col, 0, indices.shape[1] - 1)
+    return jnp.take_along_axis(indices, col[:, None], axis=1)[:, 0]
 
 
 def read(pool, indices, accepted=None):
@@ -87,11 +109,25 @@ def read(pool, indices, accepted=None):
     Returns:
         [N, ...] in the pool's dtype, zeros for padding rows.
     """
-    if indices.ndim == 2:
-        col = jnp.zeros(indices.shape[:1], jnp.int32) if accepted is None else accepted.astype(jnp.int32) - 1
-        col = jnp.clip(col, 0, indices.shape[1] - 1)
-        indices = jnp.take_along_axis(indices, col[:, None], axis=1)[:, 0]
-    return jnp.take(pool, _valid(indices, pool.shape[0]), axis=0, mode="fill", fill_value=0)
+    return jnp.take(pool, _valid(_starts(indices, accepted), pool.shape[0]), axis=0, mode="fill", fill_value=0)
+
+
+def kernel_tables(S: int, indices, accepted, T: int):
+    """The slots of a call on rows of T tokens as the decode kernel reads them (-1: none, for
+    padding rows and slots out of range).
+
+    Args:
+        S: the pool's slots; indices: [N] or [N, Tmax >= T]; accepted: [N] or None; T >= 1.
+
+    Returns:
+        (read [N] int32: each row's start slot, write [N, T] int32: where the state after each
+        token goes; with one slot per sequence only the last token's state is written).
+    """
+    ok = lambda i: jnp.where((i >= 0) & (i < S), i, -1).astype(jnp.int32)
+    start = _starts(indices, accepted)
+    last = jnp.arange(T) == T - 1
+    write = indices[:, :T] if indices.ndim == 2 else jnp.where(last[None], indices[:, None], -1)
+    return ok(start), ok(write)
 
 
 def write(pool, indices, states):

@@ -10,7 +10,7 @@ import pytest
 
 import kdax
 from kdax.bench.measure import rel_rms
-from kdax.ops.kda import decode, pallas_gpu
+from kdax.ops.kda import api, decode, pallas_gpu
 from tests.tolerances import TOL
 
 KERNELS = ["pallas_tpu", "pallas_gpu"]
@@ -86,29 +86,73 @@ def test_bf16_and_state_v_first(backend):
     assert rel_rms(o, o_ref) <= TOL[jnp.bfloat16]["out"] and rel_rms(final, final_ref) <= TOL[jnp.bfloat16]["out"]
 
 
-@pytest.mark.parametrize("backend", SLOW_TPU)
-def test_slots_and_speculative_slots(backend):
-    """One slot per row, and a slot per token with accepted counts: as the xla backend (itself
-    checked against the float64 recurrence in test_slots.py), untouched slots bit for bit."""
-    args, kw = inputs(B=3, T=3, H=1, HV=2, K=32, V=16, seed=1)
-    pool = jnp.asarray(np.random.default_rng(2).standard_normal((12, 2, 32, 16)), jnp.float32)
+def _pool_call(backend, state_v_first, seed=1):
+    """A call on a pool of 12 slots whose K and V the kernel reads in place (128 on TPU)."""
+    K, V = (128, 128) if backend == "pallas_tpu" else (32, 16)
+    args, kw = inputs(B=3, T=3, H=1, HV=2, K=K, V=V, seed=seed)
+    shape = (12, 2, V, K) if state_v_first else (12, 2, K, V)
+    pool = jnp.asarray(np.random.default_rng(seed + 1).standard_normal(shape), jnp.float32)
     kw = {n: x for n, x in kw.items() if n not in ("initial_state", "output_final_state")}
+    return functools.partial(kdax.fused_recurrent_kda, *args, initial_state=pool, state_v_first=state_v_first, **kw)
+
+
+@pytest.mark.parametrize("state_v_first", [False, True])
+@pytest.mark.parametrize("backend", SLOW_TPU)
+def test_slots_and_speculative_slots(backend, state_v_first):
+    """One slot per row, and a slot per token with accepted counts (two rows starting from slot
+    9, which neither writes: a fork), read and written by the kernel in the pool: as the xla backend (itself checked against the float64 recurrence in test_slots.py),
+    untouched slots bit for bit."""
+    run = _pool_call(backend, state_v_first)
+    pool = run.keywords["initial_state"]
+    q = run.args[0]
     for idx, accepted in [
         (jnp.asarray([4, -1, 0], jnp.int32), None),
         (jnp.asarray([[0, 1, 2], [3, 4, 5], [-1, 7, 8]], jnp.int32), jnp.asarray([2, 1, 3], jnp.int32)),
+        (jnp.asarray([[0, 1, 2, 9], [3, 4, 5, 10], [-1, 7, 8, 9]], jnp.int32), jnp.asarray([4, 1, 4], jnp.int32)),
     ]:
-        run = functools.partial(
-            kdax.fused_recurrent_kda,
-            *args,
-            initial_state=pool,
-            ssm_state_indices=idx,
-            num_accepted_tokens=accepted,
-            **kw,
-        )
-        (o, new), (o_ref, new_ref) = run(backend=backend), run(backend="xla")
+        opts = api.Options(op="recurrent", backend=backend, state_v_first=state_v_first)
+        assert api._in_kernel_slots(opts, q, pool, idx) is not None
+        call = functools.partial(run, ssm_state_indices=idx, num_accepted_tokens=accepted)
+        (o, new), (o_ref, new_ref) = call(backend=backend), call(backend="xla")
         assert rel_rms(o, o_ref) <= 1e-6 and rel_rms(new, new_ref) <= 1e-6
         untouched = np.setdiff1d(np.arange(12), np.asarray(idx))
         np.testing.assert_array_equal(np.asarray(new)[untouched], np.asarray(pool)[untouched])
+
+
+def test_traced_slots_out_of_range_read_zeros_and_write_nothing():
+    """Under jit the slots are not checked: one past the pool and a negative one are padding rows
+    in the kernel as in the gather and scatter."""
+    run = _pool_call("pallas_gpu", False)
+    pool = run.keywords["initial_state"]
+    step = jax.jit(lambda idx, backend: run(ssm_state_indices=idx, backend=backend), static_argnums=1)
+    idx = jnp.asarray([12, 5, -3], jnp.int32)
+    (o, new), (o_ref, new_ref) = step(idx, "pallas_gpu"), step(idx, "xla")
+    assert rel_rms(o, o_ref) <= 1e-6
+    np.testing.assert_array_equal(np.asarray(new)[np.arange(12) != 5], np.asarray(pool)[np.arange(12) != 5])
+    assert rel_rms(new[5], new_ref[5]) <= 1e-6
+
+
+def test_pool_gradients_through_the_kernel():
+    run = _pool_call("pallas_gpu", True, seed=6)
+    pool = run.keywords["initial_state"]
+    w = jnp.asarray(np.random.default_rng(7).standard_normal(pool.shape), jnp.float32)
+    idx, acc = jnp.asarray([[0, 1, 2], [3, 4, 5], [-1, 7, 8]], jnp.int32), jnp.asarray([2, 1, 3], jnp.int32)
+
+    def loss(pool, q, backend):
+        o, new = run.func(
+            q,
+            *run.args[1:],
+            **{**run.keywords, "initial_state": pool},
+            backend=backend,
+            ssm_state_indices=idx,
+            num_accepted_tokens=acc,
+        )
+        return jnp.sum(o**2) + jnp.sum(new * w)
+
+    got = jax.grad(loss, argnums=(0, 1))(pool, run.args[0], "pallas_gpu")
+    ref = jax.grad(loss, argnums=(0, 1))(pool, run.args[0], "xla")
+    for x, r in zip(got, ref):
+        assert rel_rms(x, r) <= 1e-5
 
 
 @pytest.mark.parametrize("backend", SLOW_TPU)
@@ -169,6 +213,49 @@ def test_auto_runs_the_kernel_on_gpu_once_verified_and_lowers(monkeypatch):
     monkeypatch.setattr(pallas_gpu, "DECODE_VERIFIED_ON_GPU", True)
     text = _lowered("cuda", T=4)
     assert text.count(triton) == 1 and "kda_fused_recurrent" in text
+
+
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+@pytest.mark.parametrize("state_v_first", [False, True])
+def test_the_pool_goes_into_the_kernel_alone(platform, state_v_first, monkeypatch):
+    """A decode step and a verify step on a pool of 64 slots lower to the kernel with the pool
+    aliased to its output, and no other operation touches the pool: no gather, scatter or copy
+    of it (with the pool donated, XLA updates it in place)."""
+    monkeypatch.setattr(pallas_gpu, "DECODE_VERIFIED_ON_GPU", True)
+    B, pool_type = 4, "tensor<64x8x128x128xf32>"
+    for T, per_token in ((1, False), (4, True)):
+        shapes = [(B, T, 4, 128), (B, T, 4, 128), (B, T, 8, 128), (B, T, 8, 128), (B, T, 8)]
+        args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in shapes]
+        pool = jax.ShapeDtypeStruct((64, 8, 128, 128), jnp.float32)
+        idx = jax.ShapeDtypeStruct((B, T) if per_token else (B,), jnp.int32)
+        acc = jax.ShapeDtypeStruct((B,), jnp.int32) if per_token else None
+
+        def step(q, k, v, g, beta, pool, idx, acc):
+            return kdax.fused_recurrent_kda(
+                q,
+                k,
+                v,
+                g,
+                beta,
+                initial_state=pool,
+                ssm_state_indices=idx,
+                num_accepted_tokens=acc,
+                state_v_first=state_v_first,
+                use_gate_in_kernel=True,
+                A_log=jnp.zeros((8,)),
+                use_qk_l2norm_in_kernel=True,
+                use_beta_sigmoid_in_kernel=True,
+            )
+
+        text = kdax.lower(step, *args, pool, idx, acc, platform=platform).as_text()
+        uses = [line for line in text.splitlines() if pool_type in line]
+        kernel = [line for line in uses if "custom_call" in line]
+        assert len(kernel) == 1 and "kda_fused_recurrent_slots" in text
+        assert "output_operand_aliases" in kernel[0]
+        others = [
+            line for line in uses if not any(op in line for op in ("func.func", "call @", "custom_call", "return"))
+        ]
+        assert not others, others
 
 
 def test_kernels_refuse_inputs_they_do_not_take():

@@ -238,6 +238,13 @@ def test_donated_pool_is_updated_in_place():
         ),
         ({"ssm_state_indices": np.array([[0, 1, 2], [3, 4, 5]])}, r"Tmax >= the longest sequence \(4\)"),
         (
+            {
+                "ssm_state_indices": np.array([[0, 1, 2, 3, 7], [4, 5, 6, 8, 3]]),
+                "num_accepted_tokens": np.array([1, 5]),
+            },
+            "sequence 1 starts from slot 3, which sequence 0 writes",
+        ),
+        (
             {"ssm_state_indices": np.array([[0, 1, 2, 3], [4, 5, 6, 7]]), "num_accepted_tokens": np.array([0, 1])},
             r"num_accepted_tokens: expected counts in \[1, Tmax=4\]",
         ),

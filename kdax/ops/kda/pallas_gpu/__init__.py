@@ -63,7 +63,9 @@ __all__ = [
     "Config",
     "chunk_fits",
     "chunk_kda_pallas_gpu",
+    "decode_pads",
     "fused_recurrent_pallas_gpu",
+    "fused_recurrent_slots_pallas_gpu",
     "shared_memory",
     "shared_memory_limit",
 ]
@@ -175,16 +177,29 @@ DECODE_BLOCK_V = 32  # V-block of the decode kernel: a [32, Kp] float32 state bl
 DECODE_LAUNCH = (4, 1)  # its (num_warps, num_stages); the chunk kernels' are LAUNCH
 
 
+def decode_pads(K: int, V: int) -> tuple[int, int]:
+    """K and V as the decode kernel pads them: powers of two >= 16."""
+    return pow2(K), pow2(V)
+
+
+def _decode_launch(q, Vp: int, cfg: Config) -> dict:
+    cfg = cfg.resolved()
+    params = pltriton.CompilerParams(num_warps=DECODE_LAUNCH[0], num_stages=DECODE_LAUNCH[1])
+    Tp = 1 << (q.shape[1] - 1).bit_length()
+    return {"BV": min(cfg.block_v or DECODE_BLOCK_V, Vp), "Tp": Tp, "interpret": cfg.interpret, "params": params}
+
+
 def fused_recurrent_pallas_gpu(*args, opt: decode.Options, gate_params, cfg: Config):
     """Core recurrent KDA (decoding, draft verification) with the GPU decode kernel
     (:func:`kdax.ops.kda.decode.fused_recurrent`, its arguments and outputs): K, V and T padded to
     powers of two (>= 16 for K and V), :data:`DECODE_LAUNCH` a program."""
-    cfg = cfg.resolved()
-    q, v = args[0], args[2]
-    Vp = pow2(v.shape[-1])
-    pads = {"Kp": pow2(q.shape[-1]), "Vp": Vp, "BV": min(cfg.block_v or DECODE_BLOCK_V, Vp)}
-    params = pltriton.CompilerParams(num_warps=DECODE_LAUNCH[0], num_stages=DECODE_LAUNCH[1])
-    Tp = 1 << (q.shape[1] - 1).bit_length()
-    return decode.fused_recurrent(
-        *args, opt=opt, gate_params=gate_params, **pads, Tp=Tp, interpret=cfg.interpret, params=params
-    )
+    Kp, Vp = decode_pads(args[0].shape[-1], args[2].shape[-1])
+    launch = _decode_launch(args[0], Vp, cfg)
+    return decode.fused_recurrent(*args, opt=opt, gate_params=gate_params, Kp=Kp, Vp=Vp, **launch)
+
+
+def fused_recurrent_slots_pallas_gpu(*args, opt: decode.Options, gate_params, cfg: Config, v_first: bool):
+    """The GPU decode kernel on a state pool it loads from and stores to at each row's slots
+    (:func:`kdax.ops.kda.decode.fused_recurrent_slots`, its arguments and outputs)."""
+    launch = _decode_launch(args[0], pow2(args[2].shape[-1]), cfg)
+    return decode.fused_recurrent_slots(*args, opt=opt, gate_params=gate_params, v_first=v_first, dma=False, **launch)
