@@ -2,6 +2,7 @@
 
     python examples/serve.py                          # the tiny preset, random weights
     python examples/serve.py --checkpoint checkpoints/tiny/model --draft 4 --prefix-cache 8
+    python examples/serve.py --checkpoint checkpoints/tiny/model --draft 4 --temperature 0.8
 
 Each loop iteration admits the requests that have arrived, runs one compiled step
 (``kdax.serving.Scheduler.step``: prompt chunks beside decode tokens, or draft tokens to verify)
@@ -29,11 +30,18 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=48, help="tokens per request")
     p.add_argument("--draft", type=int, default=0, help="prompt-lookup draft tokens per step (0: none)")
     p.add_argument("--prefix-cache", type=int, default=0, help="prompt prefixes kept (0: none)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else sampling (drafts too)")
     ns = p.parse_args()
     model = from_pretrained(ns.checkpoint) if ns.checkpoint else KDAForCausalLM(tiny_config(), rngs=nnx.Rngs(0))
     draft = {"draft": prompt_lookup, "num_draft": ns.draft} if ns.draft else {}
     scheduler = Scheduler(
-        model, max_requests=ns.concurrency, max_length=256, chunk_size=16, prefix_cache=ns.prefix_cache, **draft
+        model,
+        max_requests=ns.concurrency,
+        max_length=256,
+        chunk_size=16,
+        prefix_cache=ns.prefix_cache,
+        temperature=ns.temperature,
+        **draft,
     )
     rng = np.random.default_rng(0)
     arrivals = np.sort(rng.integers(0, 3 * ns.requests, ns.requests))  # the step each request arrives at
@@ -51,7 +59,9 @@ def main() -> None:
             print(f"step {step:3d}: request {rid} done: {bytes(texts[rid]).decode(errors='replace')!r}")
         step += 1
     print(f"{step} steps; compiled step shapes (rows, tokens per row, verify): {dict(scheduler.steps)}")
-    print(f"prefix-cache hits: {scheduler.prefix_hits}")
+    print(
+        f"prefix-cache hits: {scheduler.prefix_hits}; draft tokens accepted: {scheduler.accepted}/{scheduler.drafted}"
+    )
 
 
 if __name__ == "__main__":

@@ -32,17 +32,23 @@ def sample_logits(logits, rng, temperature: float, top_k: int | None, top_p: flo
     """
     if temperature == 0:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return jax.random.categorical(rng, filtered_logits(logits, temperature, top_k, top_p), axis=-1).astype(jnp.int32)
+
+
+def filtered_logits(logits, temperature: float, top_k: int | None, top_p: float | None):
+    """The logits :func:`sample_logits` samples from (temperature > 0): float32, divided by the
+    temperature, -inf outside the top_k tokens and the top_p nucleus. logits: [..., vocab]."""
     logits = logits.astype(jnp.float32) / temperature
     if top_k is not None:
-        kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
+        kth = jax.lax.top_k(logits, top_k)[0][..., -1:]
         logits = jnp.where(logits < kth, -jnp.inf, logits)
     if top_p is not None:
-        sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]
+        sorted_logits = jnp.flip(jnp.sort(logits, axis=-1), axis=-1)
         probs = jax.nn.softmax(sorted_logits, axis=-1)
         before = jnp.cumsum(probs, axis=-1) - probs  # mass of the tokens ranked above
         cutoff = jnp.min(jnp.where(before < top_p, sorted_logits, jnp.inf), axis=-1, keepdims=True)
         logits = jnp.where(logits < cutoff, -jnp.inf, logits)
-    return jax.random.categorical(rng, logits, axis=-1).astype(jnp.int32)
+    return logits
 
 
 # The two steps of generate(), compiled; ``ctx``: the dispatch context to run under (part of the cache key).

@@ -1,12 +1,13 @@
 """Continuous batching over :func:`kdax.serving.step`: requests join and leave between steps,
 prompts are prefilled in chunks beside other requests' decode tokens, pages are allocated as
 requests grow, and (optionally) draft tokens are verified and prompts' prefixes cached.
-Greedy decoding or sampling; the host-side bookkeeping of a small engine (docs/serving.md)."""
+Greedy decoding or sampling (drafts verified by speculative sampling); the host-side bookkeeping of a small engine (docs/serving.md)."""
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 
 import jax
@@ -14,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from kdax.models.generation import sample_logits
+from kdax.models.generation import filtered_logits, sample_logits
 from kdax.models.kda import KDAForCausalLM, is_kda
 from kdax.ops.common import dispatch
 from kdax.serving.step import Batch, _compiled, copy_slots, init_pool
@@ -37,6 +38,48 @@ class _Request:
 
 
 _sample = jax.jit(sample_logits, static_argnums=(2, 3, 4))
+
+
+@functools.partial(jax.jit, static_argnums=(4, 5, 6))
+def speculative_sample(logits, tokens, counts, rng, temperature: float, top_k: int | None, top_p: float | None):
+    """Verify draft tokens so that the tokens emitted are distributed as plain decoding's
+    (:func:`kdax.models.generation.sample_logits` token by token), whatever the draft.
+
+    A row holds its last emitted token, then ``counts - 1`` draft tokens proposed with certainty
+    (a draft without probabilities, as :func:`prompt_lookup`). Let p_i be the distribution
+    sampling draws from at row position i (one-hot at the argmax when greedy). The draft token
+    after position i is accepted with probability p_i(draft); at the first rejection a token is
+    drawn from p_i without the draft token (the residual max(p - q, 0) of a one-hot q,
+    renormalised), and if every draft token is accepted one more is drawn from the next p_i.
+
+    Args:
+        logits: [N, C, vocab] at every row position.
+        tokens: [N, C] the rows' tokens; counts: [N] in [1, C], the tokens of each row.
+        rng: a jax.random key.
+        temperature, top_k, top_p: as :func:`kdax.models.generation.sample_logits`.
+
+    Returns:
+        (accepted [N] int32: the row tokens whose states are kept, 1 + the drafts accepted;
+        new [N, C] int32: the tokens emitted, the first ``accepted`` of each row).
+    """
+    N, C, V = logits.shape
+    if temperature == 0:
+        logp = jnp.where(jax.nn.one_hot(jnp.argmax(logits, -1), V) > 0, 0.0, -jnp.inf)
+    else:
+        logp = jax.nn.log_softmax(filtered_logits(logits, temperature, top_k, top_p), axis=-1)
+    drafts = jnp.concatenate([tokens[:, 1:], jnp.zeros((N, 1), tokens.dtype)], axis=1)  # checked at position i
+    p_draft = jnp.exp(jnp.take_along_axis(logp, drafts[..., None], axis=-1)[..., 0])
+    at_draft = jnp.arange(C)[None] < (counts - 1)[:, None]
+    take, draw = jax.random.split(rng)
+    ok = at_draft & (jax.random.uniform(take, (N, C)) < p_draft)
+    j = jnp.argmin(ok, axis=1)  # the first position that accepts nothing (its draft rejected, or none left)
+    logp_j = jnp.take_along_axis(logp, j[:, None, None], axis=1)[:, 0]
+    rejected = jnp.take_along_axis(at_draft, j[:, None], axis=1)
+    drop = rejected & (jnp.arange(V)[None] == jnp.take_along_axis(drafts, j[:, None], axis=1))
+    last = jax.random.categorical(draw, jnp.where(drop, -jnp.inf, logp_j), axis=-1)
+    pos = jnp.arange(C)[None]
+    new = jnp.where(pos < j[:, None], drafts, jnp.where(pos == j[:, None], last[:, None], 0))
+    return (j + 1).astype(jnp.int32), new.astype(jnp.int32)
 
 
 def prompt_lookup(tokens: Sequence[int], k: int, n: int = 2) -> list[int]:
@@ -76,7 +119,9 @@ class Scheduler:
         num_pages: the pages per softmax layer (default: enough for ``max_requests`` requests
             of ``max_length`` tokens and the prefix cache's).
         draft: None, or ``draft(tokens, k) -> list[int]`` proposing up to k next tokens
-            (:func:`prompt_lookup`); greedy verification keeps the tokens plain decoding emits.
+            (:func:`prompt_lookup`); verification (:func:`speculative_sample`) keeps the tokens
+            distributed as plain decoding's: greedy decoding's own tokens, or samples of its
+            distribution.
         num_draft: the most draft tokens per step.
         prefix_cache: the prompt prefixes kept (0: none): after a prefill chunk, the state at
             that boundary (KDA and convolution states, and the pages before it, shared) is kept;
@@ -84,14 +129,14 @@ class Scheduler:
         row_buckets: the rows a step may have, increasing, the last ``max_requests`` (default:
             the powers of two below it, then it): a step runs the least that holds its requests.
         temperature, top_k, top_p: 0 for greedy decoding, else sampling as
-            :func:`kdax.models.generate` samples (:func:`kdax.models.generation.sample_logits`);
-            drafts need greedy decoding (their verification keeps greedy tokens).
+            :func:`kdax.models.generate` samples (:func:`kdax.models.generation.sample_logits`),
+            with drafts too.
         seed: the sampling's random seed.
 
     Raises:
         ValueError: a size that is not a positive int, ``chunk_size`` not a multiple of
-            ``page_size``, ``row_buckets`` not increasing up to ``max_requests``, sampling
-            options out of range, or a draft with temperature > 0.
+            ``page_size``, ``row_buckets`` not increasing up to ``max_requests``, or sampling
+            options out of range.
     """
 
     def __init__(
@@ -135,10 +180,6 @@ class Scheduler:
         self.row_buckets = row_buckets
         if not (isinstance(temperature, (int, float)) and 0 <= temperature < float("inf")):
             raise ValueError(f"temperature: expected a finite float >= 0, got {temperature!r}")
-        if draft is not None and temperature > 0:
-            raise ValueError(
-                f"temperature: expected 0 with a draft (verification keeps greedy tokens), got {temperature}"
-            )
         if top_k is not None and not (isinstance(top_k, int) and 1 <= top_k <= model.config.vocab_size):
             raise ValueError(f"top_k: expected None or an int in [1, {model.config.vocab_size}], got {top_k!r}")
         if top_p is not None and not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
@@ -243,38 +284,37 @@ class Scheduler:
         batch = self._batch(rows, N, C)
         self.steps[(N, C, verify)] += 1
         logits, self.pool = _compiled(self._graphdef, self._state, self.pool, batch, verify, dispatch.context())
-        if verify or self._sampling[0] == 0:
-            predicted = np.asarray(jnp.argmax(logits, axis=-1))
+        self._rng, key = jax.random.split(self._rng)
+        if verify:
+            accepted, new = map(
+                np.asarray, speculative_sample(logits, batch.tokens, batch.counts, key, *self._sampling)
+            )
+            predicted = [row[:a] for row, a in zip(new, accepted)]
         else:
-            self._rng, key = jax.random.split(self._rng)
-            predicted = np.asarray(_sample(logits, key, *self._sampling))
+            predicted = np.asarray(_sample(logits, key, *self._sampling))[:, None]
         emitted = {}
         for n, (r, tokens) in enumerate(zip(self._running, rows)):
-            emitted[r.id] = self._advance(r, tokens, predicted[n], verify)
+            emitted[r.id] = self._advance(r, tokens, predicted[n])
         finished = {r.id: r.out for r in self._running if r.done()}
         for r in [r for r in self._running if r.done()]:
             self._retire(r)
         return emitted, finished
 
-    def _advance(self, r: _Request, tokens: list[int], predicted, verify: bool) -> list[int]:
-        """Move a request past its row's tokens; the tokens it emits."""
+    def _advance(self, r: _Request, tokens: list[int], predicted) -> list[int]:
+        """Move a request past its row's tokens, given the tokens the step emits for it (one, or
+        in a verify step 1 + the drafts accepted); the tokens it emits."""
         base = r.group * self.width
         r.source = base
         if r.pos < len(r.prompt):
             r.pos += len(tokens)
             self._keep_prefix(r)
-            new = [int(predicted)] if r.pos == len(r.prompt) else []
-        elif verify:
-            accepted = 1  # the row's first token is the last emitted one; drafts follow
-            while accepted < len(tokens) and tokens[accepted] == int(predicted[accepted - 1]):
-                accepted += 1
-            new = [int(t) for t in predicted[:accepted]]
+            new = [int(predicted[0])] if r.pos == len(r.prompt) else []
+        else:
+            accepted = len(predicted)  # the row's first token is the last emitted one; drafts follow
+            new = [int(t) for t in predicted]
             self.drafted, self.accepted = self.drafted + len(tokens) - 1, self.accepted + accepted - 1
             r.pos += accepted
             r.source = base + accepted - 1  # the state after the last accepted token
-        else:
-            r.pos += 1
-            new = [int(predicted)]
         new = new[: r.max_new_tokens - len(r.out)]
         if r.eos is not None and r.eos in new:
             new = new[: new.index(r.eos) + 1]

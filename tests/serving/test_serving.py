@@ -13,6 +13,7 @@ from kdax.models import (
     KDAForCausalLM,
     KimiLinearForCausalLM,
     generate,
+    generation,
     kimi_tiny_config,
     ling_tiny_config,
     tiny_config,
@@ -20,6 +21,7 @@ from kdax.models import (
 from kdax.models.kda import is_kda
 from kdax.ops.kda import decode
 from kdax.serving import Batch, Scheduler, init_pool, prompt_lookup, step
+from kdax.serving.scheduler import speculative_sample
 
 LENGTHS = (5, 17, 40, 1, 37, 9, 33, 20)
 NEW = (6, 9, 4, 12, 5, 8, 7, 10)
@@ -78,9 +80,8 @@ def test_continuous_batching_gives_the_tokens_of_generate(model, reference):
     assert s.idle and len(s._free_pages) == s.pool.layers[1][0].shape[0]  # every page returned
 
 
-def test_speculative_decoding_gives_the_tokens_of_greedy_decoding(model, reference):
-    """Drafts that are right, partly right and wrong (the reference with every third token
-    altered): the verified tokens are plain greedy decoding's."""
+def half_right_draft(reference):
+    """Drafts that are right, partly right and wrong: the reference with every third token altered."""
     full = {tuple(p): r for p, r in zip(prompts(), reference)}
 
     def draft(tokens, k):
@@ -91,11 +92,62 @@ def test_speculative_decoding_gives_the_tokens_of_greedy_decoding(model, referen
                 return [(t + 1) % 64 if (done + i) % 3 == 2 else t for i, t in enumerate(guess)]
         return []
 
+    return draft
+
+
+def test_speculative_decoding_gives_the_tokens_of_greedy_decoding(model, reference):
+    """With drafts right, partly right and wrong, the verified tokens are plain greedy decoding's."""
     s = Scheduler(
-        model, max_requests=4, max_length=64, page_size=8, chunk_size=16, draft=draft, num_draft=3, row_buckets=[4]
+        model,
+        max_requests=4,
+        max_length=64,
+        page_size=8,
+        chunk_size=16,
+        draft=half_right_draft(reference),
+        num_draft=3,
+        row_buckets=[4],
     )
     assert serve(s, prompts(), NEW) == reference
     assert sum(n for (_, _, verify), n in s.steps.items() if verify) > 0
+
+
+@pytest.mark.parametrize("top_k", [None, 3])
+def test_speculative_sampling_draws_what_plain_sampling_draws(top_k):
+    """speculative_sample on 200,000 rows of a fixed 6-token distribution per position: the first
+    emitted token follows position 0's distribution, and after an accepted draft the second
+    follows position 1's (to 0.006, about 5 standard errors), whether the drafts are likely,
+    unlikely, or (with top_k) outside what sampling may draw."""
+    rows, V, temperature = 200_000, 6, 0.7
+    logits = jnp.asarray(np.random.default_rng(0).standard_normal((3, V)) * 2, jnp.float32)
+    p = np.asarray(jax.nn.softmax(generation.filtered_logits(logits, temperature, top_k, None), axis=-1))
+    for drafts in ([int(np.argmax(p[0])), int(np.argmax(p[1]))], [int(np.argmin(logits[0])), 2]):
+        tokens = jnp.asarray([[0, *drafts]] * rows, jnp.int32)
+        counts = jnp.full((rows,), 3, jnp.int32)
+        accepted, new = map(
+            np.asarray,
+            speculative_sample(
+                jnp.broadcast_to(logits, (rows, 3, V)), tokens, counts, jax.random.key(1), temperature, top_k, None
+            ),
+        )
+        first = np.bincount(new[:, 0], minlength=V) / rows
+        np.testing.assert_allclose(first, p[0], atol=6e-3)
+        took = new[:, 0] == drafts[0]
+        np.testing.assert_array_equal(accepted > 1, took)
+        if took.sum() > 20_000:
+            second = np.bincount(new[took, 1], minlength=V) / took.sum()
+            np.testing.assert_allclose(second, p[1], atol=6e-3 * np.sqrt(rows / took.sum()))
+    greedy = speculative_sample(
+        logits[None],
+        jnp.asarray([[0, int(np.argmax(logits[0])), 5]]),
+        jnp.asarray([3]),
+        jax.random.key(2),
+        0.0,
+        None,
+        None,
+    )
+    expect_second = int(np.argmax(logits[1]))
+    assert np.asarray(greedy[1])[0, :2].tolist() == [int(np.argmax(logits[0])), expect_second]
+    assert int(greedy[0][0]) == (3 if expect_second == 5 else 2)
 
 
 def test_prefix_cache_hit_gives_the_tokens_without_it(model):
@@ -183,29 +235,17 @@ def test_hugging_face_families_serve_the_tokens_of_generate(family):
     assert serve(s, ps, NEW) == greedy(model, ps, NEW)
 
 
-def test_sampling_with_top_k_1_is_greedy_and_a_seed_repeats(model, reference):
-    s = Scheduler(
-        model, max_requests=4, max_length=64, page_size=8, chunk_size=16, row_buckets=[4], temperature=0.8, top_k=1
-    )
+@pytest.mark.parametrize("drafts", [False, True])
+def test_sampling_with_top_k_1_is_greedy_and_a_seed_repeats(model, reference, drafts):
+    sizes = {"max_requests": 4, "max_length": 64, "page_size": 8, "chunk_size": 16, "row_buckets": [4]}
+    if drafts:
+        sizes.update(draft=half_right_draft(reference), num_draft=3)
+    s = Scheduler(model, **sizes, temperature=0.8, top_k=1)
     assert serve(s, prompts(), NEW) == reference
-    runs = [
-        serve(
-            Scheduler(
-                model,
-                max_requests=4,
-                max_length=64,
-                page_size=8,
-                chunk_size=16,
-                row_buckets=[4],
-                temperature=1.0,
-                seed=3,
-            ),
-            prompts()[:4],
-            NEW[:4],
-        )
-        for _ in range(2)
-    ]
+    assert not drafts or 0 < s.accepted < s.drafted  # drafts kept and drafts rejected
+    runs = [serve(Scheduler(model, **sizes, temperature=1.0, seed=3), prompts()[:4], NEW[:4]) for _ in range(2)]
     assert runs[0] == runs[1] and all(0 <= t < 64 for r in runs[0] for t in r)
+    assert [len(r) for r in runs[0]] == list(NEW[:4])
 
 
 def test_bad_requests_and_batches_raise(model):
@@ -221,8 +261,8 @@ def test_bad_requests_and_batches_raise(model):
     with pytest.raises(ValueError, match="row_buckets: expected increasing ints ending at max_requests=6"):
         Scheduler(model, max_requests=6, row_buckets=[4, 2, 6])
     assert Scheduler(model, max_requests=6, max_length=32).row_buckets == (1, 2, 4, 6)
-    with pytest.raises(ValueError, match="temperature: expected 0 with a draft"):
-        Scheduler(model, draft=prompt_lookup, temperature=0.5)
+    with pytest.raises(ValueError, match="temperature: expected a finite float >= 0"):
+        Scheduler(model, draft=prompt_lookup, temperature=-0.5)
     with pytest.raises(ValueError, match=r"top_p: expected None or a float in \(0, 1\]"):
         Scheduler(model, top_p=0.0)
     pool = init_pool(model, 2, 4, 8)
