@@ -68,7 +68,8 @@ def check(pool, indices, accepted, *, N: int, state_shape: tuple, per_token: boo
         if np.unique(used).size != used.size:
             fail("ssm_state_indices", "each slot written at most once per call", f"{np.asarray(indices).tolist()}")
         if Tmax is not None and (accepted is None or not isinstance(accepted, jax.core.Tracer)):
-            start = np.asarray(_starts(indices, None if accepted is None else np.asarray(accepted)))
+            col = np.zeros(N, np.int64) if accepted is None else np.clip(np.asarray(accepted) - 1, 0, Tmax - 1)
+            start = np.asarray(indices)[np.arange(N), col]
             writer = {int(slot): n for n, row in enumerate(idx) for slot in row if slot >= 0}
             for n, slot in enumerate(start.tolist()):
                 if writer.get(slot, n) != n:

@@ -261,6 +261,27 @@ def test_bad_slots_raise(call, match):
         kdax.fused_recurrent_kda(*args, **kw)
 
 
+def test_concrete_slots_closed_over_under_jit():
+    """Slots and accepted counts known while a jitted function is traced are checked as
+    concrete ones, and give the eager call's results."""
+    args, _, pool = inputs(2, 2, seed=4)
+    idx, accepted = jnp.asarray([[0, 1, 5], [2, 3, 5]], jnp.int32), jnp.asarray([3, 1], jnp.int32)
+    call = lambda pool: kdax.fused_recurrent_kda(
+        *args, initial_state=pool, ssm_state_indices=idx, num_accepted_tokens=accepted, backend="xla"
+    )
+    (o, new), (o_eager, new_eager) = jax.jit(call)(pool), call(pool)
+    np.testing.assert_allclose(o, o_eager, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(new, new_eager, rtol=1e-6, atol=1e-6)
+    bad = jnp.asarray([[0, 3, 9], [2, 1, 3]], jnp.int32)  # sequence 0 writes slot 3, where sequence 1 starts
+    counts = jnp.asarray([1, 3], jnp.int32)
+    with pytest.raises(ValueError, match="sequence 1 starts from slot 3, which sequence 0 writes"):
+        jax.jit(
+            lambda pool: kdax.fused_recurrent_kda(
+                *args, initial_state=pool, ssm_state_indices=bad, num_accepted_tokens=counts
+            )
+        )(pool)
+
+
 def test_chunk_kda_takes_one_slot_per_sequence_only():
     args, _, pool = inputs(2, 4)
     with pytest.raises(ValueError, match=r"ssm_state_indices: expected int \[2\] \(one slot per sequence\)"):
