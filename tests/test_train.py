@@ -279,11 +279,14 @@ def test_a_mesh_that_does_not_fit_the_devices_or_a_bad_launch_spec_is_a_value_er
 @pytest.mark.slow
 def test_bench_serving_cli(capsys):
     args = ["serving", "--requests", "3", "--concurrency", "2", "--prompt-max", "20", "--new-tokens", "4"]
-    args += ["--chunk-size", "16", "--draft", "2", "--repeats", "1", "--json"]
+    args += ["--chunk-size", "16", "--draft", "2", "--repeats", "1", "--json", "--temperature", "0.8"]
     assert main(["bench", *args]) == 0
     (row,) = json.loads(capsys.readouterr().out)["serving"]
     assert row["served_tok_s"]["median"] > 0 and row["generate_tok_s"]["median"] > 0 and row["step_temp_mib"] > 0
-    assert row["drafts_accepted"][0] <= row["drafts_accepted"][1]
+    assert row["drafts_accepted"][0] <= row["drafts_accepted"][1] and row["temperature"] == 0.8
+    with pytest.raises(SystemExit):
+        main(["bench", "serving", "--temperature", "-1"])
+    assert "--temperature: expected a finite float >= 0, got '-1'" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["bench", "serving", "--prompt-min", "30", "--prompt-max", "20"])
     assert "--prompt-max: expected >= --prompt-min=30" in capsys.readouterr().err

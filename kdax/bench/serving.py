@@ -42,12 +42,13 @@ def _serve(scheduler: Scheduler, prompts, new) -> tuple[float, list[float]]:
     return wall, [(last[i] - first[i]) / max(count[i] - 1, 1) for i in ids]
 
 
-def _generate(model, prompts, new) -> tuple[float, list[float]]:
+def _generate(model, prompts, new, temperature: float = 0.0) -> tuple[float, list[float]]:
     """One generate() call per request, one after another."""
     wall, per_token = 0.0, []
-    for p, n in zip(prompts, new):
+    for i, (p, n) in enumerate(zip(prompts, new)):
         t0 = time.perf_counter()
-        jax.block_until_ready(generate(model, jnp.asarray([p], jnp.int32), n))
+        rng = jax.random.key(i)
+        jax.block_until_ready(generate(model, jnp.asarray([p], jnp.int32), n, temperature=temperature, rng=rng))
         dt = time.perf_counter() - t0
         wall += dt
         per_token.append(dt / n)
@@ -64,10 +65,12 @@ def run(
     repeats: int,
     chunk_size: int = 64,
     draft: int = 0,
+    temperature: float = 0.0,
     progress: bool = True,
 ) -> dict:
     """Time serving ``requests`` requests ``concurrency`` at a time, and generate() per request,
-    each after an untimed warm-up run (which compiles every step bucket and prompt shape)."""
+    each after an untimed warm-up run (which compiles every step bucket and prompt shape); greedy,
+    or sampling at ``temperature`` (drafts verified by speculative sampling)."""
     if name not in PRESETS:
         raise ValueError(f"model: expected one of {tuple(PRESETS)}, got {name!r}")
     config = PRESETS[name]()
@@ -78,7 +81,14 @@ def run(
 
     def scheduler():
         kw = {"draft": prompt_lookup, "num_draft": draft} if draft else {}
-        return Scheduler(model, max_requests=concurrency, max_length=max_length, chunk_size=chunk_size, **kw)
+        return Scheduler(
+            model,
+            max_requests=concurrency,
+            max_length=max_length,
+            chunk_size=chunk_size,
+            temperature=temperature,
+            **kw,
+        )
 
     bar = tqdm(total=2 * (repeats + 1), desc=f"kdax bench serving --preset {name}", disable=not progress, leave=False)
     served, baseline = [], []
@@ -89,7 +99,7 @@ def run(
         served += [result] if i else []
         bar.update()
         bar.set_postfix_str("generate() per request" + (" (compiling)" if i == 0 else ""))
-        result = _generate(model, prompts, new)
+        result = _generate(model, prompts, new, temperature)
         baseline += [result] if i else []
         bar.update()
     bar.close()
@@ -104,6 +114,7 @@ def run(
         "prompt_len": [prompt_min, prompt_max],
         "new_tokens": new_tokens,
         "draft": draft,
+        "temperature": temperature,
         "served_tok_s": rate(served)._asdict(),
         "served_ms_per_token": tpot(served)._asdict(),
         "generate_tok_s": rate(baseline)._asdict(),
@@ -119,9 +130,10 @@ def _spread(t: dict, fmt: str) -> str:
     return f"{t['median']:{fmt}} ({t['q25']:{fmt}}-{t['q75']:{fmt}})"
 
 
-def _drafts(r: dict) -> str:  # " +draft 3 (412/1020 accepted)"
+def _drafts(r: dict) -> str:  # " +draft 3 (412/1020 accepted), T=0.8"
     accepted, drafted = r["drafts_accepted"]
-    return f" +draft {r['draft']} ({accepted}/{drafted} accepted)" if r["draft"] else ""
+    text = f" +draft {r['draft']} ({accepted}/{drafted} accepted)" if r["draft"] else ""
+    return text + (f", T={r['temperature']:g}" if r["temperature"] else "")
 
 
 def format_rows(rows: list[dict]) -> str:
@@ -159,6 +171,12 @@ def register(sub) -> None:
     p.add_argument("--new-tokens", type=flags.at_least(1), default=32, help="tokens generated per request")
     p.add_argument("--chunk-size", type=flags.at_least(16), default=64, help="prompt tokens per step, a multiple of 16")
     p.add_argument("--draft", type=flags.at_least(0), default=0, help="prompt-lookup draft tokens per step (0: none)")
+    p.add_argument(
+        "--temperature",
+        type=flags.number(float, lambda x: 0 <= x < float("inf"), "a finite float >= 0"),
+        default=0.0,
+        help="0: greedy; else sampling, drafts verified by speculative sampling",
+    )
     flags.output(p, repeats=3)
 
 
@@ -178,6 +196,7 @@ def _command(ns, parser) -> int:
             ns.repeats,
             chunk_size=ns.chunk_size,
             draft=ns.draft,
+            temperature=ns.temperature,
             progress=not ns.json,
         )
         for c in ns.concurrency

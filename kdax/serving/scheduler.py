@@ -106,7 +106,8 @@ class Scheduler:
 
     Each step takes every running request (at most ``max_requests``): a request still in its
     prompt contributes its next ``chunk_size`` tokens, a decoding one its last token (and, with
-    ``draft``, up to ``num_draft`` draft tokens to verify when no prompt is in the step). Steps
+    ``draft``, up to ``num_draft`` draft tokens to verify when no prompt is in the step; a step in
+    which the draft proposes nothing is a plain decode step). Steps
     compile once per (rows, tokens per row) bucket: rows one of ``row_buckets``, tokens per row 1,
     ``num_draft + 1`` or ``chunk_size``.
 
@@ -267,18 +268,18 @@ class Scheduler:
         if not self._running:
             return {}, {}
         prefilling = any(r.pos < len(r.prompt) for r in self._running)
-        verify = self.draft is not None and not prefilling
         rows = []
         for r in self._running:
             if r.pos < len(r.prompt):
                 tokens = r.prompt[r.pos : r.pos + self.chunk_size]
             else:
                 tokens = [r.out[-1]]
-                if verify:
+                if self.draft is not None and not prefilling:
                     budget = min(self.num_draft, r.max_new_tokens - len(r.out) - 1)
                     tokens += list(self.draft(r.prompt + r.out, budget))[: max(budget, 0)] if budget > 0 else []
             self._grow(r, r.pos + len(tokens))
             rows.append(tokens)
+        verify = not prefilling and any(len(tokens) > 1 for tokens in rows)  # no draft tokens: a plain decode step
         C = self.chunk_size if prefilling else self.width if verify else 1
         N = next(n for n in self.row_buckets if n >= len(rows))
         batch = self._batch(rows, N, C)

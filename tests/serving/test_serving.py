@@ -109,6 +109,11 @@ def test_speculative_decoding_gives_the_tokens_of_greedy_decoding(model, referen
     )
     assert serve(s, prompts(), NEW) == reference
     assert sum(n for (_, _, verify), n in s.steps.items() if verify) > 0
+    s = Scheduler(
+        model, max_requests=4, max_length=64, page_size=8, chunk_size=16, draft=lambda t, k: [], row_buckets=[4]
+    )
+    assert serve(s, prompts(), NEW) == reference
+    assert not any(verify for _, _, verify in s.steps) and s.drafted == 0  # nothing proposed: plain decode steps
 
 
 @pytest.mark.parametrize("top_k", [None, 3])
