@@ -1,7 +1,8 @@
 """Continuous batching over :func:`kdax.serving.step`: requests join and leave between steps,
 prompts are prefilled in chunks beside other requests' decode tokens, pages are allocated as
 requests grow, and (optionally) draft tokens are verified and prompts' prefixes cached.
-Greedy decoding or sampling (drafts verified by speculative sampling); the host-side bookkeeping of a small engine (docs/serving.md)."""
+Greedy decoding or sampling (drafts verified by speculative sampling); the host-side
+bookkeeping of a small engine (docs/serving.md)."""
 
 from __future__ import annotations
 
@@ -311,7 +312,7 @@ class Scheduler:
             self._keep_prefix(r)
             new = [int(predicted[0])] if r.pos == len(r.prompt) else []
         else:
-            accepted = len(predicted)  # the row's first token is the last emitted one; drafts follow
+            accepted = len(predicted)  # the row's last emitted token and the drafts kept
             new = [int(t) for t in predicted]
             self.drafted, self.accepted = self.drafted + len(tokens) - 1, self.accepted + accepted - 1
             r.pos += accepted

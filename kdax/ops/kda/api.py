@@ -475,9 +475,8 @@ def _in_kernel_slots(opts: Options, q, pool, idx):
     backend, config = _recurrent_backend(opts.backend, q, None)
     if backend not in _DECODE_KERNELS:
         return None
-    pads, v_first = _DECODE_SLOTS[backend][0], opts.state_v_first
-    K, V = pool.shape[-1:-3:-1] if v_first else pool.shape[-2:]
-    return (backend, config) if q.shape[1] and decode.in_place(pool, *pads(K, V), v_first) else None
+    fits = q.shape[1] and decode.in_place(pool, _DECODE_SLOTS[backend][0], opts.state_v_first)
+    return (backend, config) if fits else None
 
 
 def _recurrent_backend(backend: str, q, cu_seqlens):

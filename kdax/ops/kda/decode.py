@@ -321,22 +321,21 @@ def fused_recurrent_slots(
     return run(q, k, v, g, beta, pool, gate_params, read, write)
 
 
-def in_place(pool, Kp: int, Vp: int, v_first: bool) -> bool:
-    """Whether :func:`fused_recurrent_slots` takes a pool: float32, with the kernel's padded K and V.
-    (No row may start from a slot another row writes, or the programs would race:
-    :func:`kdax.ops.kda.slots.check` refuses such slots.)"""
+def in_place(pool, pads, v_first: bool) -> bool:
+    """Whether :func:`fused_recurrent_slots` takes a pool: float32, with K and V as the kernel
+    pads them (``pads(K, V) -> (Kp, Vp)``, the backend's). (No row may start from a slot another
+    row writes, or the programs would race: :func:`kdax.ops.kda.slots.check` refuses such slots.)"""
     K, V = pool.shape[-1:-3:-1] if v_first else pool.shape[-2:]
-    return pool.dtype == jnp.float32 and (K, V) == (Kp, Vp)
+    return pool.dtype == jnp.float32 and (K, V) == pads(K, V)
 
 
 def _xla_slots(opt: Options, v_first: bool, read, write, q, k, v, g, beta, pool, gate_params):
     """What :func:`fused_recurrent_slots` computes, in XLA: gather, the recurrence, scatter."""
-    T = q.shape[1]
     h0 = slots.read(pool, read)
     h0 = jnp.swapaxes(h0, -1, -2) if v_first else h0
     o, _, states = _xla(dataclasses.replace(opt, token_states=True), q, k, v, g, beta, h0, gate_params)
     states = jnp.swapaxes(states, -1, -2) if v_first else states
-    return o, slots.write(pool, write[:, :T].reshape(-1), states.reshape(-1, *states.shape[2:]))
+    return o, slots.write(pool, write.reshape(-1), states.reshape(-1, *states.shape[2:]))
 
 
 def _launch_slots(q, k, v, g, beta, pool, read, write, gate_params, *, opt, v_first, dma, BV, Tp, interpret, params):

@@ -68,8 +68,7 @@ def check(pool, indices, accepted, *, N: int, state_shape: tuple, per_token: boo
         if np.unique(used).size != used.size:
             fail("ssm_state_indices", "each slot written at most once per call", f"{np.asarray(indices).tolist()}")
         if Tmax is not None and (accepted is None or not isinstance(accepted, jax.core.Tracer)):
-            col = np.zeros(N, np.int64) if accepted is None else np.clip(np.asarray(accepted) - 1, 0, Tmax - 1)
-            start = np.asarray(indices)[np.arange(N), col]
+            start = _starts(np.asarray(indices), None if accepted is None else np.asarray(accepted), np)
             writer = {int(slot): n for n, row in enumerate(idx) for slot in row if slot >= 0}
             for n, slot in enumerate(start.tolist()):
                 if writer.get(slot, n) != n:
@@ -89,14 +88,15 @@ def _valid(indices, S):
     return jnp.where(indices < 0, S, indices).astype(jnp.int32)
 
 
-def _starts(indices, accepted):
+def _starts(indices, accepted, xp=jnp):
     """Each sequence's start slot [N]: ``indices`` [N], or column ``accepted - 1`` of [N, Tmax]
-    (column 0 without ``accepted``; traced counts clipped to [1, Tmax])."""
+    (column 0 without ``accepted``; counts clipped to [1, Tmax]). ``xp``: jnp, or np for the
+    concrete values :func:`check` reads (inside a jit trace jnp would make them tracers)."""
     if indices.ndim == 1:
         return indices
-    col = jnp.zeros(indices.shape[:1], jnp.int32) if accepted is None else accepted.astype(jnp.int32) - 1
-    col = jnp.clip(col, 0, indices.shape[1] - 1)
-    return jnp.take_along_axis(indices, col[:, None], axis=1)[:, 0]
+    col = xp.zeros(indices.shape[:1], xp.int32) if accepted is None else accepted.astype(xp.int32) - 1
+    col = xp.clip(col, 0, indices.shape[1] - 1)
+    return xp.take_along_axis(indices, col[:, None], axis=1)[:, 0]
 
 
 def read(pool, indices, accepted=None):
