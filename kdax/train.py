@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import json
 import os
+import shutil
 import time
 from collections.abc import Callable
 from importlib import resources
@@ -212,13 +213,19 @@ def _on_mesh(model: KDAForCausalLM, cfg: TrainConfig):
 
 def _checkpoints(out_dir: str, keep: int, create: bool) -> ocp.CheckpointManager:
     """The orbax manager of ``out_dir/state``: each save is written to a temporary directory and
-    renamed when complete, and only the newest ``keep`` are kept. Only a manager that saves
-    (``create``) removes the temporary directories of failed saves: orbax removes them in a
-    background thread, and two managers removing the same directory race."""
+    renamed when complete, and only the newest ``keep`` are kept. A manager that saves
+    (``create``) first removes the temporary directories of failed saves, here and before it
+    returns: orbax would remove them in a background thread that races with whatever touches the
+    directory next (another manager's clean-up, a save's own removal of a stale directory)."""
+    directory = os.path.abspath(os.path.join(out_dir, "state"))
+    if create and jax.process_index() == 0 and os.path.isdir(directory):
+        for path in (os.path.join(directory, name) for name in os.listdir(directory)):
+            if os.path.isdir(path) and ocp.utils.is_tmp_checkpoint(path):
+                shutil.rmtree(path)
     options = ocp.CheckpointManagerOptions(
-        preservation_policy=ocp.checkpoint_managers.LatestN(keep), create=create, cleanup_tmp_directories=create
+        preservation_policy=ocp.checkpoint_managers.LatestN(keep), create=create, cleanup_tmp_directories=False
     )
-    return ocp.CheckpointManager(os.path.abspath(os.path.join(out_dir, "state")), options=options)
+    return ocp.CheckpointManager(directory, options=options)
 
 
 def _save(

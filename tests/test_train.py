@@ -113,6 +113,8 @@ def test_interrupted_save_loses_no_complete_checkpoint(tmp_path, monkeypatch, st
         train(_small_model(), load_corpus(), cfg, progress=False)
     left = os.listdir(tmp_path / "state")  # 5, 10 and orbax's temporary directory of 15
     assert {"5", "10"} <= set(left) and "15" not in left and any(name.startswith("15.") for name in left), left
+    kdax.train.check_checkpoints(cfg, resume=True)  # a read-only look removes nothing
+    assert sorted(os.listdir(tmp_path / "state")) == sorted(left)
     monkeypatch.setattr(ocp.args, "JsonSave", json_save)
     model = _small_model()
     losses = train(model, load_corpus(), cfg, progress=False, resume=True)
