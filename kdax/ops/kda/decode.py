@@ -1,20 +1,21 @@
 """The recurrent form of KDA as one Pallas kernel, for decoding and verifying draft tokens:
 ``fused_recurrent_kda`` on ``backend="pallas_tpu"`` and ``"pallas_gpu"`` (docs/kda_decode.md).
 
-One program per (row, value head, V-block) holds its state block transposed, ``St = S^T``
-[BV, Kp] in float32, and walks the row's T tokens (a few: one to decode, or a token and its
-drafts): per token the gate, the L2 norm of q and k and the beta sigmoid where the call asks
-for them in the op, then ``St <- St exp(g)``, the delta rule, and the output. Every operation is
-element-wise or a reduction over one axis of a [BV, Kp] tile (no matmul: one token's products
-are matrix-vector), so the same body lowers through Mosaic (TPU) and Triton (GPU). The kernel
-reads each state once and writes it once (and, for speculative decoding, once per token).
+One program per (row, value head, V-block) holds its state block in float32 as the caller lays
+the states out: ``S`` [Kp, BV] for [K, V] states (the default, and pools of them), ``St = S^T``
+[BV, Kp] for a pool of [V, K] states (``state_v_first``). It walks the row's T tokens (a few:
+one to decode, or a token and its drafts): per token the gate, the L2 norm of q and k and the
+beta sigmoid where the call asks for them in the op, then ``S <- S exp(g)``, the delta rule,
+and the output. Every operation is element-wise or a reduction over one axis of the tile (no
+matmul: one token's products are matrix-vector), so the same body lowers through Mosaic (TPU)
+and Triton (GPU). The kernel reads each state once and writes it once (and, for speculative
+decoding, once per token), with no transpose around it.
 
-Token t's vectors are addressed by their leading index. With the state as ``St`` (key axis
-last) q, k and g come in as [.., T, 1, Kp] rows, v and o as [.., T, BV, 1] columns; with the
-state as ``S`` [Kp, BV] (a pool of [K, V] states read in place) the other way round. beta is
-[.., T, 1, 1]. So no tile is transposed inside a kernel. K and V are padded (to multiples of 128
-on TPU, powers of two >= 16 on GPU); padded key columns carry zero keys and queries, so they
-neither change the state nor the output.
+Token t's vectors are addressed by their leading index. With the state as ``S`` [Kp, BV] q, k
+and g come in as [.., T, Kp, 1] columns, v and o as [.., T, 1, BV] rows; with ``St`` (key axis
+last) the other way round. beta is [.., T, 1, 1]. So no tile is transposed inside a kernel. K
+and V are padded (to multiples of 128 on TPU, powers of two >= 16 on GPU); padded key columns
+carry zero keys and queries, so they neither change the state nor the output.
 
 With state slots (:func:`fused_recurrent_slots`) the kernel reads each row's state from the pool
 and writes the states back into it (the pool aliased to the output): a DMA between HBM and a
@@ -88,15 +89,15 @@ def _walk(opt: Options, T: int, kax: int, q_ref, k_ref, v_ref, g_ref, b_ref, p_r
 
 
 def _kernel(opt: Options, T: int, q_ref, k_ref, v_ref, g_ref, b_ref, p_ref, h0_ref, o_ref, fin_ref, *states):
-    """Grid (B, HV, V-blocks). Blocks as :func:`_walk`'s with ``kax`` = 1; h0, final [BV, Kp];
-    with token_states the state after each token [T, BV, Kp]."""
+    """Grid (B, HV, V-blocks). Blocks as :func:`_walk`'s with ``kax`` = 0; h0, final [Kp, BV];
+    with token_states the state after each token [T, Kp, BV]."""
 
-    def after(t, St):
+    def after(t, S):
         if opt.token_states:
-            states[0][t] = St
+            states[0][t] = S
 
     start = h0_ref[...].astype(jnp.float32)
-    fin_ref[...] = _walk(opt, T, 1, q_ref, k_ref, v_ref, g_ref, b_ref, p_ref, o_ref, start, after)
+    fin_ref[...] = _walk(opt, T, 0, q_ref, k_ref, v_ref, g_ref, b_ref, p_ref, o_ref, start, after)
 
 
 def _slots_kernel(opt: Options, T: int, Tp: int, kax: int, dma: bool, read_ref, write_ref, *refs):
@@ -237,18 +238,19 @@ def _vectors(q, k, v, g, beta, gate_params, *, opt: Options, kax: int, Kp, Vp, B
 
 
 def _launch(q, k, v, g, beta, h0, gate_params, *, opt: Options, Kp, Vp, BV, Tp, interpret, params):
-    """The pallas_call of :func:`fused_recurrent`."""
+    """The pallas_call of :func:`fused_recurrent`: the [K, V] states read and written as they are
+    (no transpose around the kernel: at B = 64, H = 32 two would move 256 MiB)."""
     B, T, _, K = q.shape
     HV, V = v.shape[2:]
     f32 = jnp.float32
-    xs, specs, o_spec, o_shape = _vectors(q, k, v, g, beta, gate_params, opt=opt, kax=1, Kp=Kp, Vp=Vp, BV=BV, Tp=Tp)
-    St = jnp.pad(jnp.swapaxes(h0.astype(f32), -1, -2), ((0, 0), (0, 0), (0, Vp - V), (0, Kp - K)))
-    state = pl.BlockSpec((None, None, BV, Kp), lambda b, h, j: (b, h, j, 0))
+    xs, specs, o_spec, o_shape = _vectors(q, k, v, g, beta, gate_params, opt=opt, kax=0, Kp=Kp, Vp=Vp, BV=BV, Tp=Tp)
+    S = jnp.pad(h0.astype(f32), ((0, 0), (0, 0), (0, Kp - K), (0, Vp - V)))
+    state = pl.BlockSpec((None, None, Kp, BV), lambda b, h, j: (b, h, 0, j))
     out_specs = [o_spec, state]
-    out_shape = [o_shape, jax.ShapeDtypeStruct((B, HV, Vp, Kp), f32)]
+    out_shape = [o_shape, jax.ShapeDtypeStruct((B, HV, Kp, Vp), f32)]
     if opt.token_states:
-        out_specs.append(pl.BlockSpec((None, None, Tp, BV, Kp), lambda b, h, j: (b, h, 0, j, 0)))
-        out_shape.append(jax.ShapeDtypeStruct((B, HV, Tp, Vp, Kp), f32))
+        out_specs.append(pl.BlockSpec((None, None, Tp, Kp, BV), lambda b, h, j: (b, h, 0, 0, j)))
+        out_shape.append(jax.ShapeDtypeStruct((B, HV, Tp, Kp, Vp), f32))
     out = pl.pallas_call(
         functools.partial(_kernel, opt, T),
         grid=(B, HV, Vp // BV),
@@ -258,12 +260,12 @@ def _launch(q, k, v, g, beta, h0, gate_params, *, opt: Options, Kp, Vp, BV, Tp, 
         name="kda_fused_recurrent",
         interpret=interpret,
         compiler_params=params,
-    )(*xs, St)
-    o = jnp.swapaxes(out[0][:, :, :T, :V, 0], 1, 2)  # [B, T, HV, V]
-    final = jnp.swapaxes(out[1][:, :, :V, :K], -1, -2)
+    )(*xs, S)
+    o = jnp.swapaxes(out[0][:, :, :T, 0, :V], 1, 2)  # [B, T, HV, V]
+    final = out[1][:, :, :K, :V]
     if not opt.token_states:
         return o, final
-    return o, final, jnp.swapaxes(out[2][:, :, :T, :V, :K], -1, -2).transpose(0, 2, 1, 3, 4)
+    return o, final, out[2][:, :, :T, :K, :V].transpose(0, 2, 1, 3, 4)
 
 
 def fused_recurrent_slots(
