@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator, Mapping
 import jax
 import jax.numpy as jnp
 
+from kdax.ops.common import tpu_costs
 from kdax.ops.common.validation import fail
 
 log = logging.getLogger("kdax")
@@ -119,7 +120,9 @@ class OpBackends:
             ``resolved()``), also for backends this op lacks: a config names its backend.
         refuse: ``refuse(kernels, dtype, config, asked, **options)``: why these kernels do
             not take the inputs (None: they do); ``asked`` is True when a config or
-            :func:`use_backend` asked for them rather than the device.
+            :func:`use_backend` asked for them rather than the device. On a TPU, "auto" also
+            runs the kernels only where :func:`kdax.ops.common.tpu_costs.refuse` finds them
+            compiled and cheaper than xla.
     """
 
     op: str
@@ -158,7 +161,10 @@ class OpBackends:
             return "xla", f"the op has no {kernels} kernels"
         if dtype == jnp.float64:
             return "xla", "float64 inputs (the kernels compute in float32 at most)"
-        if why := self.refuse(kernels, dtype, config, where != "the device's kernels", **options):
+        asked = where != "the device's kernels"
+        if why := self.refuse(kernels, dtype, config, asked, **options):
+            return "xla", why
+        if kernels == "pallas_tpu" and not asked and (why := tpu_costs.refuse(self.op, dtype)):
             return "xla", why
         return kernels, where
 
@@ -231,7 +237,8 @@ def explain_backend(
     """Which backend ``backend="auto"`` runs for an op's inputs of ``dtype`` here, and why.
 
     "auto" takes the kernels a config names, else those :func:`kdax.use_backend` names,
-    else the default device's, where the op has them and they take the inputs; else xla.
+    else the default device's, where the op has them and they take the inputs (a TPU's only
+    where they compiled and cost less than xla: :mod:`kdax.ops.common.tpu_costs`); else xla.
 
     Args:
         dtype: the inputs' dtype.

@@ -93,16 +93,17 @@ def _interpret(cfg: Config):
 
 
 class _Blocks:
-    """K/V blocks of ``n`` rows copied from HBM into the VMEM buffers kbuf, vbuf [2, n, D] by DMA,
+    """K/V blocks of ``n`` rows copied from HBM into the VMEM buffers kbuf, vbuf [2, n, ...] by DMA,
     two slots so one block is read while the next is in flight (K alone when v_hbm is None).
 
-    ``src(x, j, n)`` is the HBM slice of x [.., rows, D] holding rows j .. j + n - 1 of the head.
-    With ``sel`` (idx_hbm(i) the [1, n] slice of block i's indices, idx_smem [2, n],
-    idx_vmem [2, 1, n]) block i's rows are its selection, one DMA each (index -1 reads row 0);
-    without, rows i * n onward.
+    ``src(x, j, n)`` is the HBM slice of x holding rows j .. j + n - 1 of the head: [n, D], or
+    [n, G, D] rows of every KV head of a decode cache, of which ``pick`` keeps the program's
+    [n, D] (:func:`_cache_rows`). With ``sel`` (idx_hbm(i) the [1, n] row of block i's indices,
+    idx_smem [2, n], idx_vmem [2, 1, n]) block i's rows are its selection, one DMA each (index -1
+    reads row 0); without, rows i * n onward. ``dtype``: what the blocks are cast to (the queries').
     """
 
-    def __init__(self, k_hbm, v_hbm, src, kbuf, vbuf, sems, n, sel=None):
+    def __init__(self, k_hbm, v_hbm, src, kbuf, vbuf, sems, n, sel=None, pick=None, dtype=None):
         self.k, self.v, self.src, self.kbuf, self.vbuf, self.sems, self.n, self.sel = (
             k_hbm,
             v_hbm,
@@ -113,6 +114,7 @@ class _Blocks:
             n,
             sel,
         )
+        self.pick, self.dtype = pick or (lambda x: x), dtype
 
     def _copies(self, slot, j, r, rows):
         pairs = ((self.k, self.kbuf), (self.v, self.vbuf))[: 1 if self.v is None else 2]
@@ -155,6 +157,10 @@ class _Blocks:
             return i * self.n + lax.broadcasted_iota(jnp.int32, (1, self.n), 1)
         return self.sel[2][slot]
 
+    def read(self, buf, slot):  # a block as the kernel computes with it: [n, D] in ``dtype``
+        x = self.pick(buf[slot])
+        return x if self.dtype is None else x.astype(self.dtype)
+
     def scan(self, count, step, state):
         """Fold ``step(state, i, keys [1, n], kb [n, D], vb [n, D] or None)`` over blocks 0 .. count - 1."""
 
@@ -170,16 +176,54 @@ class _Blocks:
                 self.start(i + 1, 1 - slot)
 
             self.wait(slot)
-            return step(state, i, self.keys(i, slot), self.kbuf[slot], None if self.v is None else self.vbuf[slot])
+            vb = None if self.v is None else self.read(self.vbuf, slot)
+            return step(state, i, self.keys(i, slot), self.read(self.kbuf, slot), vb)
 
         return lax.fori_loop(0, count, body, state)
 
 
-def _scratch(n, D, dtype, sparse):
-    shapes = [pltpu.VMEM((2, n, D), dtype), pltpu.VMEM((2, n, D), dtype), pltpu.SemaphoreType.DMA((4, 2))]
+def _scratch(row, dtype, sparse):
+    """Two slots of K and V blocks, ``row`` the shape of a block ([n, D] or [n, G, D]), the DMA
+    semaphores, and with ``sparse`` two slots of a block's indices in SMEM and VMEM."""
+    shapes = [pltpu.VMEM((2, *row), dtype), pltpu.VMEM((2, *row), dtype), pltpu.SemaphoreType.DMA((4, 2))]
     if sparse:
-        shapes += [pltpu.SMEM((2, n), jnp.int32), pltpu.VMEM((2, 1, n), jnp.int32)]
+        shapes += [pltpu.SMEM((2, row[0]), jnp.int32), pltpu.VMEM((2, 1, row[0]), jnp.int32)]
     return shapes
+
+
+def _index_rows(indices, n: int, blocks: int):
+    """A selection [..., k] as the sparse kernels read it, [..., blocks, n]: block i of n positions a
+    row (-1 padded), so a block's indices are one sublane row of an int32 array (Mosaic copies those
+    from any row; a lane offset it needs in multiples of 128)."""
+    return bl.pad_selection(indices, blocks * n).reshape(*indices.shape[:-1], blocks, n)
+
+
+def _gathered(dtype):
+    """The dtype the sparse kernels gather K and V rows in: float32 for narrower inputs, whose
+    single rows Mosaic cannot copy (a bf16 row is half of a packed sublane); cast back in VMEM."""
+    return jnp.float32 if jnp.dtype(dtype).itemsize < 4 else dtype
+
+
+def _cache_rows(dtype, G: int):
+    """How the decode kernels read KV head g of a cache [B, L, G, D]: (whole, pick). Float32 (or
+    G = 1): head g's rows themselves. Narrower with G > 1: one bf16 head is half of a packed
+    sublane, which Mosaic cannot copy alone, so blocks [n, G, D] of every head (``whole``) and
+    ``pick(x, g)`` selecting head g's [n, D] from them in VMEM."""
+    if jnp.dtype(dtype).itemsize >= 4 or G == 1:
+        return False, None
+
+    def pick(x, g):
+        return functools.reduce(lambda out, h: jnp.where(g == h, x[:, h, :], out), range(1, G), x[:, 0, :])
+
+    return True, pick
+
+
+def _cache_reads(b, g, pick, key0=0):
+    """(src, head) for :class:`_Blocks` reading KV head g of row b of a cache [B, L, G, D] from key
+    ``key0`` on: head g's rows, or with ``pick`` (:func:`_cache_rows`) every head's and the pick."""
+    if pick is None:
+        return (lambda x, j, n: x.at[b, pl.ds(key0 + j, n), g]), None
+    return (lambda x, j, n: x.at[b, pl.ds(key0 + j, n)]), functools.partial(pick, g=g)
 
 
 # ----------------------------------------------------------------------------- prefill kernels
@@ -188,8 +232,9 @@ def _scratch(n, D, dtype, sparse):
 def _attend_kernel(
     lengths_ref, nblk_ref, q_ref, k_hbm, v_hbm, kd_ref, vd_ref, *rest, tile, R, Rp, bk, sparse, scale2, prec
 ):
-    """Grid (B, G, NT). q, o [tile * Rp, D]; k, v [B, G, Tp, D] in HBM; kd, vd [tile, D] the
-    tile's own keys; lse [rows, 1]; with ``sparse`` idx [B, G, NT, 1, Kp] in HBM."""
+    """Grid (B, G, NT). q, o [tile * Rp, D]; k, v [B, G, Tp, D] in HBM (float32 with ``sparse``
+    and narrower inputs: :func:`_gathered`); kd, vd [tile, D] the tile's own keys; lse [rows, 1];
+    with ``sparse`` idx [B, G, NT, blocks, bk] in HBM (:func:`_index_rows`)."""
     if sparse:
         idx_hbm, o_ref, lse_ref, kbuf, vbuf, sems, idx_smem, idx_vmem = rest
     else:
@@ -206,9 +251,9 @@ def _attend_kernel(
 
     sel = None
     if sparse:
-        sel = (lambda i: idx_hbm.at[b, g, t, :, pl.ds(i * bk, bk)], idx_smem, idx_vmem)
+        sel = (lambda i: idx_hbm.at[b, g, t, pl.ds(i, 1)], idx_smem, idx_vmem)
     src = lambda x, j, n: x.at[b, g, pl.ds(j, n)]
-    reads = _Blocks(k_hbm, v_hbm, src, kbuf, vbuf, sems, bk, sel)
+    reads = _Blocks(k_hbm, v_hbm, src, kbuf, vbuf, sems, bk, sel, dtype=q.dtype)
     count = nblk_ref[0, 0] if sparse else bl.cdiv(start, bk)
     state = reads.scan(
         count,
@@ -248,10 +293,11 @@ def _attend(qp, kp, vp, lengths, indices, plan: bl.Plan, *, cfg):
     own = pl.BlockSpec((None, None, tile_size, D), lambda b, g, t, *_: (b, g, t, 0))
     hbm = pl.BlockSpec(memory_space=pl.ANY)
     nblk = jnp.zeros((B, G, NT), jnp.int32)
-    args, in_specs = [qp, kp, vp, kp, vp], [qspec, hbm, hbm, own, own]
+    rows_in = _gathered(qp.dtype) if sparse else qp.dtype
+    args, in_specs = [qp, kp.astype(rows_in), vp.astype(rows_in), kp, vp], [qspec, hbm, hbm, own, own]
     if sparse:
         nblk = bl.selection_blocks(indices, bk)
-        args.append(bl.pad_selection(indices, round_up(max(indices.shape[-1], 1), bk))[:, :, :, None])
+        args.append(_index_rows(indices, bk, -(-max(indices.shape[-1], 1) // bk)))
         in_specs.append(hbm)
     kernel = functools.partial(
         _attend_kernel,
@@ -273,7 +319,7 @@ def _attend(qp, kp, vp, lengths, indices, plan: bl.Plan, *, cfg):
             grid=(B, G, NT),
             in_specs=[nblk_spec, *in_specs],
             out_specs=[qspec, pl.BlockSpec((None, None, rows, 1), lambda b, g, t, *_: (b, g, t, 0))],
-            scratch_shapes=_scratch(bk, D, qp.dtype, sparse),
+            scratch_shapes=_scratch((bk, D), rows_in, sparse),
         ),
         out_shape=[jax.ShapeDtypeStruct(qp.shape, qp.dtype), jax.ShapeDtypeStruct((*qp.shape[:3], 1), jnp.float32)],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",) * 3),
@@ -337,10 +383,10 @@ def kascade_reuse_tpu(q, k, v, lengths, indices, *, tile_size, scale, cfg):
 # ----------------------------------------------------------------------------- decode kernels
 
 
-def _decode_scores_kernel(lengths_ref, q_ref, k_hbm, *rest, R, bd, nl, scale2, prec, with_output):
+def _decode_scores_kernel(lengths_ref, q_ref, k_hbm, *rest, R, bd, nl, scale2, prec, with_output, pick):
     """Grid (B, G, splits). q [Rq, D]; k (and v) [B, Lp, G, D] in HBM; s [Rq, nl, bd]: the
     split's log2 scores, a row per key block (written below the row's length); with_output the
-    split's partial acc [Rq, D], m, l [Rq, 1]."""
+    split's partial acc [Rq, D], m, l [Rq, 1]. ``pick``: see :func:`_cache_rows`."""
     if with_output:
         v_hbm, s_ref, acc_ref, m_ref, l_ref, kbuf, vbuf, sems = rest
     else:
@@ -357,7 +403,8 @@ def _decode_scores_kernel(lengths_ref, q_ref, k_hbm, *rest, R, bd, nl, scale2, p
             s_ref[r, pl.ds(i, 1), :] = s2[r : r + 1]
         return bl.softmax_step(state, s2, vb, prec) if with_output else state
 
-    reads = _Blocks(k_hbm, v_hbm, lambda x, j, n: x.at[b, pl.ds(key0 + j, n), g], kbuf, vbuf, sems, bd)
+    src, head = _cache_reads(b, g, pick, key0)
+    reads = _Blocks(k_hbm, v_hbm, src, kbuf, vbuf, sems, bd, pick=head)
     count = jnp.clip(bl.cdiv(jnp.maximum(length - key0, 0), bd), 0, nl)
     state = reads.scan(count, step, bl.start_softmax(*q.shape))
     if with_output:
@@ -386,15 +433,18 @@ def _decode_attend_kernel(
     per_split,
     scale2,
     prec,
+    pick,
 ):
-    """Grid (B, G, splits). q [Rq, D]; k, v [B, Lp, G, D] and idx [B, G, 1, Kp] in HBM; out:
-    the split's partial acc [Rq, D], m, l [Rq, 1]."""
+    """Grid (B, G, splits). q [Rq, D]; k, v [B, Lp, G, D] and idx [B, G, blocks, bd] in HBM
+    (:func:`_index_rows`); out: the split's partial acc [Rq, D], m, l [Rq, 1]. ``pick``: see
+    :func:`_cache_rows`."""
     b, g, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     length = lengths_ref[b]
     q = q_ref[...]
     row_ok = lax.broadcasted_iota(jnp.int32, (q.shape[0], 1), 0) < R
-    sel = (lambda i: idx_hbm.at[b, g, :, pl.ds((sp * per_split + i) * bd, bd)], idx_smem, idx_vmem)
-    reads = _Blocks(k_hbm, v_hbm, lambda x, j, n: x.at[b, pl.ds(j, n), g], kbuf, vbuf, sems, bd, sel)
+    sel = (lambda i: idx_hbm.at[b, g, pl.ds(sp * per_split + i, 1)], idx_smem, idx_vmem)
+    src, head = _cache_reads(b, g, pick)
+    reads = _Blocks(k_hbm, v_hbm, src, kbuf, vbuf, sems, bd, sel, pick=head)
 
     def step(state, i, keys, kb, vb):
         s2 = jnp.where(row_ok & (keys >= 0) & (keys < length), bl.dot_nt(q, kb, prec) * scale2, -jnp.inf)
@@ -434,13 +484,15 @@ def kascade_anchor_decode_tpu(q, k_cache, v_cache, lengths, *, tenths, min_k, k_
     args = [bl.pack_decode_queries(q, G, Rq, D), _cache_in_place(k_cache, bd)]
     out_specs = [pl.BlockSpec((None, None, None, Rq, nl, bd), index)]
     out_shape = [jax.ShapeDtypeStruct((B, G, S, Rq, nl, bd), jnp.float32)]
-    scratch = [pltpu.VMEM((2, bd, D), q.dtype)]
+    whole, pick = _cache_rows(q.dtype, G)
+    row = (bd, G, D) if whole else (bd, D)
+    scratch = [pltpu.VMEM((2, *row), q.dtype)]
     if dense_output:
         in_specs.append(hbm)
         args.append(_cache_in_place(v_cache, bd))
         specs, shapes = bl.decode_partials(B, G, S, Rq, D, lambda b, g, s, *_: (b, g, s, 0, 0))
         out_specs, out_shape = out_specs + specs, out_shape + shapes
-        scratch.append(pltpu.VMEM((2, bd, D), q.dtype))
+        scratch.append(pltpu.VMEM((2, *row), q.dtype))
     kernel = functools.partial(
         _decode_scores_kernel,
         R=H // G,
@@ -449,6 +501,7 @@ def kascade_anchor_decode_tpu(q, k_cache, v_cache, lengths, *, tenths, min_k, k_
         scale2=scale * LOG2E,
         prec=bl.precision(q.dtype),
         with_output=dense_output,
+        pick=pick,
     )
     s2, *parts = _call(
         kernel,
@@ -479,10 +532,17 @@ def kascade_reuse_decode_tpu(q, k_cache, v_cache, lengths, indices, *, scale, cf
     Rq, S, per_split = _decode_plan(q, k_cache, dataclasses.replace(cfg, block_decode=bd), indices.shape[-1])
     hbm = pl.BlockSpec(memory_space=pl.ANY)
     specs, shapes = bl.decode_partials(B, G, S, Rq, D, lambda b, g, s, *_: (b, g, s, 0, 0))
+    whole, pick = _cache_rows(q.dtype, G)
     kernel = functools.partial(
-        _decode_attend_kernel, R=H // G, bd=bd, per_split=per_split, scale2=scale * LOG2E, prec=bl.precision(q.dtype)
+        _decode_attend_kernel,
+        R=H // G,
+        bd=bd,
+        per_split=per_split,
+        scale2=scale * LOG2E,
+        prec=bl.precision(q.dtype),
+        pick=pick,
     )
-    idx = bl.pad_selection(indices, S * per_split * bd)[:, :, None]
+    idx = _index_rows(indices, bd, S * per_split)
     parts = _call(
         kernel,
         name="kascade_decode_attend",
@@ -491,7 +551,7 @@ def kascade_reuse_decode_tpu(q, k_cache, v_cache, lengths, indices, *, scale, cf
             grid=(B, G, S),
             in_specs=[pl.BlockSpec((None, None, Rq, D), lambda b, g, s, *_: (b, g, 0, 0)), hbm, hbm, hbm],
             out_specs=specs,
-            scratch_shapes=_scratch(bd, D, q.dtype, True),
+            scratch_shapes=_scratch((bd, G, D) if whole else (bd, D), q.dtype, True),
         ),
         out_shape=shapes,
         interpret=_interpret(cfg),

@@ -174,7 +174,8 @@ class Tiles:
         C = g.shape[0]
         i, j = _iota((C, C), 0), _iota((C, C), 1)
         r = i - _in_block(i, s) + s // 2  # the reference row of row i's block
-        steps = jnp.where(i >= r, (r < j) & (j <= i), (i < j) & (j <= r))  # the steps between row i and r
+        lower = i >= r  # bool masks combine with & and | (Mosaic rejects a select over bool arrays)
+        steps = (lower & (r < j) & (j <= i)) | (~lower & (i < j) & (j <= r))  # the steps between row i and r
         return jnp.exp2(self._sum(steps, g)), _lower_left(i, j, s)
 
     def straddle(self, z: jax.Array, s: int) -> jax.Array:
@@ -186,7 +187,8 @@ class Tiles:
         t, i = _iota((C, C), 0), _iota((C, C), 1)
         h = s // 2
         same_half = _block(t, h) == _block(i, h)
-        return self._sum(same_half & jnp.where(_in_block(t, s) >= h, i >= t, i < t), z)
+        lower = _in_block(t, s) >= h
+        return self._sum(same_half & ((lower & (i >= t)) | (~lower & (i < t))), z)
 
     def gate_terms(self, Kg: KeyGrads) -> jax.Array:
         """[C, BK]: the share of dg of the state-side terms, each summed over the steps it decays

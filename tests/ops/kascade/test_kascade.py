@@ -11,7 +11,7 @@ import pytest
 
 import kdax
 from kdax.bench.measure import rel_rms
-from kdax.ops.common import dispatch
+from kdax.ops.common import dispatch, tpu_costs
 from kdax.ops.kascade import api, pallas_gpu, reference, xla
 from tests.tolerances import F64
 
@@ -323,9 +323,12 @@ def test_auto_picks_the_devices_kernels_and_names_kascade_ops():
     assert kdax.explain_backend(op="kascade_anchor") == ("xla", "no kernels for this device (cpu)")
     with kdax.use_backend("pallas_gpu"):
         assert kdax.explain_backend(op="kascade_reuse_decode") == ("pallas_gpu", "kdax.use_backend('pallas_gpu')")
-    with dispatch.building_for("tpu"):
-        assert kdax.explain_backend(op="kascade_anchor_decode") == ("pallas_tpu", "the device's kernels")
+    with dispatch.building_for("tpu"):  # the kernels where they compiled and cost less than xla
+        expected = "xla" if tpu_costs.refuse("kascade_anchor_decode", jnp.float32) else "pallas_tpu"
+        assert kdax.explain_backend(op="kascade_anchor_decode")[0] == expected
         assert kdax.explain_backend(jnp.float64, op="kascade_anchor")[0] == "xla"
+    with dispatch.building_for("tpu"), kdax.use_backend("pallas_tpu"):
+        assert kdax.explain_backend(op="kascade_anchor_decode") == ("pallas_tpu", "kdax.use_backend('pallas_tpu')")
     with dispatch.building_for("gpu"):  # not yet verified on a GPU: asked for, not chosen
         assert kdax.explain_backend(op="kascade_reuse")[0] == ("pallas_gpu" if pallas_gpu.VERIFIED_ON_GPU else "xla")
     with pytest.raises(ValueError, match="q: expected float32 or bfloat16 inputs with backend='pallas_tpu'"):

@@ -200,11 +200,13 @@ def _lowered(platform, T=1, cu=None, dtype=jnp.bfloat16):
     return kdax.lower(decode_step, *args, h0, platform=platform).as_text()
 
 
-def test_auto_runs_the_kernel_on_tpu_and_lowers():
-    assert _lowered("tpu").count("tpu_custom_call") == 1
-    assert "kda_fused_recurrent" in _lowered("tpu", T=decode.MAX_TOKENS)
-    assert "tpu_custom_call" not in _lowered("tpu", T=decode.MAX_TOKENS + 1)  # longer: the xla scan
-    assert "tpu_custom_call" not in _lowered("tpu", T=2, cu=np.array([0, 1, 2]))  # packed: the xla scan
+def test_the_tpu_kernel_lowers_where_it_takes_the_rows():
+    """Asked for (auto on a TPU follows the compiled costs: tests/ops/common/test_tpu_costs.py)."""
+    with kdax.use_backend("pallas_tpu"):
+        assert _lowered("tpu").count("tpu_custom_call") == 1
+        assert "kda_fused_recurrent" in _lowered("tpu", T=decode.MAX_TOKENS)
+        assert "tpu_custom_call" not in _lowered("tpu", T=decode.MAX_TOKENS + 1)  # longer: the xla scan
+        assert "tpu_custom_call" not in _lowered("tpu", T=2, cu=np.array([0, 1, 2]))  # packed: the xla scan
 
 
 def test_auto_runs_the_kernel_on_gpu_once_verified_and_lowers(monkeypatch):
@@ -220,7 +222,8 @@ def test_auto_runs_the_kernel_on_gpu_once_verified_and_lowers(monkeypatch):
 def test_the_pool_goes_into_the_kernel_alone(platform, state_v_first, monkeypatch):
     """A decode step and a verify step on a pool of 64 slots lower to the kernel with the pool
     aliased to its output, and no other operation touches the pool: no gather, scatter or copy
-    of it (with the pool donated, XLA updates it in place)."""
+    of it (with the pool donated, XLA updates it in place). The kernels asked for: "auto" takes
+    them on a TPU only where they cost less than xla (tests/ops/common/test_tpu_costs.py)."""
     monkeypatch.setattr(pallas_gpu, "DECODE_VERIFIED_ON_GPU", True)
     B, pool_type = 4, "tensor<64x8x128x128xf32>"
     for T, per_token in ((1, False), (4, True)):
@@ -247,7 +250,8 @@ def test_the_pool_goes_into_the_kernel_alone(platform, state_v_first, monkeypatc
                 use_beta_sigmoid_in_kernel=True,
             )
 
-        text = kdax.lower(step, *args, pool, idx, acc, platform=platform).as_text()
+        with kdax.use_backend({"tpu": "pallas_tpu", "cuda": "pallas_gpu"}[platform]):
+            text = kdax.lower(step, *args, pool, idx, acc, platform=platform).as_text()
         uses = [line for line in text.splitlines() if pool_type in line]
         kernel = [line for line in uses if "custom_call" in line]
         assert len(kernel) == 1 and "kda_fused_recurrent_slots" in text

@@ -10,6 +10,7 @@ from jax._src.pallas.mosaic.interpret import interpret_pallas_call
 
 import kdax
 from kdax.bench.measure import rel_rms
+from kdax.ops.common import tpu_costs
 from kdax.ops.common.arrays import LOG2E
 from kdax.ops.kda import pallas_tpu, xla
 from tests.ops.kda.cases import CASE, Case, assert_close_to_reference, slow_if
@@ -108,11 +109,16 @@ def _assert_lowers_for_tpu(pipeline, dtype, dim, varlen, **options):
     assert all(f"kda_{name}" in text for name in (*names, "backward"))  # every pallas_call named
 
 
-def test_auto_picks_the_tpu_kernels_on_tpu(monkeypatch):
+def test_auto_on_tpu_takes_the_tpu_kernels_only_where_they_pay(monkeypatch):
+    """On a TPU "auto" runs the kernels where the compiled costs say they are cheaper than xla
+    (tests/ops/common/test_tpu_costs.py); asked for, they run regardless."""
     ops = {"chunk": "chunk_kda", "recurrent": "fused_recurrent_kda"}
     pick = lambda dtype, op="chunk": kdax.explain_backend(dtype, 64, op=ops[op])[0]
     assert pick(jnp.float32) == "xla"  # this machine has no TPU
     monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
-    assert pick(jnp.float32) == pick(jnp.bfloat16) == "pallas_tpu"
+    for dtype in (jnp.float32, jnp.bfloat16):
+        for op in ops:
+            assert pick(dtype, op) == ("xla" if tpu_costs.refuse(ops[op], dtype) else "pallas_tpu")
     assert pick(jnp.float64) == "xla"  # the kernels compute in float32 at most
-    assert pick(jnp.float32, "recurrent") == "pallas_tpu"  # the decode kernel (tests/ops/kda/test_decode.py)
+    with kdax.use_backend("pallas_tpu"):
+        assert pick(jnp.float32) == pick(jnp.bfloat16, "recurrent") == "pallas_tpu"
