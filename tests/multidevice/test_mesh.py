@@ -18,7 +18,8 @@ BAR = 1e-5  # fp32 rel. RMS of outputs, final states and every gradient
 
 def _worker(*args) -> dict:
     """The worker's results, run on 8 fake CPU devices."""
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"  # keeps conftest's
+    env = {**os.environ, "XLA_FLAGS": flags.strip(), "JAX_PLATFORMS": "cpu"}
     run = subprocess.run(
         [sys.executable, "-m", "tests.multidevice.worker", *args],
         capture_output=True,
