@@ -40,6 +40,7 @@ import dataclasses
 import json
 import os
 import re
+import shlex
 import shutil
 import sys
 import tempfile
@@ -620,7 +621,7 @@ def record(path: str, entries: list[dict], argv: list[str]) -> None:
             old = json.load(f)["entries"]
     new = {key(e) for e in entries}
     meta = {"jax": jax.__version__, "libtpu": _version("libtpu"), "date": time.strftime("%Y-%m-%d")}
-    meta["command"] = "python scripts/tpu_compile_report.py " + " ".join(argv)
+    meta["command"] = "python scripts/tpu_compile_report.py " + shlex.join(argv)
     merged = sorted([e for e in old if key(e) not in new] + entries, key=key)
     with open(path, "w") as f:
         json.dump({**meta, "entries": merged}, f, indent=1)

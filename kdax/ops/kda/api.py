@@ -565,6 +565,8 @@ def _apply(o: Options, N, q, k, v, g, beta, initial_state, A_log, dt_bias, cu_se
         o = dataclasses.replace(
             o, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False, scale=None
         )
+    elif o.backend == "pallas_tpu":
+        core = functools.partial(core, input_dtype=q.dtype)
     elif o.backend == "pallas_gpu":
         gate = (A_log, dt_bias, o.lower_bound) if o.use_gate_in_kernel else None
         core = functools.partial(

@@ -33,10 +33,10 @@ from kdax.ops.common import dispatch
 from kdax.ops.common.arrays import LOG2E, pad_last, round_up
 from kdax.ops.common.varlen import ChunkLayout
 from kdax.ops.kda import decode
-from kdax.ops.kda.tiles import Intra, Tiles, chunk_states, gated, head_major, last_row
+from kdax.ops.kda.tiles import BF16_HIGH, BF16X3, Intra, Tiles, chunk_states, gated, head_major, last_row
 
 LANE = 128
-_TILES = Tiles(precision=lax.Precision.HIGHEST, matmul_reductions=True)  # see Precision in docs/kda_tpu.md
+PRECISIONS = ("highest", "bf16")  # Config.precision, besides "auto" (docs/kda_tpu.md, Precision)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +46,15 @@ class Config:
     Attributes:
         pipeline: how the forward runs, "fused" (one kernel) or "staged" (intra, state, output).
         block_v: a multiple of 128: splits V over grid programs.
+        precision: of the matmuls, "highest" (float32: six bfloat16 passes), "bf16" (the bulk
+            matmuls on bfloat16 operands, one pass, float32 accumulation; the triangular inverse
+            and the pairwise factorisation's backward at highest) or "auto" (bf16 for bfloat16
+            inputs, highest for the others). The 0/1 sums (exponents, cumsums) take three
+            bfloat16 parts of their operand, exact products, in every mode.
+        heads: value heads a grid step takes (a batch of independent chains of matmuls, which
+            hide each other's latency); None: :data:`HEADS` at K = V = 128, fewer for wider
+            states. Lowered to a count that divides the value heads and fits the groups of value
+            heads per q/k head.
         interpret: run in the Pallas TPU interpreter; None: unless on a TPU (or lowering for one).
         detect_races: in the interpreter, check the kernels for data races.
 
@@ -55,6 +64,8 @@ class Config:
 
     pipeline: str = "fused"
     block_v: int = 128
+    precision: str = "auto"
+    heads: int | None = None
     interpret: bool | None = None
     detect_races: bool = False
 
@@ -64,32 +75,44 @@ class Config:
             raise ValueError(f"config.pipeline: expected 'fused' or 'staged', got {self.pipeline!r}")
         if self.block_v % LANE:
             raise ValueError(f"config.block_v: expected a multiple of {LANE}, got {self.block_v}")
+        if self.heads is not None and (not isinstance(self.heads, int) or self.heads < 1):
+            raise ValueError(f"config.heads: expected None or a positive int, got {self.heads!r}")
+        if self.precision not in ("auto", *PRECISIONS):
+            raise ValueError(f"config.precision: expected 'auto' or one of {PRECISIONS}, got {self.precision!r}")
         interpret = dispatch.platform() != "tpu" if self.interpret is None else self.interpret
         return dataclasses.replace(self, interpret=interpret)
+
+
+def tiles_for(cfg: Config) -> Tiles:
+    """The chunk math's matmuls for ``cfg.precision`` (resolved: not "auto")."""
+    hi = lax.Precision.HIGHEST
+    if cfg.precision == "bf16":
+        return Tiles(precision=lax.Precision.DEFAULT, operands=jnp.bfloat16, sums=BF16X3, wide_precision=BF16_HIGH)
+    return Tiles(precision=hi, sums=BF16X3)
 
 
 # ----------------------------------------------------------------------------- kernels
 # Scalar-prefetch refs, per chunk: first (starts its sequence), last (ends it), seq (its id).
 
 
-def _state_step(first, last, h0_ref, fin_ref, St, w, u, k_d, decay):
+def _state_step(tiles, first, last, h0_ref, fin_ref, St, w, u, k_d, decay):
     """One chunk of the sequential state pass: reset St to h0 at a sequence start,
     v_new = u - w S, St <- St decay + v_new^T k_d, write the final state at a sequence end.
-    Returns (S entering the chunk [BV, K], v_new [C, BV])."""
+    Returns (S entering the chunk [n, BV, K], v_new [n, C, BV]) for the step's n heads."""
     c = pl.program_id(3)
 
     @pl.when(first[c] == 1)
     def _():
-        St[...] = h0_ref[0, 0, 0]
+        St[...] = h0_ref[0, 0]
 
     S = St[...]
-    v_new = u - _TILES.dot_t(w, S)
-    S_next = S * decay + _TILES.t_dot(v_new, k_d)
+    v_new = u - tiles.dot_t(w, S)
+    S_next = S * decay + tiles.t_dot(v_new, k_d)
     St[...] = S_next
 
     @pl.when(last[c] == 1)
     def _():
-        fin_ref[0, 0, 0] = S_next
+        fin_ref[0, 0] = S_next
 
     return S, v_new
 
@@ -104,51 +127,65 @@ _STAGED = ("Aqk", "w", "u", "q_g", "k_d", "decay")
 
 
 def _put_fields(refs, names, I: Intra, v_new=None):
-    """Write the named fields of I (and v_new) into the [1, 1, rows, D] blocks refs; decay
-    [1, K] is broadcast over its block's 8 rows."""
+    """Write the named fields of I (and v_new) into the [1, n, rows, D] blocks refs; decay
+    [n, 1, K] is broadcast over its block's 8 rows."""
     for ref, name in zip(refs, names):
         x = v_new if name == "v_new" else getattr(I, name)
-        ref[0, 0] = jnp.broadcast_to(x, ref.shape[2:])
+        ref[0] = jnp.broadcast_to(x, ref.shape[1:])
 
 
-def _fused_kernel(save_states, first, last, seq, q_ref, k_ref, v_ref, g_ref, b_ref, h0_ref, o_ref, fin_ref, *rest):
-    """Grid (B, HV, V-blocks, chunks). Blocks: q, k, g [C, K]; v, o [C, BV]; beta [C, 1];
-    h0, final (and S_in if save_states) [BV, K]; then the _KEPT fields' outputs, if any;
-    scratch St [BV, K] carried across chunks."""
+def _heads(x, n: int):
+    """[m, C, D] q or k rows of the step's q/k heads -> [n, C, D], one per value head (m divides n)."""
+    m = x.shape[0]
+    return x if m == n else jnp.broadcast_to(x[:, None], (m, n // m, *x.shape[1:])).reshape(n, *x.shape[1:])
+
+
+def _chunk_inputs(q_ref, k_ref, v_ref, g_ref, b_ref):
+    """The step's (q, k, v, g in log2 units, beta) [n, C, D] from their [1, heads, C, D] blocks."""
+    n = v_ref.shape[1]
+    return _heads(q_ref[0], n), _heads(k_ref[0], n), v_ref[0], g_ref[0] * LOG2E, b_ref[0]
+
+
+def _fused_kernel(
+    tiles, save_states, first, last, seq, q_ref, k_ref, v_ref, g_ref, b_ref, h0_ref, o_ref, fin_ref, *rest
+):
+    """Grid (B, head blocks, V-blocks, chunks), n value heads a step. Blocks: g [n, C, K]; q, k
+    [n / groups or 1, C, K]; v, o [n, C, BV]; beta [n, C, 1]; h0, final (and S_in if save_states)
+    [n, BV, K]; then the _KEPT fields' outputs, if any; scratch St [n, BV, K] carried across chunks."""
     *outs, St = rest
-    I = _TILES.intra(q_ref[0, 0], k_ref[0, 0], v_ref[0, 0], g_ref[0, 0] * LOG2E, b_ref[0, 0])
-    S, v_new = _state_step(first, last, h0_ref, fin_ref, St, I.w, I.u, I.k_d, I.decay)
+    I = tiles.intra(*_chunk_inputs(q_ref, k_ref, v_ref, g_ref, b_ref))
+    S, v_new = _state_step(tiles, first, last, h0_ref, fin_ref, St, I.w, I.u, I.k_d, I.decay)
     if save_states:
-        outs[0][0, 0, 0] = S
+        outs[0][0, :, 0] = S
     _put_fields(outs[save_states:], _KEPT, I, v_new)
-    o_ref[0, 0] = (_TILES.dot_t(I.q_g, S) + _TILES.dot(I.Aqk, v_new)).astype(o_ref.dtype)
+    o_ref[0] = (tiles.dot_t(I.q_g, S) + tiles.dot(I.Aqk, v_new)).astype(o_ref.dtype)
 
 
-def _intra_kernel(names, q_ref, k_ref, v_ref, g_ref, b_ref, *out_refs):
-    """Grid (B, HV, chunks), all parallel. Writes the chunk's named Intra fields: Aqk, Kkk, T
-    [C, C], u [C, V], decay [8, K] (row 0, broadcast), the others [C, K]."""
-    I = _TILES.intra(q_ref[0, 0], k_ref[0, 0], v_ref[0, 0], g_ref[0, 0] * LOG2E, b_ref[0, 0])
+def _intra_kernel(tiles, names, q_ref, k_ref, v_ref, g_ref, b_ref, *out_refs):
+    """Grid (B, head blocks, chunks), all parallel. Writes the chunk's named Intra fields, per
+    head: Aqk, Kkk, T [C, C], u [C, V], decay [8, K] (row 0, broadcast), the others [C, K]."""
+    I = tiles.intra(*_chunk_inputs(q_ref, k_ref, v_ref, g_ref, b_ref))
     _put_fields(out_refs, names, I)
 
 
-def _state_kernel(first, last, seq, w_ref, u_ref, kd_ref, dec_ref, h0_ref, vn_ref, sin_ref, fin_ref, St):
-    """Grid (B, HV, V-blocks, chunks): the state pass alone, storing S_in and v_new."""
-    S, v_new = _state_step(first, last, h0_ref, fin_ref, St, w_ref[0, 0], u_ref[0, 0], kd_ref[0, 0], dec_ref[0, 0][:1])
-    sin_ref[0, 0, 0] = S
-    vn_ref[0, 0] = v_new
+def _state_kernel(tiles, first, last, seq, w_ref, u_ref, kd_ref, dec_ref, h0_ref, vn_ref, sin_ref, fin_ref, St):
+    """Grid (B, head blocks, V-blocks, chunks): the state pass alone, storing S_in and v_new."""
+    S, v_new = _state_step(tiles, first, last, h0_ref, fin_ref, St, w_ref[0], u_ref[0], kd_ref[0], dec_ref[0][:, :1])
+    sin_ref[0, :, 0] = S
+    vn_ref[0] = v_new
 
 
-def _output_kernel(aqk_ref, qg_ref, vn_ref, sin_ref, o_ref):
-    """Grid (B, HV, chunks, V-blocks), all parallel: o = q_g S + Aqk v_new."""
-    o = _TILES.dot_t(qg_ref[0, 0], sin_ref[0, 0, 0]) + _TILES.dot(aqk_ref[0, 0], vn_ref[0, 0])
-    o_ref[0, 0] = o.astype(o_ref.dtype)
+def _output_kernel(tiles, aqk_ref, qg_ref, vn_ref, sin_ref, o_ref):
+    """Grid (B, head blocks, chunks, V-blocks), all parallel: o = q_g S + Aqk v_new."""
+    o = tiles.dot_t(qg_ref[0], sin_ref[0, :, 0]) + tiles.dot(aqk_ref[0], vn_ref[0])
+    o_ref[0] = o.astype(o_ref.dtype)
 
 
-def _bwd_kernel(has_dh, first, last, seq, q_ref, k_ref, v_ref, g_ref, b_ref, s_ref, do_ref, df_ref, *rest):
-    """Grid (B, HV, chunks), chunks walked last to first; the cotangent of the state
-    (transposed, [V, K]) carried in scratch. dq, dk come out per value head. Inputs after
-    df: the cotangent of S_in [V, K] if has_dh, then the _KEPT fields' blocks, if any (the
-    intra stage and v_new are recomputed without them)."""
+def _bwd_kernel(tiles, has_dh, first, last, seq, q_ref, k_ref, v_ref, g_ref, b_ref, s_ref, do_ref, df_ref, *rest):
+    """Grid (B, head blocks, chunks), n value heads a step, chunks walked last to first; the
+    cotangent of the state (transposed, [n, V, K]) carried in scratch. dq, dk come out per value
+    head. Inputs after df: the cotangent of S_in [n, V, K] if has_dh, then the _KEPT fields'
+    blocks, if any (the intra stage and v_new are recomputed without them)."""
     dh_ref, kept = (rest[0] if has_dh else None), rest[has_dh:-7]
     dq_ref, dk_ref, dv_ref, dg_ref, db_ref, dh0_ref, dSt = rest[-7:]
     n = pl.num_programs(2)
@@ -160,25 +197,26 @@ def _bwd_kernel(has_dh, first, last, seq, q_ref, k_ref, v_ref, g_ref, b_ref, s_r
 
     @pl.when(last[c] == 1)
     def _():
-        dSt[...] = df_ref[0, 0, 0]
+        dSt[...] = df_ref[0, 0]
 
-    q, k, v, g, beta, S = q_ref[0, 0], k_ref[0, 0], v_ref[0, 0], g_ref[0, 0] * LOG2E, b_ref[0, 0], s_ref[0, 0, 0]
+    q, k, v, g, beta = _chunk_inputs(q_ref, k_ref, v_ref, g_ref, b_ref)
+    S = s_ref[0, :, 0]
     if kept:
-        f = {name: ref[0, 0] for name, ref in zip(_KEPT, kept)}
+        f = {name: ref[0] for name, ref in zip(_KEPT, kept)}
         v_new = f.pop("v_new")
         q_g, _, k_d, decay = gated(q, k, f["G"], f["R"], last_row(f["G"]))
         I = Intra(g, **f, q_g=q_g, k_d=k_d, decay=decay)
     else:
-        I = _TILES.intra(q, k, v, g, beta)
-        v_new = _TILES.v_new(I, S)
-    r = _TILES.grads(q, k, v, beta, I, v_new, S, do_ref[0, 0], dSt[...])
-    dq_ref[0, 0], dk_ref[0, 0], dv_ref[0, 0], dg_ref[0, 0], db_ref[0, 0] = r.dq, r.dk, r.dv, r.dg, r.dbeta
-    dS_in = r.dS_in if dh_ref is None else r.dS_in + dh_ref[0, 0, 0]
+        I = tiles.intra(q, k, v, g, beta)
+        v_new = tiles.v_new(I, S)
+    r = tiles.grads(q, k, v, beta, I, v_new, S, do_ref[0], dSt[...])
+    dq_ref[0], dk_ref[0], dv_ref[0], dg_ref[0], db_ref[0] = r.dq, r.dk, r.dv, r.dg, r.dbeta
+    dS_in = r.dS_in if dh_ref is None else r.dS_in + dh_ref[0, :, 0]
     dSt[...] = dS_in
 
     @pl.when(first[c] == 1)
     def _():
-        dh0_ref[0, 0, 0] = dS_in
+        dh0_ref[0, 0] = dS_in
 
 
 # ----------------------------------------------------------------------------- wrapper
@@ -195,6 +233,33 @@ def _field(name: str, C: int, Kp: int, Vp: int) -> tuple[int, int]:
     return rows, C if name in ("Aqk", "Kkk", "T") else Vp if name in ("u", "v_new") else Kp
 
 
+def _qk_spec(n: int, groups: int, C: int, Kp: int, where):
+    """The q or k block of a step of n value heads: n / groups q/k heads when groups divides n, else
+    the one q/k head all n share (n divides groups). where: grid indices -> (b, head block, chunk)."""
+
+    def index(*grid):
+        b, h, c = where(*grid)
+        return (b, h, c, 0) if n % groups == 0 else (b, lax.div(h * n, jnp.int32(groups)), c, 0)
+
+    return pl.BlockSpec((1, max(n // groups, 1), C, Kp), index)
+
+
+# Value heads a grid step takes by default at C = 64, K = V = 128, forward and backward: as many as
+# fit the 16 MiB of scoped VMEM a v5e kernel gets (docs/kda_tpu.md, VMEM); fewer for wider states
+# or chunks, and half as many at precision "highest" (its split operands take twice the VMEM).
+HEADS = {"forward": 8, "backward": 4}
+
+
+def heads_per_step(HV: int, groups: int, C: int, Kp: int, Vp: int, cfg: Config, kernel: str) -> int:
+    """The value heads a grid step of ``kernel`` ("forward", "backward") takes: ``cfg.heads`` (None:
+    :data:`HEADS`, scaled down by the state's size over 128 x 128, the chunk's over 64 and for
+    precision "highest"), lowered to the largest count that divides HV and that groups divides or
+    that divides groups (q and k come in whole blocks)."""
+    asked, top = cfg.heads, HEADS[kernel] // (2 if cfg.precision == "highest" else 1)
+    top = max(1, min(top, top * LANE * LANE * 64 // (Kp * Vp * C))) if asked is None else asked
+    return max(n for n in range(1, min(top, HV) + 1) if HV % n == 0 and (n % groups == 0 or groups % n == 0))
+
+
 @dataclasses.dataclass(frozen=True)
 class _Forward:
     """What both forward pipelines share: the sizes, the block specs on the grid (b, h, v-block, c)
@@ -208,26 +273,36 @@ class _Forward:
     Vp: int
     BV: int
     groups: int  # value heads per q/k head
-    interpret: object
+    cfg: Config  # resolved: cfg.heads the value heads a grid step takes
 
     @property
     def C(self) -> int:
         return self.L // self.NC
 
-    def spec(self, width, head=lambda h: h):  # a [C, width] block of chunk c, all columns
-        return pl.BlockSpec((1, 1, self.C, width), lambda b, h, vb, c, *_: (b, head(h), c, 0))
+    @property
+    def interpret(self):
+        return _interpret(self.cfg)
 
-    def v_block(self):  # a [C, BV] block of chunk c, value columns of V-block vb
-        return pl.BlockSpec((1, 1, self.C, self.BV), lambda b, h, vb, c, *_: (b, h, c, vb))
+    @property
+    def n(self) -> int:  # value heads a grid step
+        return self.cfg.heads
 
-    def qk(self):  # q and k: the q/k head of value head h
-        return self.spec(self.Kp, lambda h: lax.div(h, jnp.int32(self.groups)))
+    def spec(self, width):  # a [n, C, width] block of chunk c, all columns
+        return pl.BlockSpec((1, self.n, self.C, width), lambda b, h, vb, c, *_: (b, h, c, 0))
 
-    def state(self):  # a sequence's state [BV, Kp] (initial or final), the schedule naming the sequence
-        return pl.BlockSpec((1, 1, 1, self.BV, self.Kp), lambda b, h, vb, c, first, last, seq: (b, seq[c], h, vb, 0))
+    def v_block(self):  # a [n, C, BV] block of chunk c, value columns of V-block vb
+        return pl.BlockSpec((1, self.n, self.C, self.BV), lambda b, h, vb, c, *_: (b, h, c, vb))
+
+    def qk(self):  # q and k: the q/k heads of the step's value heads
+        return _qk_spec(self.n, self.groups, self.C, self.Kp, lambda b, h, vb, c, *_: (b, h, c))
+
+    def state(self):  # a sequence's state [n, BV, Kp] (initial or final), the schedule naming the sequence
+        return pl.BlockSpec(
+            (1, 1, self.n, self.BV, self.Kp), lambda b, h, vb, c, first, last, seq: (b, seq[c], h, vb, 0)
+        )
 
     def s_in(self):  # the state entering chunk c
-        return pl.BlockSpec((1, 1, 1, self.BV, self.Kp), lambda b, h, vb, c, *_: (b, h, c, vb, 0))
+        return pl.BlockSpec((1, self.n, 1, self.BV, self.Kp), lambda b, h, vb, c, *_: (b, h, c, vb, 0))
 
     def shape(self, name: str):  # an output's ShapeDtypeStruct: "o", "final", "s_in" or a field
         f32 = jnp.float32
@@ -248,7 +323,9 @@ def _forward(q, k, v, g, beta, h0t, sched, groups: int, cfg: Config, save_states
     Returns o [B, HV, L, Vp], final [B, N, HV, Vp, Kp], S_in [B, HV, NC, Vp, Kp] or None, and
     with ``keep`` the _KEPT fields (:func:`_field`), else None."""
     B, HV, L, Vp = v.shape
-    fw = _Forward(B, HV, L, sched[0].shape[0], k.shape[-1], Vp, cfg.block_v, groups, _interpret(cfg))
+    Kp = k.shape[-1]
+    n = heads_per_step(HV, groups, L // sched[0].shape[0], Kp, cfg.block_v, cfg, "forward")
+    fw = _Forward(B, HV, L, sched[0].shape[0], Kp, Vp, cfg.block_v, groups, dataclasses.replace(cfg, heads=n))
     run = _fused if cfg.pipeline == "fused" else _staged
     return run(fw, q, k, v, g, beta, h0t, sched, save_states, keep)
 
@@ -260,20 +337,20 @@ def _fused(fw: _Forward, q, k, v, g, beta, h0t, sched, save_states, keep):
     def kept_spec(name):  # the fields of value columns by V-block
         rows, width = _field(name, fw.C, fw.Kp, fw.Vp)
         if name in ("u", "v_new"):
-            return pl.BlockSpec((1, 1, rows, fw.BV), lambda b, h, vb, c, *_: (b, h, c, vb))
-        return pl.BlockSpec((1, 1, rows, width), lambda b, h, vb, c, *_: (b, h, c, 0))
+            return pl.BlockSpec((1, fw.n, rows, fw.BV), lambda b, h, vb, c, *_: (b, h, c, vb))
+        return pl.BlockSpec((1, fw.n, rows, width), lambda b, h, vb, c, *_: (b, h, c, 0))
 
     fin_shape = jax.ShapeDtypeStruct(h0t.shape, jnp.float32)
     v_spec = fw.v_block()
     outs = pl.pallas_call(
-        functools.partial(_fused_kernel, save_states),
+        functools.partial(_fused_kernel, tiles_for(fw.cfg), save_states),
         name="kda_fused",
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=3,
-            grid=(fw.B, fw.HV, fw.Vp // fw.BV, fw.NC),
+            grid=(fw.B, fw.HV // fw.n, fw.Vp // fw.BV, fw.NC),
             in_specs=[fw.qk(), fw.qk(), v_spec, fw.spec(fw.Kp), fw.spec(1), fw.state()],
             out_specs=[v_spec, fw.state()] + [fw.s_in()] * save_states + [kept_spec(n) for n in kept],
-            scratch_shapes=[pltpu.VMEM((fw.BV, fw.Kp), jnp.float32)],
+            scratch_shapes=[pltpu.VMEM((fw.n, fw.BV, fw.Kp), jnp.float32)],
         ),
         out_shape=[fw.shape("o"), fin_shape] + [fw.shape("s_in")] * save_states + [fw.shape(n) for n in kept],
         compiler_params=fw.sequential(),
@@ -284,53 +361,52 @@ def _fused(fw: _Forward, q, k, v, g, beta, h0t, sched, save_states, keep):
 
 def _staged(fw: _Forward, q, k, v, g, beta, h0t, sched, save_states, keep):
     """Intra (parallel over chunks) -> state (sequential over chunks) -> output (parallel), through HBM."""
-    B, HV, NC, C, Kp, Vp, BV = fw.B, fw.HV, fw.NC, fw.C, fw.Kp, fw.Vp, fw.BV
-    spec3 = lambda d, f=lambda b, h, c: (b, h, c, 0): pl.BlockSpec((1, 1, C, d), f)
+    B, HV, NC, C, Kp, Vp, BV, n = fw.B, fw.HV, fw.NC, fw.C, fw.Kp, fw.Vp, fw.BV, fw.n
+    spec3 = lambda d: pl.BlockSpec((1, n, C, d), lambda b, h, c: (b, h, c, 0))
 
     def chunk_spec(name):  # a field's block of one chunk on grid (b, h, c)
         rows, width = _field(name, C, Kp, Vp)
-        return pl.BlockSpec((1, 1, rows, width), lambda b, h, c: (b, h, c, 0))
+        return pl.BlockSpec((1, n, rows, width), lambda b, h, c: (b, h, c, 0))
 
     names = _STAGED + (tuple(n for n in _KEPT if n not in _STAGED and n != "v_new") if keep else ())
     staged = pl.pallas_call(
-        functools.partial(_intra_kernel, names),
+        functools.partial(_intra_kernel, tiles_for(fw.cfg), names),
         name="kda_intra",
-        grid=(B, HV, NC),
-        in_specs=[spec3(Kp, lambda b, h, c: (b, lax.div(h, jnp.int32(fw.groups)), c, 0))] * 2
-        + [spec3(Vp), spec3(Kp), spec3(1)],
+        grid=(B, HV // n, NC),
+        in_specs=[_qk_spec(n, fw.groups, C, Kp, lambda b, h, c: (b, h, c))] * 2 + [spec3(Vp), spec3(Kp), spec3(1)],
         out_specs=[chunk_spec(n) for n in names],
         out_shape=[fw.shape(n) for n in names],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",) * 3),
         interpret=fw.interpret,
     )(q, k, v, g, beta)
     f = dict(zip(names, staged))
-    dec_spec = pl.BlockSpec((1, 1, 8, Kp), lambda b, h, vb, c, *_: (b, h, c, 0))
+    dec_spec = pl.BlockSpec((1, n, 8, Kp), lambda b, h, vb, c, *_: (b, h, c, 0))
     v_spec, k_spec = fw.v_block(), fw.spec(Kp)
     v_new, s_in, final = pl.pallas_call(
-        _state_kernel,
+        functools.partial(_state_kernel, tiles_for(fw.cfg)),
         name="kda_state",
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=3,
-            grid=(B, HV, Vp // BV, NC),
+            grid=(B, HV // n, Vp // BV, NC),
             in_specs=[k_spec, v_spec, k_spec, dec_spec, fw.state()],
             out_specs=[v_spec, fw.s_in(), fw.state()],
-            scratch_shapes=[pltpu.VMEM((BV, Kp), jnp.float32)],
+            scratch_shapes=[pltpu.VMEM((n, BV, Kp), jnp.float32)],
         ),
         out_shape=[fw.shape("o"), fw.shape("s_in"), jax.ShapeDtypeStruct(h0t.shape, jnp.float32)],
         compiler_params=fw.sequential(),
         interpret=fw.interpret,
     )(*sched, f["w"], f["u"], f["k_d"], f["decay"], h0t)
     o = pl.pallas_call(
-        _output_kernel,
+        functools.partial(_output_kernel, tiles_for(fw.cfg)),
         name="kda_output",
-        grid=(B, HV, NC, Vp // BV),
+        grid=(B, HV // n, NC, Vp // BV),
         in_specs=[
-            pl.BlockSpec((1, 1, C, C), lambda b, h, c, vb: (b, h, c, 0)),
-            pl.BlockSpec((1, 1, C, Kp), lambda b, h, c, vb: (b, h, c, 0)),
-            pl.BlockSpec((1, 1, C, BV), lambda b, h, c, vb: (b, h, c, vb)),
-            pl.BlockSpec((1, 1, 1, BV, Kp), lambda b, h, c, vb: (b, h, c, vb, 0)),
+            pl.BlockSpec((1, n, C, C), lambda b, h, c, vb: (b, h, c, 0)),
+            pl.BlockSpec((1, n, C, Kp), lambda b, h, c, vb: (b, h, c, 0)),
+            pl.BlockSpec((1, n, C, BV), lambda b, h, c, vb: (b, h, c, vb)),
+            pl.BlockSpec((1, n, 1, BV, Kp), lambda b, h, c, vb: (b, h, c, vb, 0)),
         ],
-        out_specs=pl.BlockSpec((1, 1, C, BV), lambda b, h, c, vb: (b, h, c, vb)),
+        out_specs=pl.BlockSpec((1, n, C, BV), lambda b, h, c, vb: (b, h, c, vb)),
         out_shape=fw.shape("o"),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",) * 4),
         interpret=fw.interpret,
@@ -347,25 +423,26 @@ def _backward(q, k, v, g, beta, sched, S_in, kept, do, dfinal_t, dS_in, groups: 
     H, Kp = k.shape[1], k.shape[-1]
     NC = sched[0].shape[0]
     C = L // NC
+    n = heads_per_step(HV, groups, C, Kp, Vp, cfg, "backward")
     f32 = jnp.float32
 
-    def spec(d, head=lambda h: h, rows=C):
-        return pl.BlockSpec((1, 1, rows, d), lambda b, h, c, *_: (b, head(h), NC - 1 - c, 0))
+    def spec(d, rows=C):
+        return pl.BlockSpec((1, n, rows, d), lambda b, h, c, *_: (b, h, NC - 1 - c, 0))
 
-    qk = spec(Kp, lambda h: lax.div(h, jnp.int32(groups)))
-    st = pl.BlockSpec((1, 1, 1, Vp, Kp), lambda b, h, c, first, last, seq: (b, seq[NC - 1 - c], h, 0, 0))
-    sin = pl.BlockSpec((1, 1, 1, Vp, Kp), lambda b, h, c, *_: (b, h, NC - 1 - c, 0, 0))
+    qk = _qk_spec(n, groups, C, Kp, lambda b, h, c, *_: (b, h, NC - 1 - c))
+    st = pl.BlockSpec((1, 1, n, Vp, Kp), lambda b, h, c, first, last, seq: (b, seq[NC - 1 - c], h, 0, 0))
+    sin = pl.BlockSpec((1, n, 1, Vp, Kp), lambda b, h, c, *_: (b, h, NC - 1 - c, 0, 0))
     fields = [spec(w, rows=r) for r, w in (_field(n, C, Kp, Vp) for n in _KEPT)] if kept else []
     dh = [] if dS_in is None else [dS_in]
     dq, dk, dv, dg, dbeta, dh0t = pl.pallas_call(
-        functools.partial(_bwd_kernel, dS_in is not None),
+        functools.partial(_bwd_kernel, tiles_for(cfg), dS_in is not None),
         name="kda_backward",
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=3,
-            grid=(B, HV, NC),
+            grid=(B, HV // n, NC),
             in_specs=[qk, qk, spec(Vp), spec(Kp), spec(1), sin, spec(Vp), st] + [sin] * len(dh) + fields,
             out_specs=[spec(Kp), spec(Kp), spec(Vp), spec(Kp), spec(1), st],
-            scratch_shapes=[pltpu.VMEM((Vp, Kp), f32)],
+            scratch_shapes=[pltpu.VMEM((n, Vp, Kp), f32)],
         ),
         out_shape=[jax.ShapeDtypeStruct((B, HV, L, d), f32) for d in (Kp, Kp, Vp, Kp, 1)]
         + [jax.ShapeDtypeStruct(dfinal_t.shape, f32)],
@@ -414,8 +491,10 @@ def chunk_kda_pallas_tpu(
     cfg: Config = Config(),
     disable_recompute: bool = False,
     intermediate_states: bool = False,
+    input_dtype=jnp.float32,
 ):
-    """Core chunked KDA with the TPU kernels, on prepared float32 inputs.
+    """Core chunked KDA with the TPU kernels, on prepared float32 inputs (``input_dtype`` the
+    caller's, which ``cfg.precision="auto"`` follows).
 
     q, k: [B, T, H, K] (q scaled, not repeated over value heads); v: [B, T, HV, V];
     g: [B, T, HV, K] natural-log decay; beta: [B, T, HV]; h0: [B, N, HV, K, V].
@@ -426,6 +505,8 @@ def chunk_kda_pallas_tpu(
     cfg = cfg.resolved()
     H, K = q.shape[2:]
     HV, V = v.shape[2:]
+    precision = cfg.precision if cfg.precision != "auto" else "bf16" if input_dtype == jnp.bfloat16 else "highest"
+    cfg = dataclasses.replace(cfg, precision=precision)
     Kp = round_up(K, LANE)
     Vp = round_up(V, max(LANE, cfg.block_v))
     cfg = dataclasses.replace(cfg, block_v=min(cfg.block_v, Vp))

@@ -13,6 +13,8 @@ and the precision of the 0/1 sums over rows (decay exponents, cumsums, the gate 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import operator
 from typing import NamedTuple
 
 import jax
@@ -25,14 +27,28 @@ from kdax.ops.common.varlen import ChunkLayout
 
 _HIGHEST = lax.Precision.HIGHEST
 TF32X2 = "tf32x2"  # Tiles.sums: two TF32 products, of the 0/1 matrix with x's TF32 value and with the rest
+BF16X3 = "bf16x3"  # Tiles.sums: three bfloat16 products, of the 0/1 matrix with x split into three bfloat16 parts
+BF16_HIGH = "bf16_high"  # a matmul precision: both operands as two bfloat16 parts, three products (TPU's HIGH)
 
 
 def _iota(shape, axis):
     return lax.broadcasted_iota(jnp.int32, shape, axis)
 
 
-def _ones_where(cond):  # float32 0/1 matrix (explicit dtype: no float64 under jax_enable_x64)
-    return jnp.where(cond, jnp.float32(1), jnp.float32(0))
+def _ones_where(cond, dtype=jnp.float32):  # 0/1 matrix (explicit dtype: no float64 under jax_enable_x64)
+    return jnp.where(cond, dtype(1), dtype(0))
+
+
+def split_bf16(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """float32 x as three bfloat16 parts whose sum is x exactly (each part takes 8 of float32's 24
+    significant bits, rounding to nearest leaves at most 16, then 8): a product of a part with 0 or
+    1 is exact, so three single-pass bfloat16 matmuls of a 0/1 matrix with the parts sum x's rows
+    as float32 would (to float32 rounding of the sums)."""
+    x = x.astype(jnp.float32)
+    hi = x.astype(jnp.bfloat16)
+    rest = x - hi.astype(jnp.float32)
+    mid = rest.astype(jnp.bfloat16)
+    return hi, mid, (rest - mid.astype(jnp.float32)).astype(jnp.bfloat16)
 
 
 def _block(x, s: int):  # x // s for a power of two s (shifts: integer division lowers through sign on TPU)
@@ -48,13 +64,25 @@ def _lower_left(i, j, s: int):  # [C, C] mask of (row in the lower half, column 
     return (_block(i, s) == _block(j, s)) & (_in_block(i, s) >= h) & (_in_block(j, s) < h)
 
 
+def _rows(x):  # C of a tile [..., C, D] or of a tuple of its parts
+    return (x[0] if isinstance(x, tuple) else x).shape[-2]
+
+
 def _mm(a, b, dims, precision):
-    return lax.dot_general(a, b, (dims, ((), ())), precision=precision, preferred_element_type=jnp.float32)
+    """dot_general of tiles [C, D] with contracting ``dims``, or tile by tile of stacks of tiles
+    [n, C, D] (several heads at once; a single tile serves every tile of the other operand)."""
+    batch = ((), ())
+    if a.ndim == 3 or b.ndim == 3:
+        n = (a if a.ndim == 3 else b).shape[0]
+        a, b = (x if x.ndim == 3 else jnp.broadcast_to(x, (n, *x.shape)) for x in (a, b))
+        dims, batch = tuple(tuple(d + 1 for d in side) for side in dims), ((0,), (0,))
+    return lax.dot_general(a, b, (dims, batch), precision=precision, preferred_element_type=jnp.float32)
 
 
 def last_row(x):
-    """[C, D] -> [1, D], the last row, by a masked sum (no dynamic index inside a kernel)."""
-    return jnp.sum(jnp.where(_iota((x.shape[0], 1), 0) == x.shape[0] - 1, x, 0.0), axis=0, keepdims=True)
+    """[..., C, D] -> [..., 1, D], the last row, by a masked sum (no dynamic index inside a kernel)."""
+    C = x.shape[-2]
+    return jnp.sum(jnp.where(_iota((C, 1), 0) == C - 1, x, 0.0), axis=-2, keepdims=True)
 
 
 def gated(q, k, G, R, G_end):
@@ -129,7 +157,9 @@ class Tiles:
     HIGHEST is IEEE float32, DEFAULT TF32, TF32_TF32_F32_X3 three TF32 products).
     operands: None, or a dtype (bfloat16) the bulk matmuls round their operands to,
     accumulating in float32; the triangular inverse and the backward of the
-    pairwise factorisation keep float32 operands (:attr:`wide`; docs/kda_gpu.md, Precision).
+    pairwise factorisation keep float32 operands (:attr:`wide`; docs/kda_gpu.md, Precision), at
+    ``wide_precision`` where set (on a TPU :data:`BF16_HIGH`, spelled out so that the interpreter
+    rounds as the TPU does: its DEFAULT would round them to bfloat16).
     matmul_reductions: take row sums and gate cumsums as matmuls with 0/1 matrices (TPU,
     where lane reductions and scans lower poorly) or as reductions and scans (GPU, where a
     matmul needs every dimension >= 16). sums: the precision of the 0/1 sums that must
@@ -137,27 +167,42 @@ class Tiles:
     on a GPU :data:`TF32X2`: the summed operand split into its TF32 value and the rest, each
     multiplied by the 0/1 matrix (exact in TF32) on the tensor cores, which keeps about 22 of
     float32's 24 bits; TF32_TF32_F32_X3 adds a third product that is zero (the 0/1 matrix's
-    low part) and the registers its operands take."""
+    low part) and the registers its operands take; on a TPU :data:`BF16X3`: the summed operand
+    split into three bfloat16 parts (:func:`split_bf16`), three single-pass products, exact
+    products and float32 sums at half the passes of HIGHEST. Every method also takes stacks of
+    tiles [n, C, D] (several heads at once), tile by tile."""
 
     precision: lax.Precision | lax.DotAlgorithmPreset = _HIGHEST
     matmul_reductions: bool = True
     operands: jnp.dtype | None = None
     sums: lax.Precision | lax.DotAlgorithmPreset | str = _HIGHEST
+    wide_precision: lax.Precision | lax.DotAlgorithmPreset | None = None
 
-    def _sum(self, mask, x):  # (0/1 matrix of the bool mask [C, C]) @ x at the precision of ``sums``
-        ones, dims = _ones_where(mask), ((1,), (0,))
-        if self.sums != TF32X2:
-            return _mm(ones, x, dims, self.sums)
-        head = round_tf32(x)
-        return _mm(ones, head, dims, lax.Precision.DEFAULT) + _mm(ones, x - head, dims, lax.Precision.DEFAULT)
+    def summands(self, x):
+        """x as the 0/1 sums take it: its parts (:data:`BF16X3`, :data:`TF32X2`), else x. Split once,
+        a tuple of parts serves every sum of x."""
+        if self.sums == BF16X3:
+            return split_bf16(x)
+        if self.sums == TF32X2:
+            head = round_tf32(x)
+            return head, x - head
+        return x
 
-    def prefix_sums(self, x, inclusive: bool = True):  # [C, D]: row i sums rows 0..i (0..i-1)
-        C = x.shape[0]
+    def _sum(self, mask, x):  # (0/1 matrix of the bool mask [C, C]) @ x (or x's summands) at ``sums``
+        parts, dims = x if isinstance(x, tuple) else self.summands(x), ((1,), (0,))
+        if not isinstance(parts, tuple):
+            return _mm(_ones_where(mask), parts, dims, self.sums)
+        ones = _ones_where(mask, parts[0].dtype.type)
+        head, *rest = (_mm(ones, part, dims, lax.Precision.DEFAULT) for part in parts)
+        return head + functools.reduce(operator.add, rest)
+
+    def prefix_sums(self, x, inclusive: bool = True):  # [..., C, D] (or summands): row i sums rows 0..i (0..i-1)
+        C = _rows(x)
         i, j = _iota((C, C), 0), _iota((C, C), 1)
         return self._sum(j <= i if inclusive else j < i, x)
 
-    def suffix_sums(self, x, inclusive: bool = True):  # [C, D]: row i sums rows i..C-1 (i+1..C-1)
-        C = x.shape[0]
+    def suffix_sums(self, x, inclusive: bool = True):  # [..., C, D] (or summands): row i sums rows i..C-1 (i+1..C-1)
+        C = _rows(x)
         i, j = _iota((C, C), 0), _iota((C, C), 1)
         return self._sum(j >= i if inclusive else j > i, x)
 
@@ -170,8 +215,8 @@ class Tiles:
         sum of the steps it spans (one 0/1 matmul over g), never a difference of cumulative gates,
         whose rounding (eps |G|) would reach the factors. ``block`` marks the level's pairs (i
         lower, j upper, one block), which take e_i on the left and e_j on the right, so one tile
-        serves both sides; the mask drops the other products."""
-        C = g.shape[0]
+        serves both sides; the mask drops the other products. g may be given as its summands."""
+        C = _rows(g)
         i, j = _iota((C, C), 0), _iota((C, C), 1)
         r = i - _in_block(i, s) + s // 2  # the reference row of row i's block
         lower = i >= r  # bool masks combine with & and | (Mosaic rejects a select over bool arrays)
@@ -183,7 +228,7 @@ class Tiles:
         of the upper half z's rows i < t of that half. With z the row terms of a level's pairs
         (lower half) and their column terms (upper half), that is the sum of the pairs whose
         decay spans step t: the cotangent of g_t, with no pair's terms cancelling."""
-        C = z.shape[0]
+        C = z.shape[-2]
         t, i = _iota((C, C), 0), _iota((C, C), 1)
         h = s // 2
         same_half = _block(t, h) == _block(i, h)
@@ -198,13 +243,17 @@ class Tiles:
         return self.suffix_sums(Kg.dG_start) + (self.cumsum(Kg.dG_rest) - Kg.dG_rest) + Kg.dG_end
 
     @property
-    def wide(self) -> Tiles:  # the same matmuls with float32 operands
-        return dataclasses.replace(self, operands=None)
+    def wide(self) -> Tiles:  # the matmuls with float32 operands, at wide_precision (if set)
+        return dataclasses.replace(self, operands=None, precision=self.wide_precision or self.precision)
 
     def _bulk(self, a, b, dims):
         if self.operands is not None:
             a, b = a.astype(self.operands), b.astype(self.operands)
-        return _mm(a, b, dims, self.precision)
+        if self.precision != BF16_HIGH:
+            return _mm(a, b, dims, self.precision)
+        (a_hi, a_lo, _), (b_hi, b_lo, _) = split_bf16(a), split_bf16(b)  # 16 of float32's 24 bits each
+        one = lambda x, y: _mm(x, y, dims, lax.Precision.DEFAULT)
+        return one(a_hi, b_hi) + (one(a_hi, b_lo) + one(a_lo, b_hi))
 
     def dot(self, a, b):  # a @ b
         return self._bulk(a, b, ((1,), (0,)))
@@ -215,18 +264,16 @@ class Tiles:
     def t_dot(self, a, b):  # a^T @ b
         return self._bulk(a, b, ((0,), (0,)))
 
-    def rowsum(self, x):  # [C, D] -> [C, 1]
-        if self.matmul_reductions:
-            return _mm(x, jnp.ones((1, x.shape[1]), jnp.float32), ((1,), (1,)), _HIGHEST)
-        return jnp.sum(x, axis=1, keepdims=True)
+    def rowsum(self, x):  # [..., C, D] -> [..., C, 1]
+        return jnp.sum(x, axis=-1, keepdims=True)
 
     def cumsum(self, x):  # [C, D] inclusive cumsum over rows
         if self.matmul_reductions:
             return self.prefix_sums(x)
-        return jnp.cumsum(x, axis=0)
+        return jnp.cumsum(x, axis=-2)
 
-    def diag(self, x, y):  # [C, C] with the row dot products x_i . y_i on the diagonal
-        C = x.shape[0]
+    def diag(self, x, y):  # [..., C, C] with the row dot products x_i . y_i on the diagonal
+        C = x.shape[-2]
         return jnp.where(_iota((C, C), 0) == _iota((C, C), 1), self.rowsum(x * y), 0.0)
 
     def unit_lower_inverse(self, A: jax.Array) -> jax.Array:
@@ -247,9 +294,10 @@ class Tiles:
 
     def intra(self, q, k, v, g, beta) -> Intra:
         """q, k: [C, K]; v: [C, V]; g: [C, K] per-step log2 gate; beta: [C, 1] (all float32)."""
-        G = self.cumsum(g)  # [C, K]
-        R = self.suffix_sums(g, inclusive=False)  # the steps after each row
-        Aqk, Kkk = self.pairs(q, k, g)
+        gs = self.summands(g) if self.matmul_reductions else g
+        G = self.cumsum(gs)  # [C, K]
+        R = self.suffix_sums(gs, inclusive=False)  # the steps after each row
+        Aqk, Kkk = self.pairs(q, k, gs)
         T = self.unit_lower_inverse(beta * Kkk)
         q_g, k_g, k_d, decay = gated(q, k, G, R, last_row(G))
         w = self.dot(T, beta * k_g)
@@ -261,9 +309,9 @@ class Tiles:
         (j < i), G the prefix sums of the per-step log2 gates g [C, K]; one masked [C, K] x [K, C]
         matmul per dyadic level (:meth:`level`). Sums over the key columns: blocks of columns
         may be summed."""
-        C = k.shape[0]
+        C = k.shape[-2]
         Aqk = self.diag(q, k)
-        Kkk = jnp.zeros((C, C), jnp.float32)
+        Kkk = jnp.zeros(k.shape[:-1] + (C,), jnp.float32)
         for s in dyadic_levels(C):
             e, block = self.level(g, s)
             k_e = k * e
@@ -292,7 +340,7 @@ class Tiles:
     def grads_values(self, T, u, v, do, v_new, dv_new) -> ValueGrads:
         """The backward's terms of a block of value columns. u, v, do, v_new, dv_new: [C, BV]
         (dv_new the cotangent of v_new = u - w S); T as :class:`Intra`."""
-        C = T.shape[0]
+        C = T.shape[-1]
         i, j = _iota((C, C), 0), _iota((C, C), 1)
         dAqk = jnp.where(i >= j, self.dot_t(do, v_new), 0.0)
         dbv = self.t_dot(T, dv_new)  # (I + Akk)^-T du
@@ -306,7 +354,7 @@ class Tiles:
             self.dot(do, St),
             self.dot(v_new, dSt),
             -self.dot(dv_new, St),
-            jnp.sum(St.astype(jnp.float32) * dSt, axis=0, keepdims=True),
+            jnp.sum(St.astype(jnp.float32) * dSt, axis=-2, keepdims=True),
         )
 
     def grads_keys(self, q, k, beta, G, R, T, w, P: StateProducts, d) -> KeyGrads:
@@ -330,7 +378,7 @@ class Tiles:
     def grads_pairs(self, beta, Kkk, dAkk_sum, dbeta_sum):
         """(dKkk [C, C], dbeta [C, 1]) from the sums over value and key blocks: dAkk_sum =
         dbk_g w^T + dbv u^T, dbeta_sum = rowsums of v dbv and k_g dbk_g."""
-        C = Kkk.shape[0]
+        C = Kkk.shape[-1]
         dAkk = jnp.where(_iota((C, C), 0) > _iota((C, C), 1), -dAkk_sum, 0.0)
         return beta * dAkk, dbeta_sum + self.rowsum(dAkk * Kkk)
 
@@ -342,8 +390,9 @@ class Tiles:
         (:attr:`wide`)."""
         wide = self.wide
         dq = dk_p = dk_x = dg = jnp.zeros_like(k)  # dk_p: through the right factor k e, dk_x: the left
-        for s in dyadic_levels(k.shape[0]):
-            e, block = self.level(g, s)  # dQ, dK: zero outside the level's pairs, so e serves both sides
+        gs = self.summands(g)
+        for s in dyadic_levels(k.shape[-2]):
+            e, block = self.level(gs, s)  # dQ, dK: zero outside the level's pairs, so e serves both sides
             dQ, dK = jnp.where(block, dAqk, 0.0), jnp.where(block, dKkk, 0.0)
             k_e = k * e
             dq_s = wide.dot(dQ, k_e) * e  # rows: lower halves

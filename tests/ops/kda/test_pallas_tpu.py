@@ -28,19 +28,52 @@ chunk_kda_tpu = functools.partial(kdax.chunk_kda, backend="pallas_tpu")
 
 
 def test_chunk_intra_matches_xla():
-    """The full-tile chunk math equals the xla backend's per-chunk stage (float64 there)."""
+    """The full-tile chunk math equals the xla backend's per-chunk stage (float64 there), on a
+    stack of two heads (one grid step's tiles), a mild and a strong decay."""
     rng = np.random.default_rng(0)
     C, K, V = 64, 128, 96
+    heads = []
     for g_min in (-1.0, -20.0):
         q, k = rng.standard_normal((2, C, K))
         k /= np.linalg.norm(k, axis=-1, keepdims=True)
-        v, g, beta = rng.standard_normal((C, V)), rng.uniform(g_min, g_min / 100, (C, K)), rng.uniform(0, 1, C)
-        ref = xla._intra(*(jnp.asarray(x) for x in (q, k, v, g, beta)))
-        f32 = functools.partial(jnp.asarray, dtype=jnp.float32)
-        got = jax.jit(pallas_tpu._TILES.intra)(f32(q), f32(k), f32(v), f32(g * LOG2E), f32(beta[:, None]))
+        heads.append((q, k, rng.standard_normal((C, V)), rng.uniform(g_min, g_min / 100, (C, K)), rng.uniform(0, 1, C)))
+    q, k, v, g, beta = (np.stack(x) for x in zip(*heads))
+    f32 = functools.partial(jnp.asarray, dtype=jnp.float32)
+    tiles = pallas_tpu.tiles_for(pallas_tpu.Config(precision="highest"))
+    got = jax.jit(tiles.intra)(f32(q), f32(k), f32(v), f32(g * LOG2E), f32(beta[..., None]))
+    for h in range(2):
+        ref = xla._intra(*(jnp.asarray(x[h]) for x in (q, k, v, g, beta)))
         for name in ("Aqk", "w", "u", "q_g", "k_d"):
-            assert rel_rms(getattr(got, name), getattr(ref, name)) < 2e-6, (g_min, name)
-        np.testing.assert_allclose(got.decay[0], ref.decay, rtol=F32["out"], atol=1e-30)
+            assert rel_rms(getattr(got, name)[h], getattr(ref, name)) < 2e-6, (h, name)
+        np.testing.assert_allclose(got.decay[h, 0], ref.decay, rtol=F32["out"], atol=1e-30)
+
+
+@pytest.mark.parametrize(("H", "heads"), [(2, 1), (2, 2), (1, 2)])
+def test_heads_per_step_with_grouped_value_heads(H, heads, monkeypatch):
+    """Grid steps of one or two of four value heads, q and k shared by two or four of them (a q/k
+    block of one head per step, or one head all the step's value heads share)."""
+    assert pallas_tpu.heads_per_step(4, 4 // H, 64, 128, 128, pallas_tpu.Config(heads=heads), "forward") == heads
+    case = Case("gva_heads", T=70, B=1, H=H, HV=4, initial_state=True, lengths=None)
+    fn = functools.partial(kdax.chunk_kda, backend="pallas_tpu", config=pallas_tpu.Config(heads=heads))
+    assert_close_to_reference(fn, case, jnp.float32)
+
+
+def test_heads_per_step_fits_groups_and_state_size():
+    bf16, f32 = pallas_tpu.Config(precision="bf16"), pallas_tpu.Config(precision="highest")
+    assert pallas_tpu.heads_per_step(16, 1, 64, 128, 128, bf16, "forward") == 8
+    assert pallas_tpu.heads_per_step(16, 1, 64, 128, 128, bf16, "backward") == 4
+    assert pallas_tpu.heads_per_step(16, 1, 64, 128, 128, f32, "backward") == 2
+    assert pallas_tpu.heads_per_step(16, 1, 64, 256, 256, bf16, "forward") == 2
+    assert pallas_tpu.heads_per_step(16, 1, 128, 128, 128, bf16, "backward") == 2
+    assert pallas_tpu.heads_per_step(16, 1, 128, 128, 128, f32, "backward") == 1
+    assert pallas_tpu.heads_per_step(16, 1, 32, 128, 128, bf16, "backward") == 4  # at most HEADS
+    assert pallas_tpu.heads_per_step(12, 3, 64, 128, 128, bf16, "forward") == 6  # 3 divides 6
+    asked = pallas_tpu.Config(heads=4)
+    assert pallas_tpu.heads_per_step(6, 6, 64, 128, 128, asked, "forward") == 3  # 3 divides 6 (the group)
+    inputs = (*(jnp.ones((1, 4, 1, 8), jnp.float32),) * 4, jnp.ones((1, 4, 1), jnp.float32))
+    for config, field in ((pallas_tpu.Config(heads=0), "heads"), (pallas_tpu.Config(precision="tf32"), "precision")):
+        with pytest.raises(ValueError, match=f"config.{field}"):
+            kdax.chunk_kda(*inputs, backend="pallas_tpu", config=config)
 
 
 @pytest.mark.parametrize("case", STAGED_CASES)
