@@ -160,9 +160,9 @@ class Tiles:
     pairwise factorisation keep float32 operands (:attr:`wide`; docs/kda_gpu.md, Precision), at
     ``wide_precision`` where set (on a TPU :data:`BF16_HIGH`, spelled out so that the interpreter
     rounds as the TPU does: its DEFAULT would round them to bfloat16).
-    matmul_reductions: take row sums and gate cumsums as matmuls with 0/1 matrices (TPU,
-    where lane reductions and scans lower poorly) or as reductions and scans (GPU, where a
-    matmul needs every dimension >= 16). sums: the precision of the 0/1 sums that must
+    matmul_reductions: take gate cumsums as matmuls with 0/1 matrices (TPU, where scans lower
+    poorly) or as scans (GPU, where a matmul needs every dimension >= 16); row sums are lane
+    reductions on both. sums: the precision of the 0/1 sums that must
     keep float32 accuracy: HIGHEST (IEEE float32; on a GPU that runs on the FMA units), or
     on a GPU :data:`TF32X2`: the summed operand split into its TF32 value and the rest, each
     multiplied by the 0/1 matrix (exact in TF32) on the tensor cores, which keeps about 22 of
