@@ -13,8 +13,6 @@ and the precision of the 0/1 sums over rows (decay exponents, cumsums, the gate 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import operator
 from typing import NamedTuple
 
 import jax
@@ -35,8 +33,8 @@ def _iota(shape, axis):
     return lax.broadcasted_iota(jnp.int32, shape, axis)
 
 
-def _ones_where(cond, dtype=jnp.float32):  # 0/1 matrix (explicit dtype: no float64 under jax_enable_x64)
-    return jnp.where(cond, dtype(1), dtype(0))
+def _ones_where(cond):  # float32 0/1 matrix (explicit dtype: no float64 under jax_enable_x64)
+    return jnp.where(cond, jnp.float32(1), jnp.float32(0))
 
 
 def split_bf16(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -62,10 +60,6 @@ def _in_block(x, s: int):  # x % s
 def _lower_left(i, j, s: int):  # [C, C] mask of (row in the lower half, column in the upper half) of each s-block
     h = s // 2
     return (_block(i, s) == _block(j, s)) & (_in_block(i, s) >= h) & (_in_block(j, s) < h)
-
-
-def _rows(x):  # C of a tile [..., C, D] or of a tuple of its parts
-    return (x[0] if isinstance(x, tuple) else x).shape[-2]
 
 
 def _mm(a, b, dims, precision):
@@ -178,31 +172,24 @@ class Tiles:
     sums: lax.Precision | lax.DotAlgorithmPreset | str = _HIGHEST
     wide_precision: lax.Precision | lax.DotAlgorithmPreset | None = None
 
-    def summands(self, x):
-        """x as the 0/1 sums take it: its parts (:data:`BF16X3`, :data:`TF32X2`), else x. Split once,
-        a tuple of parts serves every sum of x."""
+    def _sum(self, mask, x):  # (0/1 matrix of the bool mask [C, C]) @ x at the precision of ``sums``
+        ones, dims = _ones_where(mask), ((1,), (0,))
         if self.sums == BF16X3:
-            return split_bf16(x)
-        if self.sums == TF32X2:
-            head = round_tf32(x)
-            return head, x - head
-        return x
+            ones = ones.astype(jnp.bfloat16)
+            hi, mid, lo = (_mm(ones, part, dims, lax.Precision.DEFAULT) for part in split_bf16(x))
+            return hi + (mid + lo)
+        if self.sums != TF32X2:
+            return _mm(ones, x, dims, self.sums)
+        head = round_tf32(x)
+        return _mm(ones, head, dims, lax.Precision.DEFAULT) + _mm(ones, x - head, dims, lax.Precision.DEFAULT)
 
-    def _sum(self, mask, x):  # (0/1 matrix of the bool mask [C, C]) @ x (or x's summands) at ``sums``
-        parts, dims = x if isinstance(x, tuple) else self.summands(x), ((1,), (0,))
-        if not isinstance(parts, tuple):
-            return _mm(_ones_where(mask), parts, dims, self.sums)
-        ones = _ones_where(mask, parts[0].dtype.type)
-        head, *rest = (_mm(ones, part, dims, lax.Precision.DEFAULT) for part in parts)
-        return head + functools.reduce(operator.add, rest)
-
-    def prefix_sums(self, x, inclusive: bool = True):  # [..., C, D] (or summands): row i sums rows 0..i (0..i-1)
-        C = _rows(x)
+    def prefix_sums(self, x, inclusive: bool = True):  # [..., C, D]: row i sums rows 0..i (0..i-1)
+        C = x.shape[-2]
         i, j = _iota((C, C), 0), _iota((C, C), 1)
         return self._sum(j <= i if inclusive else j < i, x)
 
-    def suffix_sums(self, x, inclusive: bool = True):  # [..., C, D] (or summands): row i sums rows i..C-1 (i+1..C-1)
-        C = _rows(x)
+    def suffix_sums(self, x, inclusive: bool = True):  # [..., C, D]: row i sums rows i..C-1 (i+1..C-1)
+        C = x.shape[-2]
         i, j = _iota((C, C), 0), _iota((C, C), 1)
         return self._sum(j >= i if inclusive else j > i, x)
 
@@ -215,8 +202,8 @@ class Tiles:
         sum of the steps it spans (one 0/1 matmul over g), never a difference of cumulative gates,
         whose rounding (eps |G|) would reach the factors. ``block`` marks the level's pairs (i
         lower, j upper, one block), which take e_i on the left and e_j on the right, so one tile
-        serves both sides; the mask drops the other products. g may be given as its summands."""
-        C = _rows(g)
+        serves both sides; the mask drops the other products."""
+        C = g.shape[-2]
         i, j = _iota((C, C), 0), _iota((C, C), 1)
         r = i - _in_block(i, s) + s // 2  # the reference row of row i's block
         lower = i >= r  # bool masks combine with & and | (Mosaic rejects a select over bool arrays)
@@ -294,10 +281,9 @@ class Tiles:
 
     def intra(self, q, k, v, g, beta) -> Intra:
         """q, k: [C, K]; v: [C, V]; g: [C, K] per-step log2 gate; beta: [C, 1] (all float32)."""
-        gs = self.summands(g) if self.matmul_reductions else g
-        G = self.cumsum(gs)  # [C, K]
-        R = self.suffix_sums(gs, inclusive=False)  # the steps after each row
-        Aqk, Kkk = self.pairs(q, k, gs)
+        G = self.cumsum(g)  # [C, K]
+        R = self.suffix_sums(g, inclusive=False)  # the steps after each row
+        Aqk, Kkk = self.pairs(q, k, g)
         T = self.unit_lower_inverse(beta * Kkk)
         q_g, k_g, k_d, decay = gated(q, k, G, R, last_row(G))
         w = self.dot(T, beta * k_g)
@@ -390,9 +376,8 @@ class Tiles:
         (:attr:`wide`)."""
         wide = self.wide
         dq = dk_p = dk_x = dg = jnp.zeros_like(k)  # dk_p: through the right factor k e, dk_x: the left
-        gs = self.summands(g)
         for s in dyadic_levels(k.shape[-2]):
-            e, block = self.level(gs, s)  # dQ, dK: zero outside the level's pairs, so e serves both sides
+            e, block = self.level(g, s)  # dQ, dK: zero outside the level's pairs, so e serves both sides
             dQ, dK = jnp.where(block, dAqk, 0.0), jnp.where(block, dKkk, 0.0)
             k_e = k * e
             dq_s = wide.dot(dQ, k_e) * e  # rows: lower halves
