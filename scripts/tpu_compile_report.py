@@ -78,8 +78,12 @@ def _args(argv=None):
 
 _BUNDLE = re.compile(r"^\s*(0x[0-9a-f]+|\d+)\s+(?:(?:LH|LB|LE|PB|PF|CT):\s*)?[:>]")
 _REGION = re.compile(r"Start region (\d+)")
-_BRANCH = re.compile(r"sbr\.rel \([^)]*\) target (?:bundleno = (\d+)|= \$region(\d+))")
-_EXIT = re.compile(r"scmp\.\w+\.s32\.totalorder %s\w+, (\d+) /\* loop exit test \*/")
+_BRANCH = re.compile(r"sbr\.rel \(([^)]*)\) target (?:bundleno = (\d+)|= \$region(\d+))")
+# a branch's predicate defined by a compare of a counter with a constant: %p = scmp.ge %s, N
+_COMPARE = re.compile(r"(%p\w+) = scmp\.(ge|lt|ne)\.s32\.totalorder (%s\w+), (\d+)")
+_TRUE = re.compile(r"(%p\w+) = pmov 1 ")  # a constant predicate: a back branch on !%p is never taken
+_EXIT = re.compile(r"scmp\.\w+\.s32\.totalorder (%s\w+), (\d+) /\* loop exit test \*/")
+_STEP = re.compile(r"(%s\w+) = sadd\.s32 (\d+), %s\w+")  # an induction variable's increment
 _LATCH = re.compile(r"scmp\.(?:lt|ne)\.s32\.totalorder %s\w+, (\d+)(?! /\*)")  # XLA's while loops: i + 1 < N
 _VMEM = re.compile(r"#allocation\d+ \[shape = '[^']*', space=vmem, size = (0x[0-9a-f]+)")
 
@@ -95,6 +99,7 @@ class Listing:
     cycles: int
     unknown_loops: int
     calls: list  # [(callee name, weight, under a loop of unknown trips)]
+    unknown_bodies: list  # per loop of unknown trips, the cycles of one trip (its bundles, weighted)
 
 
 def static_cycles(text: str) -> Listing:
@@ -104,12 +109,13 @@ def static_cycles(text: str) -> Listing:
     number, or to a region whose start an earlier bundle marks) closes a loop; the loop's trip
     count is the constant of the loop-exit test inside it and outside its inner loops (Mosaic
     marks it), else of the compare with a constant in its last 8 bundles (XLA's while loops:
-    ``i + 1 < N``). Each bundle counts the product of the trips of the loops around it; a loop
+    ``i + 1 < N``); an unrolled loop's induction variable steps by more than one, which divides
+    the trips. Each bundle counts the product of the trips of the loops around it; a loop
     with neither (a data-dependent bound) counts once, which makes the total a lower bound. A
     ``call`` bundle names the program it runs (XLA's top-level program calls each fusion and
     kernel), which :func:`read_dump` adds at the call site's weight.
     """
-    bundles, regions, branches, exits, latches, calls = [], {}, [], [], [], []
+    bundles, regions, branches, exits, latches, calls, steps, compares = [], {}, [], [], [], [], {}, {}
     for line in text.splitlines():
         m = _BUNDLE.match(line)
         if not m:
@@ -118,23 +124,33 @@ def static_cycles(text: str) -> Listing:
         bundles.append(addr)
         for r in _REGION.findall(line):
             regions.setdefault(int(r), addr)
-        for by_number, region in _BRANCH.findall(line):
-            branches.append((addr, int(by_number) if by_number else ("region", int(region))))
-        exits += [(addr, int(n)) for n in _EXIT.findall(line)]
+        for pred, by_number, region in _BRANCH.findall(line):
+            branches.append((addr, int(by_number) if by_number else ("region", int(region)), pred))
+        compares.update((p, (op, reg, int(n))) for p, op, reg, n in _COMPARE.findall(line))
+        compares.update((p, ("true", None, 1)) for p in _TRUE.findall(line))
+        exits += [(addr, reg, int(n)) for reg, n in _EXIT.findall(line)]
+        steps.update((reg, int(n)) for reg, n in _STEP.findall(line))
         latches += [(addr, int(n)) for n in _LATCH.findall(line)]
         calls += [(addr, a or b) for a, b in _CALL.findall(line)]
-    loops = []
-    for addr, target in branches:
+    trips_of = lambda reg, n: -(-n // max(1, steps.get(reg, 1)))
+    loops, conditions = [], {}
+    for addr, target, pred in branches:
         start = regions.get(target[1]) if isinstance(target, tuple) else target
         if start is not None and start <= addr:
             loops.append([start, addr, None])
+            conditions[(start, addr)] = pred
     loops.sort(key=lambda lp: lp[1] - lp[0])  # innermost first
-    for addr, n in exits:
+    for addr, reg, n in exits:
         for lp in loops:
             if lp[0] <= addr <= lp[1]:
-                lp[2] = lp[2] or n
+                lp[2] = lp[2] or trips_of(reg, n)
                 break
     for lp in loops:
+        # back while !(i >= N), i < N or i != N: N trips (Mosaic's copy loops carry no exit marker)
+        pred = conditions[(lp[0], lp[1])]
+        op, reg, n = compares.get(pred.lstrip("!"), (None, None, 0))
+        if lp[2] is None and (op, pred.startswith("!")) in (("ge", True), ("lt", False), ("ne", False), ("true", True)):
+            lp[2] = trips_of(reg, n)
         if lp[2] is None:
             lp[2] = next((n for addr, n in reversed(latches) if lp[1] - 8 <= addr <= lp[1]), None)
 
@@ -148,7 +164,8 @@ def static_cycles(text: str) -> Listing:
 
     total = sum(weight(addr)[0] for addr in bundles)
     called = [(name, *weight(addr)) for addr, name in calls]
-    return Listing(total, sum(trips is None for *_, trips in loops), called)
+    bodies = [sum(weight(a)[0] for a in bundles if s <= a <= e) for s, e, trips in loops if trips is None]
+    return Listing(total, len(bodies), called, bodies)
 
 
 @dataclasses.dataclass
@@ -156,6 +173,7 @@ class Program:
     name: str
     cycles: int  # its own bundles, weighted by its loops, times the calls that run it
     unknown_loops: int
+    unknown_bodies: list  # Listing.unknown_bodies times the calls that run it
     vmem: int  # bytes of VMEM allocations (Mosaic kernels)
 
 
@@ -191,7 +209,8 @@ def read_dump(files: list[str]) -> list[Program]:
         if name in original:
             with open(original[name], errors="replace") as f:
                 vmem = sum(int(s, 16) for s in _VMEM.findall(f.read()))
-        out.append(Program(name, listing.cycles * times, listing.unknown_loops + unknown, vmem))
+        bodies = [b * times for b in listing.unknown_bodies]
+        out.append(Program(name, listing.cycles * times, listing.unknown_loops + unknown, bodies, vmem))
     return out
 
 
@@ -212,6 +231,7 @@ class Row:
     cycles: int = 0  # the whole program
     unknown_loops: int = 0
     seconds: float = 0.0
+    modelled: list = dataclasses.field(default_factory=list)  # ["kernel trips"]: see Compiler.compile
 
 
 class Compiler:
@@ -220,9 +240,11 @@ class Compiler:
     def __init__(self, dump: str):
         self.dump = dump
 
-    def compile(self, case: str, chip: str, fn, args, mesh, *, kdax_ops=True) -> Row:
+    def compile(self, case: str, chip: str, fn, args, mesh, *, kdax_ops=True, trips=None) -> Row:
         """Compile ``fn(*args)`` (kdax's ops built as on a TPU) within the chip's abstract mesh, which
-        tells the kernels that ask which TPU they target."""
+        tells the kernels that ask which TPU they target. ``trips`` {kernel name: mean trips}: the
+        kernel's one loop of data-dependent trips counted that many times (the mean the shape
+        implies, :func:`kascade_trips`) instead of once; the row lists it under ``modelled``."""
         import jax
 
         from kdax.ops.common.dispatch import building_for
@@ -239,6 +261,12 @@ class Compiler:
         new = [os.path.join(self.dump, f) for f in sorted(set(os.listdir(self.dump)) - before)]
         if row.ok:
             programs = read_dump(new)
+            for p in programs:
+                n = (trips or {}).get(p.name.rsplit(".", 1)[0])
+                if n is not None and len(p.unknown_bodies) == 1:
+                    p.cycles += round((n - 1) * p.unknown_bodies[0])
+                    p.unknown_loops -= 1
+                    row.modelled.append(f"{p.name} {n:.1f}")
             row.kernels = [(p.name, p.vmem, p.cycles, p.unknown_loops) for p in programs if is_kernel(p.name)]
             row.cycles = sum(p.cycles for p in programs)
             row.unknown_loops = sum(p.unknown_loops for p in programs)
@@ -456,6 +484,7 @@ class Peer:
     fn: object
     args: list
     kdax_ops: bool = True
+    trips: dict | None = None  # Compiler.compile's
 
     @property
     def name(self) -> str:
@@ -499,6 +528,7 @@ def peer_calls(chip: str, make) -> list[Peer]:
         q, k, v = make((1, T, H, D), dt), make((1, T, G, D), dt), make((1, T, G, D), dt)
         qd, kc, vc, n = make((16, H, D), dt), make((16, L, G, D), dt), make((16, L, G, D), dt), make((16,), jnp.int32)
         prefill, decode = f"B=1 T={T} H={H} G={G} D={D}", f"B=16 L={L} H={H} G={G} D={D}"
+        trips = kascade_trips(T)
         for backend in ("pallas_tpu", "xla"):
             anchor = lambda q, k, v, backend=backend: kdax.kascade_anchor(q, k, v, topk_percent=10, backend=backend)
             idx = jax.eval_shape(anchor, q, k, v)[0]
@@ -509,8 +539,17 @@ def peer_calls(chip: str, make) -> list[Peer]:
             didx = jax.eval_shape(ad, qd, kc, vc, n)[0]
             rd = lambda q, k, v, n, i, backend=backend: kdax.kascade_reuse_decode(q, k, v, n, i, backend=backend)
             out += [
-                Peer("kascade_anchor", dtype, prefill, "fwd", backend, anchor, [q, k, v]),
-                Peer("kascade_reuse", dtype, prefill, "fwd", backend, reuse, [q, k, v, make(idx.shape, idx.dtype)]),
+                Peer("kascade_anchor", dtype, prefill, "fwd", backend, anchor, [q, k, v], trips=trips),
+                Peer(
+                    "kascade_reuse",
+                    dtype,
+                    prefill,
+                    "fwd",
+                    backend,
+                    reuse,
+                    [q, k, v, make(idx.shape, idx.dtype)],
+                    trips=trips,
+                ),
                 Peer("kascade_anchor_decode", dtype, decode, "fwd", backend, ad, [qd, kc, vc, n]),
                 Peer(
                     "kascade_reuse_decode",
@@ -524,6 +563,26 @@ def peer_calls(chip: str, make) -> list[Peer]:
             ]
         out.append(Peer("dense attention", dtype, prefill, "fwd", "splash", _splash(T, H, D), [q, k, v], False))
     return out
+
+
+def kascade_trips(T: int, topk_percent: float = 10, min_k: int = 128, tile_size: int = 32) -> dict:
+    """The mean trips of the prefill kernels' loops over key blocks, over the query tiles of one
+    row of T tokens at the ops' defaults (pallas_tpu.Config's blocks): the dense pass
+    ``kascade_attend`` reads the blocks before its tile, the scoring kernel the 512-key blocks
+    before it, the sparse pass its selection (the budget of the tile's keys, in blocks)."""
+    import numpy as np
+
+    from kdax.ops.kascade import pallas_tpu
+    from kdax.ops.kascade.checks import budget, percent_tenths
+
+    cfg = pallas_tpu.Config()
+    starts = np.arange(-(-T // tile_size)) * tile_size
+    ceil = lambda n, d: float(np.mean(-(-n // d)))
+    return {
+        "kascade_attend": ceil(starts, cfg.block_k),
+        "kascade_scores": ceil(starts, cfg.block_scores),
+        "kascade_attend_sparse": ceil(budget(starts, percent_tenths(topk_percent), min_k), cfg.block_k),
+    }
 
 
 def _tokamax(shape, make, H, B, T, K) -> list[Peer]:
@@ -603,6 +662,7 @@ def format_rows(rows: list[Row]) -> str:
                 f"{n} {v / 1024:,.0f}, {_m(c)}" + (" (lower bound)" if u else "") for n, v, c, u in r.kernels
             )
             lb = " (lower bound)" if r.unknown_loops else ""
+            lb += f" (mean trips: {', '.join(r.modelled)})" if r.modelled else ""
             out.append(f"| {r.case} | {r.chip} | yes | {ks or '-'} | {_m(r.cycles)}{lb} | {r.seconds:.1f} |")
         else:
             out.append(f"| {r.case} | {r.chip} | **no**: {r.error.replace('|', '/')} | | | {r.seconds:.1f} |")
@@ -654,14 +714,14 @@ def main(argv=None) -> int:
     try:
         for chip in a.chips:
             make, mesh = topology_args(chip)
-            todo = [] if a.no_cases else [(n, f, x, True) for n, f, x in cases(make)]
+            todo = [] if a.no_cases else [(n, f, x, True, None) for n, f, x in cases(make)]
             if a.peers:
                 chip_peers = peer_calls(chip, make)
                 peers.update({p.name: p for p in chip_peers})
-                todo += [(p.name, p.fn, p.args, p.kdax_ops) for p in chip_peers]
-            for name, fn, args, kdax_ops in todo:
+                todo += [(p.name, p.fn, p.args, p.kdax_ops, p.trips) for p in chip_peers]
+            for name, fn, args, kdax_ops, trips in todo:
                 if only.search(name):
-                    row = compiler.compile(name, chip, fn, args, mesh, kdax_ops=kdax_ops)
+                    row = compiler.compile(name, chip, fn, args, mesh, kdax_ops=kdax_ops, trips=trips)
                     rows.append(row)
                     print(format_rows([row]).splitlines()[-1], flush=True)
     finally:

@@ -50,6 +50,9 @@ class Config:
         block_scores: keys per program of the scoring kernel (a multiple of 128).
         block_decode: keys per step of the decode kernels (a multiple of 128).
         splits: cache splits per decode row; None: 1 when B * G >= 8, else enough for 8 programs.
+        resident_bytes: the most bytes of a KV head's keys and values (as float32) the sparse prefill
+            kernel keeps in VMEM to gather selected rows with vector loads; longer heads are
+            gathered from HBM by DMA, row by row (docs/kascade_tpu.md, "Gathers").
         interpret: run in the Pallas TPU interpreter; None: unless on a TPU (or lowering for one).
         detect_races: in the interpreter, check the kernels for data races.
 
@@ -61,6 +64,7 @@ class Config:
     block_scores: int = 512
     block_decode: int = 512
     splits: int | None = None
+    resident_bytes: int = 24 << 20
     interpret: bool | None = None
     detect_races: bool = False
 
@@ -73,6 +77,8 @@ class Config:
                 raise ValueError(f"config.{name}: expected a multiple of {LANE}, got {n}")
         if self.splits is not None and (isinstance(self.splits, bool) or self.splits < 1):
             raise ValueError(f"config.splits: expected None or an int >= 1, got {self.splits!r}")
+        if self.resident_bytes < 0:
+            raise ValueError(f"config.resident_bytes: expected an int >= 0, got {self.resident_bytes}")
         interpret = dispatch.platform() != "tpu" if self.interpret is None else self.interpret
         return dataclasses.replace(self, interpret=interpret)
 
@@ -93,34 +99,37 @@ def _interpret(cfg: Config):
 
 
 class _Blocks:
-    """K/V blocks of ``n`` rows copied from HBM into the VMEM buffers kbuf, vbuf [2, n, ...] by DMA,
-    two slots so one block is read while the next is in flight (K alone when v_hbm is None).
+    """K/V blocks of ``n`` rows put into the VMEM buffers kbuf, vbuf [2, n, ...], two slots so one
+    block is read while the next is in flight (K alone when v_hbm is None).
 
-    ``src(x, j, n)`` is the HBM slice of x holding rows j .. j + n - 1 of the head: [n, D], or
+    ``src(x, j, n)`` is the slice of x holding rows j .. j + n - 1 of the head: [n, D], or
     [n, G, D] rows of every KV head of a decode cache, of which ``pick`` keeps the program's
-    [n, D] (:func:`_cache_rows`). With ``sel`` (idx_hbm(i) the [1, n] row of block i's indices,
-    idx_smem [2, n], idx_vmem [2, 1, n]) block i's rows are its selection, one DMA each (index -1
-    reads row 0); without, rows i * n onward. ``dtype``: what the blocks are cast to (the queries').
+    [n, D] (:func:`_cache_rows`). Without ``sel`` block i is rows i * n onward, one DMA. With
+    ``sel`` (idx_hbm(i) the [1, S] row of block i's indices, :func:`_index_rows`; idx_smem [2 * S], idx_vmem [2, 1, S])
+    block i's rows are its selection (index -1 reads row 0): with ``resident`` x is the whole
+    head in VMEM and the rows are vector loads (the indices copied a block ahead), else one DMA
+    each from HBM. ``dtype``: what the blocks are cast to (the queries').
     """
 
-    def __init__(self, k_hbm, v_hbm, src, kbuf, vbuf, sems, n, sel=None, pick=None, dtype=None):
-        self.k, self.v, self.src, self.kbuf, self.vbuf, self.sems, self.n, self.sel = (
-            k_hbm,
-            v_hbm,
-            src,
-            kbuf,
-            vbuf,
-            sems,
-            n,
-            sel,
-        )
-        self.pick, self.dtype = pick or (lambda x: x), dtype
+    def __init__(self, k, v, src, kbuf, vbuf, sems, n, sel=None, pick=None, dtype=None, resident=False):
+        self.k, self.v, self.src, self.kbuf, self.vbuf, self.sems, self.n = k, v, src, kbuf, vbuf, sems, n
+        self.sel, self.pick, self.dtype, self.resident = sel, pick or (lambda x: x), dtype, resident
+        self.S = _slot_ints(n)
+
+    def _pairs(self):
+        return ((self.k, self.kbuf), (self.v, self.vbuf))[: 1 if self.v is None else 2]
 
     def _copies(self, slot, j, r, rows):
-        pairs = ((self.k, self.kbuf), (self.v, self.vbuf))[: 1 if self.v is None else 2]
         return [
             pltpu.make_async_copy(self.src(x, j, rows), buf.at[slot, pl.ds(r, rows)], self.sems.at[a, slot])
-            for a, (x, buf) in enumerate(pairs)
+            for a, (x, buf) in enumerate(self._pairs())
+        ]
+
+    def _index_copies(self, i, slot):
+        idx_hbm, idx_smem, idx_vmem = self.sel
+        return [
+            pltpu.make_async_copy(idx_hbm(i).at[0], idx_smem.at[pl.ds(slot * self.S, self.S)], self.sems.at[2, slot]),
+            pltpu.make_async_copy(idx_hbm(i), idx_vmem.at[slot], self.sems.at[3, slot]),
         ]
 
     def start(self, i, slot):
@@ -128,34 +137,42 @@ class _Blocks:
             for c in self._copies(slot, i * self.n, 0, self.n):
                 c.start()
             return
-        idx_hbm, idx_smem, idx_vmem = self.sel
-        for dst, a in ((idx_smem.at[slot], 2), (idx_vmem.at[slot], 3)):
-            src = idx_hbm(i).at[0] if a == 2 else idx_hbm(i)
-            c = pltpu.make_async_copy(src, dst, self.sems.at[a, slot])
+        for c in self._index_copies(i, slot):
             c.start()
+        if self.resident:
+            return
+        for c in self._index_copies(i, slot):
             c.wait()
+        idx_smem = self.sel[1]
 
         @pl.loop(0, self.n)
         def _(r):
-            for c in self._copies(slot, jnp.maximum(idx_smem[slot, r], 0), r, 1):
+            for c in self._copies(slot, jnp.maximum(idx_smem[slot * self.S + r], 0), r, 1):
                 c.start()
 
     def wait(self, slot):
-        if self.sel is None:
+        if self.sel is None or not self.resident:  # the row copies of a block, waited as one
             for c in self._copies(slot, 0, 0, self.n):
                 c.wait()
             return
+        for c in self._index_copies(0, slot):
+            c.wait()
+        idx_smem, last, base = self.sel[1], self.k.shape[0] - 1, slot * self.S
 
-        @pl.loop(0, self.n)
-        def _(r):
-            for c in self._copies(slot, 0, 0, 1):
-                c.wait()
+        def gather(r, carry):  # index -1 reads the last row: an unsigned min, one scalar op
+            u = lax.bitcast_convert_type(idx_smem[base + r], jnp.uint32)
+            j = lax.bitcast_convert_type(jnp.minimum(u, jnp.uint32(last)), jnp.int32)
+            for x, buf in self._pairs():
+                buf[slot, pl.ds(r, 1)] = self.src(x, j, 1)[...]
+            return carry
+
+        lax.fori_loop(0, self.n, gather, 0, unroll=8)
 
     def keys(self, i, slot):
         """[1, n] the positions of block i's rows (its indices with a selection)."""
         if self.sel is None:
             return i * self.n + lax.broadcasted_iota(jnp.int32, (1, self.n), 1)
-        return self.sel[2][slot]
+        return self.sel[2][slot, :, pl.ds(0, self.n)]
 
     def read(self, buf, slot):  # a block as the kernel computes with it: [n, D] in ``dtype``
         x = self.pick(buf[slot])
@@ -182,20 +199,28 @@ class _Blocks:
         return lax.fori_loop(0, count, body, state)
 
 
+def _slot_ints(n: int) -> int:
+    """S, the ints a block of ``n`` indices takes in the index arrays: whole 512-byte granules (a DMA
+    into a slice of SMEM copies whole granules)."""
+    return round_up(n, 128)
+
+
 def _scratch(row, dtype, sparse):
     """Two slots of K and V blocks, ``row`` the shape of a block ([n, D] or [n, G, D]), the DMA
     semaphores, and with ``sparse`` two slots of a block's indices in SMEM and VMEM."""
     shapes = [pltpu.VMEM((2, *row), dtype), pltpu.VMEM((2, *row), dtype), pltpu.SemaphoreType.DMA((4, 2))]
     if sparse:
-        shapes += [pltpu.SMEM((2, row[0]), jnp.int32), pltpu.VMEM((2, 1, row[0]), jnp.int32)]
+        S = _slot_ints(row[0])
+        shapes += [pltpu.SMEM((2 * S,), jnp.int32), pltpu.VMEM((2, 1, S), jnp.int32)]
     return shapes
 
 
 def _index_rows(indices, n: int, blocks: int):
-    """A selection [..., k] as the sparse kernels read it, [..., blocks, n]: block i of n positions a
-    row (-1 padded), so a block's indices are one sublane row of an int32 array (Mosaic copies those
-    from any row; a lane offset it needs in multiples of 128)."""
-    return bl.pad_selection(indices, blocks * n).reshape(*indices.shape[:-1], blocks, n)
+    """A selection [..., k] as the sparse kernels read it, [..., blocks, S] (:func:`_slot_ints`): block
+    i's n positions a row (-1 padded), so a block's indices are one sublane row of an int32 array
+    (Mosaic copies those from any row; a lane offset it needs in multiples of 128)."""
+    rows = bl.pad_selection(indices, blocks * n).reshape(*indices.shape[:-1], blocks, n)
+    return bl.pad_selection(rows, _slot_ints(n))
 
 
 def _gathered(dtype):
@@ -230,11 +255,12 @@ def _cache_reads(b, g, pick, key0=0):
 
 
 def _attend_kernel(
-    lengths_ref, nblk_ref, q_ref, k_hbm, v_hbm, kd_ref, vd_ref, *rest, tile, R, Rp, bk, sparse, scale2, prec
+    lengths_ref, nblk_ref, q_ref, k_ref, v_ref, kd_ref, vd_ref, *rest, tile, R, Rp, bk, sparse, resident, scale2, prec
 ):
-    """Grid (B, G, NT). q, o [tile * Rp, D]; k, v [B, G, Tp, D] in HBM (float32 with ``sparse``
-    and narrower inputs: :func:`_gathered`); kd, vd [tile, D] the tile's own keys; lse [rows, 1];
-    with ``sparse`` idx [B, G, NT, blocks, bk] in HBM (:func:`_index_rows`)."""
+    """Grid (B, G, NT). q, o [tile * Rp, D]; k, v [B, G, Tp, D] in HBM, or with ``resident`` the
+    head's [Tp, D] in VMEM (float32 with ``sparse`` and narrower inputs: :func:`_gathered`); kd,
+    vd [tile, D] the tile's own keys; lse [rows, 1]; with ``sparse`` idx [B, G, NT, blocks, S] in
+    HBM (:func:`_index_rows`)."""
     if sparse:
         idx_hbm, o_ref, lse_ref, kbuf, vbuf, sems, idx_smem, idx_vmem = rest
     else:
@@ -252,8 +278,8 @@ def _attend_kernel(
     sel = None
     if sparse:
         sel = (lambda i: idx_hbm.at[b, g, t, pl.ds(i, 1)], idx_smem, idx_vmem)
-    src = lambda x, j, n: x.at[b, g, pl.ds(j, n)]
-    reads = _Blocks(k_hbm, v_hbm, src, kbuf, vbuf, sems, bk, sel, dtype=q.dtype)
+    src = (lambda x, j, n: x.at[pl.ds(j, n)]) if resident else (lambda x, j, n: x.at[b, g, pl.ds(j, n)])
+    reads = _Blocks(k_ref, v_ref, src, kbuf, vbuf, sems, bk, sel, dtype=q.dtype, resident=resident)
     count = nblk_ref[0, 0] if sparse else bl.cdiv(start, bk)
     state = reads.scan(
         count,
@@ -294,7 +320,12 @@ def _attend(qp, kp, vp, lengths, indices, plan: bl.Plan, *, cfg):
     hbm = pl.BlockSpec(memory_space=pl.ANY)
     nblk = jnp.zeros((B, G, NT), jnp.int32)
     rows_in = _gathered(qp.dtype) if sparse else qp.dtype
-    args, in_specs = [qp, kp.astype(rows_in), vp.astype(rows_in), kp, vp], [qspec, hbm, hbm, own, own]
+    resident_bytes = 2 * kp.shape[2] * D * jnp.dtype(rows_in).itemsize
+    resident = sparse and resident_bytes <= cfg.resident_bytes
+    # a resident head: one [Tp, D] block per (b, g), fetched once (its index is the same for every tile)
+    head = pl.BlockSpec((None, None, kp.shape[2], D), lambda b, g, t, *_: (b, g, 0, 0), pipeline_mode=pl.Buffered(1))
+    kv = head if resident else hbm
+    args, in_specs = [qp, kp.astype(rows_in), vp.astype(rows_in), kp, vp], [qspec, kv, kv, own, own]
     if sparse:
         nblk = bl.selection_blocks(indices, bk)
         args.append(_index_rows(indices, bk, -(-max(indices.shape[-1], 1) // bk)))
@@ -306,6 +337,7 @@ def _attend(qp, kp, vp, lengths, indices, plan: bl.Plan, *, cfg):
         Rp=plan.Rp,
         bk=bk,
         sparse=sparse,
+        resident=resident,
         scale2=plan.scale2,
         prec=bl.precision(qp.dtype),
     )
@@ -313,7 +345,7 @@ def _attend(qp, kp, vp, lengths, indices, plan: bl.Plan, *, cfg):
     nblk_spec = pl.BlockSpec((None, None, None, 1, 1), lambda b, g, t, *_: (b, g, t, 0, 0), memory_space=pltpu.SMEM)
     return _call(
         kernel,
-        name="kascade_attend",
+        name="kascade_attend_sparse" if sparse else "kascade_attend",
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1,
             grid=(B, G, NT),
@@ -322,7 +354,9 @@ def _attend(qp, kp, vp, lengths, indices, plan: bl.Plan, *, cfg):
             scratch_shapes=_scratch((bk, D), rows_in, sparse),
         ),
         out_shape=[jax.ShapeDtypeStruct(qp.shape, qp.dtype), jax.ShapeDtypeStruct((*qp.shape[:3], 1), jnp.float32)],
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",) * 3),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel",) * 3, vmem_limit_bytes=resident_bytes + (16 << 20) if resident else None
+        ),
         interpret=_interpret(cfg),
     )(lengths, nblk[..., None, None], *args)
 
@@ -435,7 +469,7 @@ def _decode_attend_kernel(
     prec,
     pick,
 ):
-    """Grid (B, G, splits). q [Rq, D]; k, v [B, Lp, G, D] and idx [B, G, blocks, bd] in HBM
+    """Grid (B, G, splits). q [Rq, D]; k, v [B, Lp, G, D] and idx [B, G, blocks, S] in HBM
     (:func:`_index_rows`); out: the split's partial acc [Rq, D], m, l [Rq, 1]. ``pick``: see
     :func:`_cache_rows`."""
     b, g, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)

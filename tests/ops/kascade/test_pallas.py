@@ -135,6 +135,25 @@ def test_bf16_selections_equal_the_definitions(backend, case):
     assert rel_rms(o, want) <= BF16["out"]
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+def test_tpu_sparse_gathers_from_vmem_and_by_dma(dtype):
+    """The TPU sparse pass gathers selected rows with vector loads from the KV head kept in VMEM
+    (``KERNELS``: within ``resident_bytes``) or with a DMA per row from HBM (``resident_bytes=0``):
+    both give the definition's output, with padded (-1) selection entries and rows past their length."""
+    case = CASES[0]
+    (q, k, v), exact = inputs(case, dtype)
+    lengths, opts = _lengths(case), dict(OPTIONS, tile_size=case.tile_size)
+    idx, _ = reference.naive_kascade_anchor(*exact, **opts, lengths=lengths)
+    assert (np.asarray(idx) < 0).any()
+    want = reference.naive_kascade_reuse(*exact, idx, tile_size=case.tile_size, lengths=lengths)
+    bar = F32["out"] if dtype == jnp.float32 else BF16["out"]
+    for cfg in (KERNELS["pallas_tpu"], dataclasses.replace(KERNELS["pallas_tpu"], resident_bytes=0)):
+        o = kdax.kascade_reuse(
+            q, k, v, idx, tile_size=case.tile_size, lengths=lengths, backend="pallas_tpu", config=cfg
+        )
+        assert rel_rms(o, want) <= bar, cfg
+
+
 def test_banded_selection_equals_the_whole_rectangle():
     """The kernels' top-k in bands of tiles (over the keys before each band's last tile) selects
     what one top-k over the whole [NT, T] rectangle does, ties included, for NT not a multiple

@@ -1,0 +1,49 @@
+"""scripts/tpu_compile_report.py's static cycle count on hand-written LLO bundle listings: loop trip
+counts from Mosaic's exit tests (unrolled loops step by more than one), from branch predicates
+(copy loops carry no exit marker), and the per-trip cycles of loops whose trips the code cannot see."""
+
+import importlib.util
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+spec = importlib.util.spec_from_file_location("tpu_compile_report", os.path.join(ROOT, "scripts/tpu_compile_report.py"))
+report = sys.modules.setdefault(spec.name, importlib.util.module_from_spec(spec))  # dataclasses look it up
+spec.loader.exec_module(report)
+
+
+def listing(*bundles: str) -> str:
+    return "\n".join(f"  {hex(i)}   : > {{ {b} }}" for i, b in enumerate(bundles))
+
+
+def test_an_unrolled_loop_counts_its_trips_not_its_bound():
+    text = listing(
+        "%s1_s1 = smov.u32 0",
+        "%s2_s2 = sphi %s1_s1, %s3_s2",  # 1: loop start, two bundles a trip
+        "%s3_s2 = sadd.s32 8, %s2_s2 /* copy for cssa */  ;;  %p4_p0 = scmp.ge.s32.totalorder %s3_s2, 128 /* loop exit test */ ;; %5 = sbr.rel (!%p4_p0) target bundleno = 1",
+        "%6 = vnop",
+    )
+    assert report.static_cycles(text).cycles == 1 + 16 * 2 + 1
+
+
+def test_a_copy_loop_takes_its_trips_from_the_branch_predicate():
+    text = listing(
+        "%s2_s2 = sadd.s32 1, %s9_s2  ;;  %p3_p1 = scmp.ge.s32.totalorder %s2_s2, 8",  # 0: loop start
+        "%4 = sbr.rel (!%p3_p1) target bundleno = 0",
+        "%p5_p2 = pmov 1 ",  # 2: a one-trip region closed by a branch that is never taken
+        "%6 = sbr.rel (!%p5_p2) target bundleno = 2",
+    )
+    counted = report.static_cycles(text)
+    assert (counted.cycles, counted.unknown_loops) == (8 * 2 + 2, 0)
+
+
+def test_a_loop_of_data_dependent_trips_counts_once_and_reports_a_trip():
+    text = listing(
+        "%s1_s1 = sld [smem:[#allocation2]]",
+        "%s2_s2 = sadd.s32 1, %s9_s2",  # 1: outer loop of unknown trips
+        "%s3_s3 = sadd.s32 1, %s8_s3  ;;  %p4_p1 = scmp.ge.s32.totalorder %s3_s3, 4 /* loop exit test */",  # 2: inner
+        "%5 = sbr.rel (!%p4_p1) target bundleno = 2",
+        "%p6_p2 = scmp.ge.s32.totalorder %s2_s2, %s1_s1  ;;  %7 = sbr.rel (!%p6_p2) target bundleno = 1",
+    )
+    counted = report.static_cycles(text)
+    assert (counted.cycles, counted.unknown_loops, counted.unknown_bodies) == (1 + 1 + 4 * 2 + 1, 1, [1 + 4 * 2 + 1])
