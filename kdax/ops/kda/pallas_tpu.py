@@ -141,16 +141,17 @@ def _heads(x, n: int):
 
 
 def _chunk_inputs(q_ref, k_ref, v_ref, g_ref, b_ref):
-    """The step's (q, k, v, g in log2 units, beta) [n, C, D] from their [1, heads, C, D] blocks."""
+    """The step's (q, k, v, g in log2 units, beta) [n, C, D] from their [1, heads, C, D] blocks
+    (beta [n, C, 1]: column 0 of its [1, n, C, 128] block)."""
     n = v_ref.shape[1]
-    return _heads(q_ref[0], n), _heads(k_ref[0], n), v_ref[0], g_ref[0] * LOG2E, b_ref[0]
+    return _heads(q_ref[0], n), _heads(k_ref[0], n), v_ref[0], g_ref[0] * LOG2E, b_ref[0, :, :, :1]
 
 
 def _fused_kernel(
     tiles, save_states, first, last, seq, q_ref, k_ref, v_ref, g_ref, b_ref, h0_ref, o_ref, fin_ref, *rest
 ):
     """Grid (B, head blocks, V-blocks, chunks), n value heads a step. Blocks: g [n, C, K]; q, k
-    [n / groups or 1, C, K]; v, o [n, C, BV]; beta [n, C, 1]; h0, final (and S_in if save_states)
+    [n / groups or 1, C, K]; v, o [n, C, BV]; beta [n, C, 128]; h0, final (and S_in if save_states)
     [n, BV, K]; then the _KEPT fields' outputs, if any; scratch St [n, BV, K] carried across chunks."""
     *outs, St = rest
     I = tiles.intra(*_chunk_inputs(q_ref, k_ref, v_ref, g_ref, b_ref))
@@ -319,7 +320,7 @@ class _Forward:
 
 def _forward(q, k, v, g, beta, h0t, sched, groups: int, cfg: Config, save_states: bool, keep: bool):
     """Head-major padded inputs: q, k [B, H, L, Kp]; v [B, HV, L, Vp]; g [B, HV, L, Kp] (natural log);
-    beta [B, HV, L, 1]; h0t [B, N, HV, Vp, Kp]; sched (first, last, seq) int32 [NC].
+    beta [B, HV, L, 128] (:func:`_lanes`); h0t [B, N, HV, Vp, Kp]; sched (first, last, seq) int32 [NC].
     Returns o [B, HV, L, Vp], final [B, N, HV, Vp, Kp], S_in [B, HV, NC, Vp, Kp] or None, and
     with ``keep`` the _KEPT fields (:func:`_field`), else None."""
     B, HV, L, Vp = v.shape
@@ -348,7 +349,7 @@ def _fused(fw: _Forward, q, k, v, g, beta, h0t, sched, save_states, keep):
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=3,
             grid=(fw.B, fw.HV // fw.n, fw.Vp // fw.BV, fw.NC),
-            in_specs=[fw.qk(), fw.qk(), v_spec, fw.spec(fw.Kp), fw.spec(1), fw.state()],
+            in_specs=[fw.qk(), fw.qk(), v_spec, fw.spec(fw.Kp), fw.spec(LANE), fw.state()],
             out_specs=[v_spec, fw.state()] + [fw.s_in()] * save_states + [kept_spec(n) for n in kept],
             scratch_shapes=[pltpu.VMEM((fw.n, fw.BV, fw.Kp), jnp.float32)],
         ),
@@ -373,7 +374,7 @@ def _staged(fw: _Forward, q, k, v, g, beta, h0t, sched, save_states, keep):
         functools.partial(_intra_kernel, tiles_for(fw.cfg), names),
         name="kda_intra",
         grid=(B, HV // n, NC),
-        in_specs=[_qk_spec(n, fw.groups, C, Kp, lambda b, h, c: (b, h, c))] * 2 + [spec3(Vp), spec3(Kp), spec3(1)],
+        in_specs=[_qk_spec(n, fw.groups, C, Kp, lambda b, h, c: (b, h, c))] * 2 + [spec3(Vp), spec3(Kp), spec3(LANE)],
         out_specs=[chunk_spec(n) for n in names],
         out_shape=[fw.shape(n) for n in names],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",) * 3),
@@ -440,7 +441,7 @@ def _backward(q, k, v, g, beta, sched, S_in, kept, do, dfinal_t, dS_in, groups: 
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=3,
             grid=(B, HV // n, NC),
-            in_specs=[qk, qk, spec(Vp), spec(Kp), spec(1), sin, spec(Vp), st] + [sin] * len(dh) + fields,
+            in_specs=[qk, qk, spec(Vp), spec(Kp), spec(LANE), sin, spec(Vp), st] + [sin] * len(dh) + fields,
             out_specs=[spec(Kp), spec(Kp), spec(Vp), spec(Kp), spec(1), st],
             scratch_shapes=[pltpu.VMEM((n, Vp, Kp), f32)],
         ),
@@ -459,22 +460,32 @@ def _if_empty(empty, x, y):
     return jnp.where(empty.reshape((1, -1) + (1,) * (x.ndim - 2)), x, y)
 
 
+def _lanes(beta):
+    """Packed beta [B, L, HV] -> head-major [B, HV, L, 128], each slot's value in all 128 lanes
+    (the kernels read column 0 of its [n, C, 128] blocks). The same HBM as [B, HV, L, 1], whose
+    (8, 128) tiles pad the lane to 128, but XLA writes it in one fusion: [B, HV, L, 1] took a
+    layout copy whose inner loop's trips (rows per block) are no compile-time constant, which
+    made scripts/tpu_compile_report.py count the program a lower bound."""
+    return jnp.moveaxis(jnp.broadcast_to(beta[..., None], (*beta.shape, LANE)), 2, 1)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11))
 def _core(q, k, v, g, beta, h0t, sched, empty, groups, cfg, keep, states):
-    o, final, S_in, _ = _forward(q, k, v, g, beta, h0t, sched, groups, cfg, save_states=states, keep=False)
+    o, final, S_in, _ = _forward(q, k, v, g, _lanes(beta), h0t, sched, groups, cfg, save_states=states, keep=False)
     return o, _if_empty(empty, h0t, final), S_in
 
 
 def _core_fwd(q, k, v, g, beta, h0t, sched, empty, groups, cfg, keep, states):
-    o, final, S_in, kept = _forward(q, k, v, g, beta, h0t, sched, groups, cfg, save_states=True, keep=keep)
-    return (o, _if_empty(empty, h0t, final), S_in if states else None), (q, k, v, g, beta, sched, empty, S_in, kept)
+    bl = _lanes(beta)
+    o, final, S_in, kept = _forward(q, k, v, g, bl, h0t, sched, groups, cfg, save_states=True, keep=keep)
+    return (o, _if_empty(empty, h0t, final), S_in if states else None), (q, k, v, g, bl, sched, empty, S_in, kept)
 
 
 def _core_bwd(groups, cfg, keep, states, res, cts):
-    q, k, v, g, beta, sched, empty, S_in, kept = res
+    q, k, v, g, bl, sched, empty, S_in, kept = res
     do, dfinal_t, dS_in = cts
-    dq, dk, dv, dg, dbeta, dh0t = _backward(q, k, v, g, beta, sched, S_in, kept, do, dfinal_t, dS_in, groups, cfg)
-    return dq, dk, dv, dg, dbeta, _if_empty(empty, dfinal_t, dh0t), (None, None, None), None
+    dq, dk, dv, dg, dbeta, dh0t = _backward(q, k, v, g, bl, sched, S_in, kept, do, dfinal_t, dS_in, groups, cfg)
+    return dq, dk, dv, dg, jnp.moveaxis(dbeta, 1, 2)[..., 0], _if_empty(empty, dfinal_t, dh0t), (None, None, None), None
 
 
 _core.defvjp(_core_fwd, _core_bwd)
@@ -512,7 +523,7 @@ def chunk_kda_pallas_tpu(
     cfg = dataclasses.replace(cfg, block_v=min(cfg.block_v, Vp))
     qh, kh, gh = (head_major(layout, x, Kp) for x in (q, k, g))
     vh = head_major(layout, v, Vp)
-    bh = head_major(layout, beta[..., None], None)
+    bh = layout.pack(beta)  # [B, L, HV]: _lanes makes it head-major
     h0t = pad_last(jnp.swapaxes(pad_last(h0, Vp), -1, -2), Kp)  # [B, N, HV, Vp, Kp]
     i32 = jnp.int32
     sched = (layout.chunk_first.astype(i32), layout.chunk_last.astype(i32), layout.chunk_seq)
