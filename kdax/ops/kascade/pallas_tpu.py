@@ -46,7 +46,8 @@ class Config:
     """The pallas_tpu backend's per-call config (``kascade_anchor(..., config=pallas_tpu.Config(...))``).
 
     Attributes:
-        block_k: keys per step of the attend kernels (a multiple of 8).
+        block_k: keys per step of the sparse attend kernels (a multiple of 8).
+        block_dense: keys per step of the anchor's dense attention pass (a multiple of 8).
         block_scores: keys per program of the scoring kernel (a multiple of 128).
         block_decode: keys per step of the decode kernels (a multiple of 128).
         splits: cache splits per decode row; None: 1 when B * G >= 8, else enough for 8 programs.
@@ -61,6 +62,7 @@ class Config:
     """
 
     block_k: int = 128
+    block_dense: int = 512
     block_scores: int = 512
     block_decode: int = 512
     splits: int | None = None
@@ -70,8 +72,9 @@ class Config:
 
     def resolved(self) -> Config:
         """This config, its fields checked, with ``interpret`` None replaced by what it means here."""
-        if self.block_k < 8 or self.block_k % 8:
-            raise ValueError(f"config.block_k: expected a multiple of 8, got {self.block_k}")
+        for name in ("block_k", "block_dense"):
+            if (n := getattr(self, name)) < 8 or n % 8:
+                raise ValueError(f"config.{name}: expected a multiple of 8, got {n}")
         for name in ("block_scores", "block_decode"):
             if (n := getattr(self, name)) < LANE or n % LANE:
                 raise ValueError(f"config.{name}: expected a multiple of {LANE}, got {n}")
@@ -313,8 +316,8 @@ def _attend(qp, kp, vp, lengths, indices, plan: bl.Plan, *, cfg):
     """The attend kernel over packed inputs; indices None for the dense pass.
     Returns (o [B, G, Tp * Rp, D], lse2 [B, G, Tp * Rp, 1])."""
     B, G, _, D = kp.shape
-    NT, rows, bk, tile_size = plan.NT, plan.rows, cfg.block_k, plan.tile_size
     sparse = indices is not None
+    NT, rows, bk, tile_size = plan.NT, plan.rows, cfg.block_k if sparse else cfg.block_dense, plan.tile_size
     qspec = pl.BlockSpec((None, None, rows, D), lambda b, g, t, *_: (b, g, t, 0))
     own = pl.BlockSpec((None, None, tile_size, D), lambda b, g, t, *_: (b, g, t, 0))
     hbm = pl.BlockSpec(memory_space=pl.ANY)
@@ -398,7 +401,13 @@ def _scores(qp, kp, lse2, lengths, plan: bl.Plan, *, cfg):
 def _plan(q, k, tile_size, scale, cfg) -> bl.Plan:
     # tile_size >= 16: a tile's rows fill whole sublanes with R rows a token; D needs no padding
     return bl.Plan.make(
-        q, k, tile_size, scale, Rp=q.shape[2] // k.shape[2], Dp=q.shape[3], block=max(cfg.block_k, cfg.block_scores)
+        q,
+        k,
+        tile_size,
+        scale,
+        Rp=q.shape[2] // k.shape[2],
+        Dp=q.shape[3],
+        block=max(cfg.block_k, cfg.block_dense, cfg.block_scores),
     )
 
 

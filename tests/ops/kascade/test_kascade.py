@@ -12,7 +12,7 @@ import pytest
 import kdax
 from kdax.bench.measure import rel_rms
 from kdax.ops.common import dispatch, tpu_costs
-from kdax.ops.kascade import api, pallas_gpu, reference, xla
+from kdax.ops.kascade import api, pallas_gpu, pallas_tpu, reference, xla
 from tests.tolerances import F64
 
 
@@ -269,6 +269,10 @@ def test_debug_checks_raise_on_traced_lengths_out_of_range():
         assert "lengths: expected ints in [0, 100]" in g(jnp.asarray([-1, 5]))[0].get()
 
 
+def _f32(*xs):  # the kernels' configs are checked for inputs the kernels take (x64 is on in tests)
+    return [x.astype(jnp.float32) for x in xs]
+
+
 @pytest.mark.parametrize(
     ("call", "match"),
     [
@@ -291,6 +295,21 @@ def test_debug_checks_raise_on_traced_lengths_out_of_range():
         (lambda q, k, v: kdax.kascade_anchor(q, k, v, lengths=[3, 101]), "lengths: expected values in \\[0, 100\\]"),
         (lambda q, k, v: kdax.kascade_anchor(q, k, v, backend="cuda"), "backend"),
         (lambda q, k, v: kdax.kascade_anchor(q, k, v, config=object()), "config"),
+        (
+            lambda q, k, v: kdax.kascade_anchor(
+                *_f32(q, k, v), backend="pallas_tpu", config=pallas_tpu.Config(block_dense=100)
+            ),
+            "config.block_dense: expected a multiple of 8",
+        ),
+        (
+            lambda q, k, v: kdax.kascade_reuse(
+                *_f32(q, k, v),
+                jnp.zeros((2, 2, 4, 4), jnp.int32),
+                backend="pallas_tpu",
+                config=pallas_tpu.Config(resident_bytes=-1),
+            ),
+            "config.resident_bytes: expected an int >= 0",
+        ),
         (lambda q, k, v: kdax.kascade_reuse(q, k, v, jnp.zeros((2, 2, 3, 4), jnp.int32)), "indices: expected shape"),
         (lambda q, k, v: kdax.kascade_reuse(q, k, v, jnp.full((2, 2, 4, 4), 100)), "indices: expected values"),
         (lambda q, k, v: kdax.kascade_reuse(q, k, v, jnp.zeros((2, 2, 4, 4), jnp.int32), head_map=[0, 2]), "head_map"),

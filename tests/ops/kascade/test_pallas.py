@@ -23,7 +23,7 @@ from tests.tolerances import BF16, F32
 # Small blocks, so every loop takes several steps (TPU's lane-sized blocks cover these T at once).
 # Compiled on their device (scripts/gpu_session.sh kascade), in the interpreter elsewhere.
 KERNELS = {
-    "pallas_tpu": pallas_tpu.Config(block_k=8),
+    "pallas_tpu": pallas_tpu.Config(block_k=8, block_dense=16),
     "pallas_gpu": pallas_gpu.Config(block_k=16, block_scores=16, block_decode=16, splits=2),
 }
 
