@@ -87,8 +87,10 @@ def tiles_for(cfg: Config) -> Tiles:
     """The chunk math's matmuls for ``cfg.precision`` (resolved: not "auto")."""
     hi = lax.Precision.HIGHEST
     if cfg.precision == "bf16":
-        return Tiles(precision=lax.Precision.DEFAULT, operands=jnp.bfloat16, sums=BF16X3, wide_precision=BF16_HIGH)
-    return Tiles(precision=hi, sums=BF16X3)
+        return Tiles(
+            precision=lax.Precision.DEFAULT, operands=jnp.bfloat16, sums=BF16X3, wide_precision=BF16_HIGH, stacked=True
+        )
+    return Tiles(precision=hi, sums=BF16X3, stacked=True)
 
 
 # ----------------------------------------------------------------------------- kernels

@@ -62,6 +62,28 @@ def _lower_left(i, j, s: int):  # [C, C] mask of (row in the lower half, column 
     return (_block(i, s) == _block(j, s)) & (_in_block(i, s) >= h) & (_in_block(j, s) < h)
 
 
+def _level_steps(i, j, s: int):  # Tiles.level's mask: the steps between row i and its block's reference row r
+    r = i - _in_block(i, s) + s // 2
+    lower = i >= r  # bool masks combine with & and | (Mosaic rejects a select over bool arrays)
+    return (lower & (r < j) & (j <= i)) | (~lower & (i < j) & (j <= r))
+
+
+def _straddle_steps(t, i, s: int):  # Tiles.straddle's mask: row t sums rows i of its half-block
+    h = s // 2
+    lower = _in_block(t, s) >= h
+    return (_block(t, h) == _block(i, h)) & ((lower & (i >= t)) | (~lower & (i < t)))
+
+
+def _high(a, b, dims):
+    """:data:`BF16_HIGH` product of a and b given as their (hi, lo) bfloat16 parts: hi hi + hi lo +
+    lo hi as one matmul over the concatenated contraction, accumulated on the MXU (one set of result
+    pops rather than three)."""
+    (da,), (db,) = dims
+    a3 = jnp.concatenate((a[0], a[0], a[1]), axis=da - 2)
+    b3 = jnp.concatenate((b[0], b[1], b[0]), axis=db - 2)
+    return _mm(a3, b3, dims, lax.Precision.DEFAULT)
+
+
 def _mm(a, b, dims, precision):
     """dot_general of tiles [C, D] with contracting ``dims``, or tile by tile of stacks of tiles
     [n, C, D] (several heads at once; a single tile serves every tile of the other operand)."""
@@ -163,35 +185,38 @@ class Tiles:
     float32's 24 bits; TF32_TF32_F32_X3 adds a third product that is zero (the 0/1 matrix's
     low part) and the registers its operands take; on a TPU :data:`BF16X3`: the summed operand
     split into three bfloat16 parts (:func:`split_bf16`), three single-pass products, exact
-    products and float32 sums at half the passes of HIGHEST. Every method also takes stacks of
-    tiles [n, C, D] (several heads at once), tile by tile."""
+    products and float32 sums at half the passes of HIGHEST. stacked: products that share a factor
+    run as one matmul over row-stacked operands (a level's q e and k e against k e; the levels'
+    backward's dQ and dK), one MXU weight load and fewer products to add (TPU; the GPU kernels keep
+    them apart, for registers). Every method also takes stacks of tiles [n, C, D] (several heads at
+    once), tile by tile."""
 
     precision: lax.Precision | lax.DotAlgorithmPreset = _HIGHEST
     matmul_reductions: bool = True
     operands: jnp.dtype | None = None
     sums: lax.Precision | lax.DotAlgorithmPreset | str = _HIGHEST
     wide_precision: lax.Precision | lax.DotAlgorithmPreset | None = None
+    stacked: bool = False
 
-    def _sum(self, mask, x):  # (0/1 matrix of the bool mask [C, C]) @ x at the precision of ``sums``
-        ones, dims = _ones_where(mask), ((1,), (0,))
+    def _sum(self, mask, x):  # (0/1 matrix of mask(i, j), [C, C] iotas) @ x at the precision of ``sums``
+        C, dims = x.shape[-2], ((1,), (0,))
         if self.sums == BF16X3:
-            ones = ones.astype(jnp.bfloat16)
-            hi, mid, lo = (_mm(ones, part, dims, lax.Precision.DEFAULT) for part in split_bf16(x))
-            return hi + (mid + lo)
+            # one matmul of contraction 3C: [M M M] @ [hi; mid; lo], the three parts' products
+            # accumulated on the MXU (exact products, float32 sums) with one set of result pops
+            i, j = _iota((C, 3 * C), 0), _in_block(_iota((C, 3 * C), 1), C)
+            ones = _ones_where(mask(i, j)).astype(jnp.bfloat16)
+            return _mm(ones, jnp.concatenate(split_bf16(x), axis=-2), dims, lax.Precision.DEFAULT)
+        ones = _ones_where(mask(_iota((C, C), 0), _iota((C, C), 1)))
         if self.sums != TF32X2:
             return _mm(ones, x, dims, self.sums)
         head = round_tf32(x)
         return _mm(ones, head, dims, lax.Precision.DEFAULT) + _mm(ones, x - head, dims, lax.Precision.DEFAULT)
 
     def prefix_sums(self, x, inclusive: bool = True):  # [..., C, D]: row i sums rows 0..i (0..i-1)
-        C = x.shape[-2]
-        i, j = _iota((C, C), 0), _iota((C, C), 1)
-        return self._sum(j <= i if inclusive else j < i, x)
+        return self._sum((lambda i, j: j <= i) if inclusive else (lambda i, j: j < i), x)
 
     def suffix_sums(self, x, inclusive: bool = True):  # [..., C, D]: row i sums rows i..C-1 (i+1..C-1)
-        C = x.shape[-2]
-        i, j = _iota((C, C), 0), _iota((C, C), 1)
-        return self._sum(j >= i if inclusive else j > i, x)
+        return self._sum((lambda i, j: j >= i) if inclusive else (lambda i, j: j > i), x)
 
     def level(self, g: jax.Array, s: int):
         """Dyadic level s of the pairwise factorisation (docs/kda_xla.md), as full tiles: (e [C, K],
@@ -205,22 +230,27 @@ class Tiles:
         serves both sides; the mask drops the other products."""
         C = g.shape[-2]
         i, j = _iota((C, C), 0), _iota((C, C), 1)
-        r = i - _in_block(i, s) + s // 2  # the reference row of row i's block
-        lower = i >= r  # bool masks combine with & and | (Mosaic rejects a select over bool arrays)
-        steps = (lower & (r < j) & (j <= i)) | (~lower & (i < j) & (j <= r))  # the steps between row i and r
-        return jnp.exp2(self._sum(steps, g)), _lower_left(i, j, s)
+        return jnp.exp2(self._sum(lambda i, j: _level_steps(i, j, s), g)), _lower_left(i, j, s)
+
+    def levels(self, g: jax.Array) -> dict:
+        """{s: :meth:`level` (g, s)} for every dyadic level; stacked, every level's exponents from one
+        0/1 matmul, the levels' masks stacked by rows against g's parts pushed once."""
+        C = g.shape[-2]
+        if not (self.stacked and self.sums == BF16X3):
+            return {s: self.level(g, s) for s in dyadic_levels(C)}
+        i, j = _iota((C, C), 0), _iota((C, C), 1)
+        ii, jj = _iota((C, 3 * C), 0), _in_block(_iota((C, 3 * C), 1), C)
+        ss = dyadic_levels(C)
+        ones = jnp.concatenate([_ones_where(_level_steps(ii, jj, s)).astype(jnp.bfloat16) for s in ss], axis=0)
+        E = jnp.exp2(_mm(ones, jnp.concatenate(split_bf16(g), axis=-2), ((1,), (0,)), lax.Precision.DEFAULT))
+        return {s: (E[..., m * C : (m + 1) * C, :], _lower_left(i, j, s)) for m, s in enumerate(ss)}
 
     def straddle(self, z: jax.Array, s: int) -> jax.Array:
         """[C, D]: in each s-block, row t of the lower half sums z's rows i >= t of that half, row t
         of the upper half z's rows i < t of that half. With z the row terms of a level's pairs
         (lower half) and their column terms (upper half), that is the sum of the pairs whose
         decay spans step t: the cotangent of g_t, with no pair's terms cancelling."""
-        C = z.shape[-2]
-        t, i = _iota((C, C), 0), _iota((C, C), 1)
-        h = s // 2
-        same_half = _block(t, h) == _block(i, h)
-        lower = _in_block(t, s) >= h
-        return self._sum(same_half & ((lower & (i >= t)) | (~lower & (i < t))), z)
+        return self._sum(lambda t, i: _straddle_steps(t, i, s), z)
 
     def gate_terms(self, Kg: KeyGrads) -> jax.Array:
         """[C, BK]: the share of dg of the state-side terms, each summed over the steps it decays
@@ -238,9 +268,7 @@ class Tiles:
             a, b = a.astype(self.operands), b.astype(self.operands)
         if self.precision != BF16_HIGH:
             return _mm(a, b, dims, self.precision)
-        (a_hi, a_lo, _), (b_hi, b_lo, _) = split_bf16(a), split_bf16(b)  # 16 of float32's 24 bits each
-        one = lambda x, y: _mm(x, y, dims, lax.Precision.DEFAULT)
-        return one(a_hi, b_hi) + (one(a_hi, b_lo) + one(a_lo, b_hi))
+        return _high(split_bf16(a)[:2], split_bf16(b)[:2], dims)  # 16 of float32's 24 bits each
 
     def dot(self, a, b):  # a @ b
         return self._bulk(a, b, ((1,), (0,)))
@@ -272,8 +300,17 @@ class Tiles:
         masked-out entries only add exact zeros."""
         C = A.shape[-1]
         i, j = _iota((C, C), 0), _iota((C, C), 1)
-        T, wide = _ones_where(i == j), self.wide
-        s = 2
+        wide = self.wide
+        T = _ones_where(i == j) - jnp.where(_lower_left(i, j, 2), A, 0.0)  # h = 1: T = I, so T A_1 T = A_1
+        s = 4
+        if wide.precision == BF16_HIGH:  # A split once, its parts masked per level (masks keep exact zeros)
+            A_parts, mm = split_bf16(A)[:2], ((1,), (0,))
+            while s <= C:
+                mask = _lower_left(i, j, s)
+                A_s = tuple(jnp.where(mask, x, jnp.zeros_like(x)) for x in A_parts)
+                T = T - wide.dot(T, _high(A_s, split_bf16(T)[:2], mm))
+                s *= 2
+            return T
         while s <= C:
             T = T - wide.dot(T, wide.dot(jnp.where(_lower_left(i, j, s), A, 0.0), T))
             s *= 2
@@ -298,9 +335,13 @@ class Tiles:
         C = k.shape[-2]
         Aqk = self.diag(q, k)
         Kkk = jnp.zeros(k.shape[:-1] + (C,), jnp.float32)
-        for s in dyadic_levels(C):
-            e, block = self.level(g, s)
+        for s, (e, block) in self.levels(g).items():
             k_e = k * e
+            if self.stacked:  # [q e; k e] (k e)^T: one matmul of 2C rows
+                P = self.dot_t(jnp.concatenate((q * e, k_e), axis=-2), k_e)
+                Aqk = Aqk + jnp.where(block, P[..., :C, :], 0.0)
+                Kkk = Kkk + jnp.where(block, P[..., C:, :], 0.0)
+                continue
             Aqk = Aqk + jnp.where(block, self.dot_t(q * e, k_e), 0.0)
             Kkk = Kkk + jnp.where(block, self.dot_t(k_e, k_e), 0.0)
         return Aqk, Kkk
@@ -376,10 +417,18 @@ class Tiles:
         (:attr:`wide`)."""
         wide = self.wide
         dq = dk_p = dk_x = dg = jnp.zeros_like(k)  # dk_p: through the right factor k e, dk_x: the left
-        for s in dyadic_levels(k.shape[-2]):
-            e, block = self.level(g, s)  # dQ, dK: zero outside the level's pairs, so e serves both sides
+        C = k.shape[-2]
+        for s, (e, block) in self.levels(g).items():  # dQ, dK: zero outside the level's pairs, so e serves both sides
             dQ, dK = jnp.where(block, dAqk, 0.0), jnp.where(block, dKkk, 0.0)
             k_e = k * e
+            if self.stacked:  # [dQ; dK] k e, and [dQ; dK]^T [q e; k e] (contraction 2C): two matmuls
+                D = jnp.concatenate((dQ, dK), axis=-2)
+                X = wide.dot(D, k_e)
+                dq_s, dkx_s = X[..., :C, :] * e, X[..., C:, :] * e
+                dk_s = wide.t_dot(D, jnp.concatenate((q * e, k_e), axis=-2)) * e
+                dq, dk_p, dk_x = dq + dq_s, dk_p + dk_s, dk_x + dkx_s
+                dg = dg + self.straddle(q * dq_s + k * (dkx_s + dk_s), s)
+                continue
             dq_s = wide.dot(dQ, k_e) * e  # rows: lower halves
             dk_s = (wide.t_dot(dQ, q * e) + wide.t_dot(dK, k_e)) * e  # columns: upper halves
             dkx_s = wide.dot(dK, k_e) * e  # rows
