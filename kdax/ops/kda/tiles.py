@@ -252,6 +252,24 @@ class Tiles:
         decay spans step t: the cotangent of g_t, with no pair's terms cancelling."""
         return self._sum(lambda t, i: _straddle_steps(t, i, s), z)
 
+    def straddles(self, zs: dict) -> jax.Array:
+        """The sum of :meth:`straddle` (z, s) over {s: z} of every dyadic level; with BF16X3 one 0/1
+        matmul over the concatenated contraction (levels, then three parts, then rows), the products
+        of all levels accumulated on the MXU."""
+        ss = list(zs)
+        if self.sums != BF16X3 or ss != dyadic_levels(zs[ss[0]].shape[-2]):
+            return sum(self.straddle(z, s) for s, z in zs.items())
+        C = zs[ss[0]].shape[-2]
+        L = C.bit_length() - 1
+        t, j = _iota((C, 3 * C * len(ss)), 0), _iota((C, 3 * C * len(ss)), 1)
+        m = ((j >> (L)) * 11) >> 5  # j // 3C, the level index (s = C >> m); exact up to 10 levels
+        i = _in_block(j, C)
+        lower = (t & ((C >> m) - 1)) >= (C >> (m + 1))
+        same_half = (t >> (L - 1 - m)) == (i >> (L - 1 - m))
+        ones = _ones_where(same_half & ((lower & (i >= t)) | (~lower & (i < t)))).astype(jnp.bfloat16)
+        rhs = jnp.concatenate([p for s in ss for p in split_bf16(zs[s])], axis=-2)
+        return _mm(ones, rhs, ((1,), (0,)), lax.Precision.DEFAULT)
+
     def gate_terms(self, Kg: KeyGrads) -> jax.Array:
         """[C, BK]: the share of dg of the state-side terms, each summed over the steps it decays
         by: q 2^G and k 2^G over steps 0..i, k 2^(G_C - G) over i+1..C-1, 2^G_C over every step.
@@ -417,23 +435,34 @@ class Tiles:
         (:attr:`wide`)."""
         wide = self.wide
         dq = dk_p = dk_x = dg = jnp.zeros_like(k)  # dk_p: through the right factor k e, dk_x: the left
-        C = k.shape[-2]
+        C, zs = k.shape[-2], {}
+        parts = None
+        if self.stacked and wide.precision == BF16_HIGH:  # (hi, lo) of dAqk, then of dKkk
+            parts = tuple(zip(split_bf16(dAqk)[:2], split_bf16(dKkk)[:2]))
         for s, (e, block) in self.levels(g).items():  # dQ, dK: zero outside the level's pairs, so e serves both sides
             dQ, dK = jnp.where(block, dAqk, 0.0), jnp.where(block, dKkk, 0.0)
             k_e = k * e
             if self.stacked:  # [dQ; dK] k e, and [dQ; dK]^T [q e; k e] (contraction 2C): two matmuls
-                D = jnp.concatenate((dQ, dK), axis=-2)
-                X = wide.dot(D, k_e)
+                if parts is None:
+                    D = jnp.concatenate((dQ, dK), axis=-2)
+                    X = wide.dot(D, k_e)
+                    dk_s = wide.t_dot(D, jnp.concatenate((q * e, k_e), axis=-2)) * e
+                else:  # BF16_HIGH on the parts of dAqk and dKkk split once, masked per level
+                    D = tuple(jnp.concatenate([jnp.where(block, x, jnp.zeros_like(x)) for x in p], axis=-2) for p in parts)
+                    ke, qe = split_bf16(k_e)[:2], split_bf16(q * e)[:2]
+                    X = _high(D, ke, ((1,), (0,)))
+                    dk_s = _high(D, tuple(jnp.concatenate(p, axis=-2) for p in zip(qe, ke)), ((0,), (0,))) * e
                 dq_s, dkx_s = X[..., :C, :] * e, X[..., C:, :] * e
-                dk_s = wide.t_dot(D, jnp.concatenate((q * e, k_e), axis=-2)) * e
                 dq, dk_p, dk_x = dq + dq_s, dk_p + dk_s, dk_x + dkx_s
-                dg = dg + self.straddle(q * dq_s + k * (dkx_s + dk_s), s)
+                zs[s] = q * dq_s + k * (dkx_s + dk_s)
                 continue
             dq_s = wide.dot(dQ, k_e) * e  # rows: lower halves
             dk_s = (wide.t_dot(dQ, q * e) + wide.t_dot(dK, k_e)) * e  # columns: upper halves
             dkx_s = wide.dot(dK, k_e) * e  # rows
             dq, dk_p, dk_x = dq + dq_s, dk_p + dk_s, dk_x + dkx_s
             dg = dg + self.straddle(q * dq_s + k * (dkx_s + dk_s), s)
+        if zs:
+            dg = dg + self.straddles(zs)
         return dq, dk_p + dk_x, dg
 
 
