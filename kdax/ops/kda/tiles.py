@@ -353,7 +353,7 @@ class Tiles:
         C = k.shape[-2]
         Aqk = self.diag(q, k)
         Kkk = jnp.zeros(k.shape[:-1] + (C,), jnp.float32)
-        for s, (e, block) in self.levels(g).items():
+        for e, block in self.levels(g).values():
             k_e = k * e
             if self.stacked:  # [q e; k e] (k e)^T: one matmul of 2C rows
                 P = self.dot_t(jnp.concatenate((q * e, k_e), axis=-2), k_e)
@@ -448,7 +448,9 @@ class Tiles:
                     X = wide.dot(D, k_e)
                     dk_s = wide.t_dot(D, jnp.concatenate((q * e, k_e), axis=-2)) * e
                 else:  # BF16_HIGH on the parts of dAqk and dKkk split once, masked per level
-                    D = tuple(jnp.concatenate([jnp.where(block, x, jnp.zeros_like(x)) for x in p], axis=-2) for p in parts)
+                    D = tuple(
+                        jnp.concatenate([jnp.where(block, x, jnp.zeros_like(x)) for x in p], axis=-2) for p in parts
+                    )
                     ke, qe = split_bf16(k_e)[:2], split_bf16(q * e)[:2]
                     X = _high(D, ke, ((1,), (0,)))
                     dk_s = _high(D, tuple(jnp.concatenate(p, axis=-2) for p in zip(qe, ke)), ((0,), (0,))) * e
