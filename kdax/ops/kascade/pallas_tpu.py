@@ -162,14 +162,17 @@ class _Blocks:
             c.wait()
         idx_smem, last, base = self.sel[1], self.k.shape[0] - 1, slot * self.S
 
-        def gather(r, carry):  # index -1 reads the last row: an unsigned min, one scalar op
-            u = lax.bitcast_convert_type(idx_smem[base + r], jnp.uint32)
-            j = lax.bitcast_convert_type(jnp.minimum(u, jnp.uint32(last)), jnp.int32)
-            for x, buf in self._pairs():
-                buf[slot, pl.ds(r, 1)] = self.src(x, j, 1)[...]
+        def gather(step, carry):  # rows r0 .. r0 + 7: their SMEM offsets immediates from one address
+            r0 = step * 8
+            at = base + r0
+            for r in range(8):  # index -1 reads the last row: an unsigned min, one scalar op
+                u = lax.bitcast_convert_type(idx_smem[at + r], jnp.uint32)
+                j = lax.bitcast_convert_type(jnp.minimum(u, jnp.uint32(last)), jnp.int32)
+                for x, buf in self._pairs():
+                    buf[slot, pl.ds(r0 + r, 1)] = self.src(x, j, 1)[...]
             return carry
 
-        lax.fori_loop(0, self.n, gather, 0, unroll=8)
+        lax.fori_loop(0, self.n // 8, gather, 0, unroll=2)
 
     def keys(self, i, slot):
         """[1, n] the positions of block i's rows (its indices with a selection)."""
