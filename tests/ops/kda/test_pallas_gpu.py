@@ -54,8 +54,10 @@ class _GPUTiles(tiles.Tiles):
             return super()._bulk(a, b, dims)
         return _tf32x3(a, b, dims)
 
-    def _sum(self, mask, x):
-        return _tf32x2(jnp.where(mask, 1.0, 0.0), x)
+    def _sum(self, mask, x):  # mask(i, j) of the [C, C] row and column iotas
+        C = x.shape[-2]
+        i, j = (jax.lax.broadcasted_iota(jnp.int32, (C, C), d) for d in (0, 1))
+        return _tf32x2(jnp.where(mask(i, j), 1.0, 0.0), x)
 
 
 def _tf32x2(ones, x):  # the two TF32 products of tiles.TF32X2, the tensor cores' operand rounding emulated
