@@ -108,10 +108,10 @@ class _Blocks:
     ``src(x, j, n)`` is the slice of x holding rows j .. j + n - 1 of the head: [n, D], or
     [n, G, D] rows of every KV head of a decode cache, of which ``pick`` keeps the program's
     [n, D] (:func:`_cache_rows`). Without ``sel`` block i is rows i * n onward, one DMA. With
-    ``sel`` (idx_hbm(i) the [1, S] row of block i's indices, :func:`_index_rows`; idx_smem [2 * S], idx_vmem [2, 1, S])
-    block i's rows are its selection (index -1 reads row 0): with ``resident`` x is the whole
-    head in VMEM and the rows are vector loads (the indices copied a block ahead), else one DMA
-    each from HBM. ``dtype``: what the blocks are cast to (the queries').
+    ``sel`` (idx_hbm(i) the [1, S] row of block i's indices, :func:`_index_rows`; idx_smem
+    [2 * S], idx_vmem [2, 1, S]) block i's rows are its selection: with ``resident`` x is the
+    whole head in VMEM and the rows are vector loads (the indices copied a block ahead; index -1
+    reads the last row), else one DMA each from HBM (index -1 reads row 0). ``dtype``: what the blocks are cast to (the queries').
     """
 
     def __init__(self, k, v, src, kbuf, vbuf, sems, n, sel=None, pick=None, dtype=None, resident=False):
