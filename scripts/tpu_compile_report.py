@@ -637,7 +637,8 @@ def _splash(T, H, D, block: int | None = None):
 
 def costs_table(rows: list[Row], peers: dict[str, Peer]) -> list[dict]:
     """The entries of kdax/ops/common/tpu_costs.json from the peer rows: per chip, kdax op, dtype,
-    shape and passes, the pallas_tpu and xla compiles' outcome and static cycles."""
+    shape and passes, the pallas_tpu and xla compiles' outcome and static cycles (one of the two
+    where ``--only`` compiled one: :func:`record` merges it into the table's entry)."""
     entries = {}
     for r in rows:
         p = peers.get(r.case)
@@ -648,7 +649,6 @@ def costs_table(rows: list[Row], peers: dict[str, Peer]) -> list[dict]:
     return [
         dict(chip=chip, op=op, dtype=dtype, shape=shape, passes=passes, **e)
         for (chip, op, dtype, shape, passes), e in entries.items()
-        if len(e) == 2
     ]
 
 
@@ -678,19 +678,25 @@ def format_rows(rows: list[Row]) -> str:
 
 
 def record(path: str, entries: list[dict], argv: list[str]) -> None:
-    """Write the costs table to ``path``, keeping the entries of an existing one that these do not
-    replace (same chip, op, dtype, shape and passes), so that a run with ``--only`` updates it."""
+    """Write the costs table to ``path``, keeping what these entries do not replace: an existing
+    entry (same chip, op, dtype, shape and passes) takes the backends an entry brings, so that a run
+    with ``--only`` updates it; the table keeps the entries that have both backends. A run with
+    ``--only`` adds its command to the recorded ones."""
     import jax
 
     key = lambda e: (e["chip"], e["op"], e["dtype"], e["shape"], e["passes"])
-    old = []
+    old, table = {}, {}
     if os.path.exists(path):
         with open(path) as f:
-            old = json.load(f)["entries"]
-    new = {key(e) for e in entries}
+            table = json.load(f)
+        old = {key(e): e for e in table["entries"]}
+    for e in entries:
+        old[key(e)] = {**old.get(key(e), {}), **e}
     meta = {"jax": jax.__version__, "libtpu": _version("libtpu"), "date": time.strftime("%Y-%m-%d")}
     meta["command"] = "python scripts/tpu_compile_report.py " + shlex.join(argv)
-    merged = sorted([e for e in old if key(e) not in new] + entries, key=key)
+    if "--only" in argv and table.get("command"):
+        meta["command"] = f"{table['command']}; then {meta['command']}"
+    merged = sorted((e for e in old.values() if "pallas_tpu" in e and "xla" in e), key=key)
     with open(path, "w") as f:
         json.dump({**meta, "entries": merged}, f, indent=1)
         f.write("\n")

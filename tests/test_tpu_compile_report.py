@@ -3,6 +3,7 @@ counts from Mosaic's exit tests (unrolled loops step by more than one), from bra
 (copy loops carry no exit marker), and the per-trip cycles of loops whose trips the code cannot see."""
 
 import importlib.util
+import json
 import os
 import sys
 
@@ -47,3 +48,16 @@ def test_a_loop_of_data_dependent_trips_counts_once_and_reports_a_trip():
     )
     counted = report.static_cycles(text)
     assert (counted.cycles, counted.unknown_loops, counted.unknown_bodies) == (1 + 1 + 4 * 2 + 1, 1, [1 + 4 * 2 + 1])
+
+
+def test_record_with_only_updates_the_backend_it_compiled(tmp_path):
+    """A run with --only that compiled one backend's program updates that backend of the entry and
+    keeps the other, and the table's command lists both runs."""
+    path = str(tmp_path / "costs.json")
+    where = {"chip": "v5e", "op": "chunk_kda", "dtype": "bfloat16", "shape": "B=1", "passes": "fwd"}
+    cost = lambda n: {"compiles": True, "cycles": n, "lower_bound": False}
+    report.record(path, [dict(where, pallas_tpu=cost(3), xla=cost(9))], ["--peers"])
+    report.record(path, [dict(where, pallas_tpu=cost(2))], ["--peers", "--only", "pallas_tpu$"])
+    table = json.load(open(path))
+    assert table["entries"] == [dict(where, pallas_tpu=cost(2), xla=cost(9))]
+    assert table["command"].count("scripts/tpu_compile_report.py") == 2
