@@ -33,7 +33,7 @@ from kdax.ops.common import dispatch
 from kdax.ops.common.arrays import LOG2E, pad_last, round_up
 from kdax.ops.common.varlen import ChunkLayout
 from kdax.ops.kda import decode
-from kdax.ops.kda.tiles import BF16_HIGH, BF16X3, Intra, Tiles, chunk_states, gated, head_major, last_row
+from kdax.ops.kda.tiles import BF16_HIGH, BF16X2, BF16X3, Intra, Tiles, chunk_states, gated, head_major, last_row
 
 LANE = 128
 PRECISIONS = ("highest", "bf16")  # Config.precision, besides "auto" (docs/kda_tpu.md, Precision)
@@ -46,10 +46,10 @@ class Config:
     Attributes:
         pipeline: how the forward runs, "fused" (one kernel) or "staged" (intra, state, output).
         block_v: a multiple of 128: splits V over grid programs.
-        precision: of the matmuls, "highest" (float32: six bfloat16 passes), "bf16" (the bulk
-            matmuls on bfloat16 operands, one pass, float32 accumulation; the triangular inverse
-            and the pairwise factorisation's backward at highest) or "auto" (bf16 for bfloat16
-            inputs, highest for the others). The 0/1 sums (exponents, cumsums) take three
+        precision: of the matmuls, "highest" (float32: six bfloat16 passes), "bf16" (every
+            matmul on bfloat16 operands, one pass, float32 accumulation, but the triangular
+            inverse's: two bfloat16 parts of each operand, three products) or "auto" (bf16 for
+            bfloat16 inputs, highest for the others). The 0/1 sums (exponents, cumsums) take three
             bfloat16 parts of their operand, exact products, in every mode.
         heads: value heads a grid step takes (a batch of independent chains of matmuls, which
             hide each other's latency); None: :data:`HEADS` at K = V = 128, fewer for wider
@@ -88,7 +88,13 @@ def tiles_for(cfg: Config) -> Tiles:
     hi = lax.Precision.HIGHEST
     if cfg.precision == "bf16":
         return Tiles(
-            precision=lax.Precision.DEFAULT, operands=jnp.bfloat16, sums=BF16X3, wide_precision=BF16_HIGH, stacked=True
+            precision=lax.Precision.DEFAULT,
+            operands=jnp.bfloat16,
+            sums=BF16X3,
+            wide_precision=BF16_HIGH,
+            stacked=True,
+            wide_levels=False,
+            gate_sums=BF16X2,
         )
     return Tiles(precision=hi, sums=BF16X3, stacked=True)
 
@@ -119,12 +125,17 @@ def _state_step(tiles, first, last, h0_ref, fin_ref, St, w, u, k_d, decay):
     return S, v_new
 
 
-# With disable_recompute the forward also writes the matmul products that the backward would
-# otherwise recompute: of the intra-chunk stage (tiles.Intra) the gate's prefix and suffix sums
-# (0/1 matmuls here), Aqk, Kkk, T, w and u, and v_new; the element-wise gated q and k and the
-# chunk's decay it still recomputes from them. The staged forward's intra kernel writes the
-# _STAGED ones in any case.
+# When a gradient is taken the forward writes, besides the state entering each chunk, the
+# products of the intra-chunk stage (tiles.Intra) that take the levels of the pairwise
+# factorisation or the inverse: Aqk, Kkk and T (_SAVED). The backward takes the gate's prefix and
+# suffix sums from g (one 0/1 matmul each), w and u by two matmuls, v_new by a third, and the
+# element-wise gated q and k and the chunk's decay. With disable_recompute the forward also
+# writes the sums, w, u and v_new (_KEPT). The staged forward's intra kernel writes the _STAGED
+# ones in any case. Aqk and T are only ever bulk matmul operands, so they are stored in the
+# precision's operand dtype (bfloat16 for "bf16": the same numbers, half the bytes).
+_SAVED = ("Aqk", "Kkk", "T")
 _KEPT = ("G", "R", "Aqk", "Kkk", "T", "w", "u", "v_new")
+_OPERANDS = ("Aqk", "T")
 _STAGED = ("Aqk", "w", "u", "q_g", "k_d", "decay")
 
 
@@ -133,7 +144,7 @@ def _put_fields(refs, names, I: Intra, v_new=None):
     [n, 1, K] is broadcast over its block's 8 rows."""
     for ref, name in zip(refs, names):
         x = v_new if name == "v_new" else getattr(I, name)
-        ref[0] = jnp.broadcast_to(x, ref.shape[1:])
+        ref[0] = jnp.broadcast_to(x, ref.shape[1:]).astype(ref.dtype)
 
 
 def _heads(x, n: int):
@@ -150,17 +161,18 @@ def _chunk_inputs(q_ref, k_ref, v_ref, g_ref, b_ref):
 
 
 def _fused_kernel(
-    tiles, save_states, first, last, seq, q_ref, k_ref, v_ref, g_ref, b_ref, h0_ref, o_ref, fin_ref, *rest
+    tiles, save_states, names, first, last, seq, q_ref, k_ref, v_ref, g_ref, b_ref, h0_ref, o_ref, fin_ref, *rest
 ):
     """Grid (B, head blocks, V-blocks, chunks), n value heads a step. Blocks: g [n, C, K]; q, k
     [n / groups or 1, C, K]; v, o [n, C, BV]; beta [n, C, 128]; h0, final (and S_in if save_states)
-    [n, BV, K]; then the _KEPT fields' outputs, if any; scratch St [n, BV, K] carried across chunks."""
+    [n, BV, K]; then the outputs of the named fields (_SAVED, _KEPT or none); scratch St [n, BV, K]
+    carried across chunks."""
     *outs, St = rest
     I = tiles.intra(*_chunk_inputs(q_ref, k_ref, v_ref, g_ref, b_ref))
     S, v_new = _state_step(tiles, first, last, h0_ref, fin_ref, St, I.w, I.u, I.k_d, I.decay)
     if save_states:
         outs[0][0, :, 0] = S
-    _put_fields(outs[save_states:], _KEPT, I, v_new)
+    _put_fields(outs[save_states:], names, I, v_new)
     o_ref[0] = (tiles.dot_t(I.q_g, S) + tiles.dot(I.Aqk, v_new)).astype(o_ref.dtype)
 
 
@@ -184,11 +196,13 @@ def _output_kernel(tiles, aqk_ref, qg_ref, vn_ref, sin_ref, o_ref):
     o_ref[0] = o.astype(o_ref.dtype)
 
 
-def _bwd_kernel(tiles, has_dh, first, last, seq, q_ref, k_ref, v_ref, g_ref, b_ref, s_ref, do_ref, df_ref, *rest):
+def _bwd_kernel(
+    tiles, has_dh, names, first, last, seq, q_ref, k_ref, v_ref, g_ref, b_ref, s_ref, do_ref, df_ref, *rest
+):
     """Grid (B, head blocks, chunks), n value heads a step, chunks walked last to first; the
     cotangent of the state (transposed, [n, V, K]) carried in scratch. dq, dk come out per value
-    head. Inputs after df: the cotangent of S_in [n, V, K] if has_dh, then the _KEPT fields'
-    blocks, if any (the intra stage and v_new are recomputed without them)."""
+    head. Inputs after df: the cotangent of S_in [n, V, K] if has_dh, then the blocks of the
+    forward's named fields (_SAVED, _KEPT, or none: the intra stage is recomputed)."""
     dh_ref, kept = (rest[0] if has_dh else None), rest[has_dh:-7]
     dq_ref, dk_ref, dv_ref, dg_ref, db_ref, dh0_ref, dSt = rest[-7:]
     n = pl.num_programs(2)
@@ -204,14 +218,16 @@ def _bwd_kernel(tiles, has_dh, first, last, seq, q_ref, k_ref, v_ref, g_ref, b_r
 
     q, k, v, g, beta = _chunk_inputs(q_ref, k_ref, v_ref, g_ref, b_ref)
     S = s_ref[0, :, 0]
-    if kept:
-        f = {name: ref[0] for name, ref in zip(_KEPT, kept)}
-        v_new = f.pop("v_new")
-        q_g, _, k_d, decay = gated(q, k, f["G"], f["R"], last_row(f["G"]))
-        I = Intra(g, **f, q_g=q_g, k_d=k_d, decay=decay)
-    else:
+    f = {name: ref[0] for name, ref in zip(names, kept)}
+    if not f:
         I = tiles.intra(q, k, v, g, beta)
-        v_new = tiles.v_new(I, S)
+    elif "w" in f:
+        q_g, _, k_d, decay = gated(q, k, f["G"], f["R"], last_row(f["G"]))
+        I = Intra(g, *(f[x] for x in _KEPT[:-1]), q_g=q_g, k_d=k_d, decay=decay)
+    else:
+        G, R = tiles.cumsum(g), tiles.suffix_sums(g, inclusive=False)
+        I = tiles.rest(q, k, v, g, beta, G, R, *(f[x] for x in _SAVED))
+    v_new = f["v_new"] if "v_new" in f else tiles.v_new(I, S)
     r = tiles.grads(q, k, v, beta, I, v_new, S, do_ref[0], dSt[...])
     dq_ref[0], dk_ref[0], dv_ref[0], dg_ref[0], db_ref[0] = r.dq, r.dk, r.dv, r.dg, r.dbeta
     dS_in = r.dS_in if dh_ref is None else r.dS_in + dh_ref[0, :, 0]
@@ -247,10 +263,12 @@ def _qk_spec(n: int, groups: int, C: int, Kp: int, where):
     return pl.BlockSpec((1, max(n // groups, 1), C, Kp), index)
 
 
-# Value heads a grid step takes by default at C = 64, K = V = 128, forward and backward: as many as
-# fit the 16 MiB of scoped VMEM a v5e kernel gets (docs/kda_tpu.md, VMEM); fewer for wider states
-# or chunks, and half as many at precision "highest" (its split operands take twice the VMEM).
-HEADS = {"forward": 8, "backward": 4}
+# Value heads a grid step takes by default at C = 64, K = V = 128, forward and backward: eight, in
+# 16 MiB of scoped VMEM forward (a v5e kernel's default) and BACKWARD_VMEM backward (docs/kda_tpu.md,
+# VMEM); fewer for wider states or chunks, and half as many at precision "highest" (its split
+# operands take twice the VMEM).
+HEADS = {"forward": 8, "backward": 8}
+BACKWARD_VMEM = 32 << 20  # the backward kernel's scoped VMEM limit: 24 MiB fit at eight heads on v5e
 
 
 def heads_per_step(HV: int, groups: int, C: int, Kp: int, Vp: int, cfg: Config, kernel: str) -> int:
@@ -314,17 +332,18 @@ class _Forward:
         if name == "s_in":
             return jax.ShapeDtypeStruct((self.B, self.HV, self.NC, self.Vp, self.Kp), f32)
         rows, width = _field(name, self.C, self.Kp, self.Vp)
-        return jax.ShapeDtypeStruct((self.B, self.HV, self.NC * rows, width), f32)
+        dtype = (tiles_for(self.cfg).operands or f32) if name in _OPERANDS else f32
+        return jax.ShapeDtypeStruct((self.B, self.HV, self.NC * rows, width), dtype)
 
     def sequential(self):
         return pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"))
 
 
-def _forward(q, k, v, g, beta, h0t, sched, groups: int, cfg: Config, save_states: bool, keep: bool):
+def _forward(q, k, v, g, beta, h0t, sched, groups: int, cfg: Config, save_states: bool, keep: tuple[str, ...]):
     """Head-major padded inputs: q, k [B, H, L, Kp]; v [B, HV, L, Vp]; g [B, HV, L, Kp] (natural log);
     beta [B, HV, L, 128] (:func:`_lanes`); h0t [B, N, HV, Vp, Kp]; sched (first, last, seq) int32 [NC].
     Returns o [B, HV, L, Vp], final [B, N, HV, Vp, Kp], S_in [B, HV, NC, Vp, Kp] or None, and
-    with ``keep`` the _KEPT fields (:func:`_field`), else None."""
+    {name: field} of the fields named in ``keep`` (:func:`_field`; _SAVED, _KEPT or none)."""
     B, HV, L, Vp = v.shape
     Kp = k.shape[-1]
     n = heads_per_step(HV, groups, L // sched[0].shape[0], Kp, cfg.block_v, cfg, "forward")
@@ -335,31 +354,39 @@ def _forward(q, k, v, g, beta, h0t, sched, groups: int, cfg: Config, save_states
 
 def _fused(fw: _Forward, q, k, v, g, beta, h0t, sched, save_states, keep):
     """One kernel per (batch, head, V-block) walking the chunks, everything on chip."""
-    kept = _KEPT if keep else ()
 
-    def kept_spec(name):  # the fields of value columns by V-block
+    # The fields of value columns by V-block; the others are written by V-block 0, the later V-blocks
+    # writing theirs to a spare chunk past the last (so that no block is visited twice).
+    spare = fw.Vp > fw.BV
+
+    def kept_spec(name):
         rows, width = _field(name, fw.C, fw.Kp, fw.Vp)
         if name in ("u", "v_new"):
             return pl.BlockSpec((1, fw.n, rows, fw.BV), lambda b, h, vb, c, *_: (b, h, c, vb))
-        return pl.BlockSpec((1, fw.n, rows, width), lambda b, h, vb, c, *_: (b, h, c, 0))
+        return pl.BlockSpec((1, fw.n, rows, width), lambda b, h, vb, c, *_: (b, h, jnp.where(vb == 0, c, fw.NC), 0))
+
+    def kept_shape(name):
+        x = fw.shape(name)
+        rows = x.shape[2] // fw.NC
+        return x if name in ("u", "v_new") else x.update(shape=(*x.shape[:2], x.shape[2] + spare * rows, x.shape[3]))
 
     fin_shape = jax.ShapeDtypeStruct(h0t.shape, jnp.float32)
     v_spec = fw.v_block()
     outs = pl.pallas_call(
-        functools.partial(_fused_kernel, tiles_for(fw.cfg), save_states),
+        functools.partial(_fused_kernel, tiles_for(fw.cfg), save_states, keep),
         name="kda_fused",
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=3,
             grid=(fw.B, fw.HV // fw.n, fw.Vp // fw.BV, fw.NC),
             in_specs=[fw.qk(), fw.qk(), v_spec, fw.spec(fw.Kp), fw.spec(LANE), fw.state()],
-            out_specs=[v_spec, fw.state()] + [fw.s_in()] * save_states + [kept_spec(n) for n in kept],
+            out_specs=[v_spec, fw.state()] + [fw.s_in()] * save_states + [kept_spec(n) for n in keep],
             scratch_shapes=[pltpu.VMEM((fw.n, fw.BV, fw.Kp), jnp.float32)],
         ),
-        out_shape=[fw.shape("o"), fin_shape] + [fw.shape("s_in")] * save_states + [fw.shape(n) for n in kept],
+        out_shape=[fw.shape("o"), fin_shape] + [fw.shape("s_in")] * save_states + [kept_shape(n) for n in keep],
         compiler_params=fw.sequential(),
         interpret=fw.interpret,
     )(*sched, q, k, v, g, beta, h0t)
-    return outs[0], outs[1], (outs[2] if save_states else None), (tuple(outs[2 + save_states :]) if keep else None)
+    return outs[0], outs[1], (outs[2] if save_states else None), dict(zip(keep, outs[2 + save_states :]))
 
 
 def _staged(fw: _Forward, q, k, v, g, beta, h0t, sched, save_states, keep):
@@ -371,7 +398,7 @@ def _staged(fw: _Forward, q, k, v, g, beta, h0t, sched, save_states, keep):
         rows, width = _field(name, C, Kp, Vp)
         return pl.BlockSpec((1, n, rows, width), lambda b, h, c: (b, h, c, 0))
 
-    names = _STAGED + (tuple(n for n in _KEPT if n not in _STAGED and n != "v_new") if keep else ())
+    names = _STAGED + tuple(n for n in keep if n not in _STAGED and n != "v_new")
     staged = pl.pallas_call(
         functools.partial(_intra_kernel, tiles_for(fw.cfg), names),
         name="kda_intra",
@@ -414,13 +441,13 @@ def _staged(fw: _Forward, q, k, v, g, beta, h0t, sched, save_states, keep):
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",) * 4),
         interpret=fw.interpret,
     )(f["Aqk"], f["q_g"], v_new, s_in)
-    kept = tuple({**f, "v_new": v_new}[n] for n in _KEPT) if keep else None
-    return o, final, (s_in if save_states else None), kept
+    kept = {**f, "v_new": v_new}
+    return o, final, (s_in if save_states else None), {n: kept[n] for n in keep}
 
 
 def _backward(q, k, v, g, beta, sched, S_in, kept, do, dfinal_t, dS_in, groups: int, cfg: Config):
     """Cotangents of the head-major padded inputs of :func:`_forward` (dq, dk summed over
-    each group's value heads). kept: the forward's _KEPT fields or None (recomputed then);
+    each group's value heads). kept: {name: field} of the forward's (:func:`_forward`);
     do: [B, HV, L, Vp]; dfinal_t: [B, N, HV, Vp, Kp]; dS_in: cotangent of S_in or None."""
     B, HV, L, Vp = v.shape
     H, Kp = k.shape[1], k.shape[-1]
@@ -435,10 +462,10 @@ def _backward(q, k, v, g, beta, sched, S_in, kept, do, dfinal_t, dS_in, groups: 
     qk = _qk_spec(n, groups, C, Kp, lambda b, h, c, *_: (b, h, NC - 1 - c))
     st = pl.BlockSpec((1, 1, n, Vp, Kp), lambda b, h, c, first, last, seq: (b, seq[NC - 1 - c], h, 0, 0))
     sin = pl.BlockSpec((1, n, 1, Vp, Kp), lambda b, h, c, *_: (b, h, NC - 1 - c, 0, 0))
-    fields = [spec(w, rows=r) for r, w in (_field(n, C, Kp, Vp) for n in _KEPT)] if kept else []
+    fields = [spec(w, rows=r) for r, w in (_field(n, C, Kp, Vp) for n in kept)]
     dh = [] if dS_in is None else [dS_in]
     dq, dk, dv, dg, dbeta, dh0t = pl.pallas_call(
-        functools.partial(_bwd_kernel, tiles_for(cfg), dS_in is not None),
+        functools.partial(_bwd_kernel, tiles_for(cfg), dS_in is not None, tuple(kept)),
         name="kda_backward",
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=3,
@@ -449,9 +476,11 @@ def _backward(q, k, v, g, beta, sched, S_in, kept, do, dfinal_t, dS_in, groups: 
         ),
         out_shape=[jax.ShapeDtypeStruct((B, HV, L, d), f32) for d in (Kp, Kp, Vp, Kp, 1)]
         + [jax.ShapeDtypeStruct(dfinal_t.shape, f32)],
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "arbitrary"), vmem_limit_bytes=BACKWARD_VMEM
+        ),
         interpret=_interpret(cfg),
-    )(*sched, q, k, v, g, beta, S_in, do, dfinal_t, *dh, *(kept or ()))
+    )(*sched, q, k, v, g, beta, S_in, do, dfinal_t, *dh, *kept.values())
     dq, dk = (x.reshape(B, H, groups, L, Kp).sum(2) for x in (dq, dk))
     return dq, dk, dv, dg, dbeta, dh0t
 
@@ -473,13 +502,13 @@ def _lanes(beta):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11))
 def _core(q, k, v, g, beta, h0t, sched, empty, groups, cfg, keep, states):
-    o, final, S_in, _ = _forward(q, k, v, g, _lanes(beta), h0t, sched, groups, cfg, save_states=states, keep=False)
+    o, final, S_in, _ = _forward(q, k, v, g, _lanes(beta), h0t, sched, groups, cfg, save_states=states, keep=())
     return o, _if_empty(empty, h0t, final), S_in
 
 
 def _core_fwd(q, k, v, g, beta, h0t, sched, empty, groups, cfg, keep, states):
     bl = _lanes(beta)
-    o, final, S_in, kept = _forward(q, k, v, g, bl, h0t, sched, groups, cfg, save_states=True, keep=keep)
+    o, final, S_in, kept = _forward(q, k, v, g, bl, h0t, sched, groups, cfg, True, _KEPT if keep else _SAVED)
     return (o, _if_empty(empty, h0t, final), S_in if states else None), (q, k, v, g, bl, sched, empty, S_in, kept)
 
 
@@ -511,8 +540,9 @@ def chunk_kda_pallas_tpu(
 
     q, k: [B, T, H, K] (q scaled, not repeated over value heads); v: [B, T, HV, V];
     g: [B, T, HV, K] natural-log decay; beta: [B, T, HV]; h0: [B, N, HV, K, V].
-    disable_recompute: the forward writes the intra-chunk stage's matmul products and v_new
-    (_KEPT) for the backward, which then reads them instead of recomputing them.
+    disable_recompute: besides the products of levels and inverse the forward saves for a gradient
+    (_SAVED), it writes w, u and v_new (_KEPT), which the backward then reads instead of taking
+    them by three matmuls.
     Returns (o [B, T, HV, V], final [B, N, HV, K, V]) and with ``intermediate_states`` the
     state entering each chunk [B, NC, HV, K, V] (differentiable; chunks no sequence uses are 0)."""
     cfg = cfg.resolved()

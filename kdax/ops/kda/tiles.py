@@ -26,6 +26,8 @@ from kdax.ops.common.varlen import ChunkLayout
 _HIGHEST = lax.Precision.HIGHEST
 TF32X2 = "tf32x2"  # Tiles.sums: two TF32 products, of the 0/1 matrix with x's TF32 value and with the rest
 BF16X3 = "bf16x3"  # Tiles.sums: three bfloat16 products, of the 0/1 matrix with x split into three bfloat16 parts
+BF16X2 = "bf16x2"  # Tiles.gate_sums: two of them, of x's first two bfloat16 parts (16 of float32's 24 bits)
+_PARTS = {BF16X3: 3, BF16X2: 2}
 BF16_HIGH = "bf16_high"  # a matmul precision: both operands as two bfloat16 parts, three products (TPU's HIGH)
 
 
@@ -188,8 +190,12 @@ class Tiles:
     products and float32 sums at half the passes of HIGHEST. stacked: products that share a factor
     run as one matmul over row-stacked operands (a level's q e and k e against k e; the levels'
     backward's dQ and dK), one MXU weight load and fewer products to add (TPU; the GPU kernels keep
-    them apart, for registers). Every method also takes stacks of tiles [n, C, D] (several heads at
-    once), tile by tile."""
+    them apart, for registers). wide_levels: the pairwise factorisation's backward
+    (:meth:`grads_levels`) at :attr:`wide` precision, as the inverse (False: as the bulk matmuls;
+    its errors, unlike the inverse's, feed no later row). gate_sums: the precision of the 0/1 sums
+    of the gate's cotangent (:meth:`straddles`, :meth:`gate_terms`), if not ``sums``: on a TPU with
+    bfloat16 inputs :data:`BF16X2`, each term to 16 bits, still summed with no cancellation. Every
+    method also takes stacks of tiles [n, C, D] (several heads at once), tile by tile."""
 
     precision: lax.Precision | lax.DotAlgorithmPreset = _HIGHEST
     matmul_reductions: bool = True
@@ -197,15 +203,21 @@ class Tiles:
     sums: lax.Precision | lax.DotAlgorithmPreset | str = _HIGHEST
     wide_precision: lax.Precision | lax.DotAlgorithmPreset | None = None
     stacked: bool = False
+    wide_levels: bool = True
+    gate_sums: lax.Precision | lax.DotAlgorithmPreset | str | None = None
+
+    @property
+    def gate(self) -> Tiles:  # the sums of the gate's cotangent, at gate_sums
+        return self if self.gate_sums is None else dataclasses.replace(self, sums=self.gate_sums, gate_sums=None)
 
     def _sum(self, mask, x):  # (0/1 matrix of mask(i, j), [C, C] iotas) @ x at the precision of ``sums``
-        C, dims = x.shape[-2], ((1,), (0,))
-        if self.sums == BF16X3:
-            # one matmul of contraction 3C: [M M M] @ [hi; mid; lo], the three parts' products
+        C, dims, P = x.shape[-2], ((1,), (0,)), _PARTS.get(self.sums)
+        if P:
+            # one matmul of contraction P C: [M M M] @ [hi; mid; lo], the parts' products
             # accumulated on the MXU (exact products, float32 sums) with one set of result pops
-            i, j = _iota((C, 3 * C), 0), _in_block(_iota((C, 3 * C), 1), C)
+            i, j = _iota((C, P * C), 0), _in_block(_iota((C, P * C), 1), C)
             ones = _ones_where(mask(i, j)).astype(jnp.bfloat16)
-            return _mm(ones, jnp.concatenate(split_bf16(x), axis=-2), dims, lax.Precision.DEFAULT)
+            return _mm(ones, jnp.concatenate(split_bf16(x)[:P], axis=-2), dims, lax.Precision.DEFAULT)
         ones = _ones_where(mask(_iota((C, C), 0), _iota((C, C), 1)))
         if self.sums != TF32X2:
             return _mm(ones, x, dims, self.sums)
@@ -236,7 +248,7 @@ class Tiles:
         """{s: :meth:`level` (g, s)} for every dyadic level; stacked, every level's exponents from one
         0/1 matmul, the levels' masks stacked by rows against g's parts pushed once."""
         C = g.shape[-2]
-        if not (self.stacked and self.sums == BF16X3):
+        if not (self.stacked and _PARTS.get(self.sums) == 3):
             return {s: self.level(g, s) for s in dyadic_levels(C)}
         i, j = _iota((C, C), 0), _iota((C, C), 1)
         ii, jj = _iota((C, 3 * C), 0), _in_block(_iota((C, 3 * C), 1), C)
@@ -253,21 +265,22 @@ class Tiles:
         return self._sum(lambda t, i: _straddle_steps(t, i, s), z)
 
     def straddles(self, zs: dict) -> jax.Array:
-        """The sum of :meth:`straddle` (z, s) over {s: z} of every dyadic level; with BF16X3 one 0/1
-        matmul over the concatenated contraction (levels, then three parts, then rows), the products
-        of all levels accumulated on the MXU."""
-        ss = list(zs)
-        if self.sums != BF16X3 or ss != dyadic_levels(zs[ss[0]].shape[-2]):
+        """The sum of :meth:`straddle` (z, s) over {s: z} of every dyadic level; with BF16X3 or BF16X2
+        one 0/1 matmul over the concatenated contraction (levels, then parts, then rows), the
+        products of all levels accumulated on the MXU."""
+        ss, P = list(zs), _PARTS.get(self.sums)
+        if not P or ss != dyadic_levels(zs[ss[0]].shape[-2]):
             return sum(self.straddle(z, s) for s, z in zs.items())
         C = zs[ss[0]].shape[-2]
         L = C.bit_length() - 1
-        t, j = _iota((C, 3 * C * len(ss)), 0), _iota((C, 3 * C * len(ss)), 1)
-        m = ((j >> (L)) * 11) >> 5  # j // 3C, the level index (s = C >> m); exact up to 10 levels
+        t, j = _iota((C, P * C * len(ss)), 0), _iota((C, P * C * len(ss)), 1)
+        # j // (P C), the level index (s = C >> m); 11 / 32 is 1 / 3 exactly up to 10 levels
+        m = ((j >> L) * 11) >> 5 if P == 3 else j >> (L + 1)
         i = _in_block(j, C)
         lower = (t & ((C >> m) - 1)) >= (C >> (m + 1))
         same_half = (t >> (L - 1 - m)) == (i >> (L - 1 - m))
         ones = _ones_where(same_half & ((lower & (i >= t)) | (~lower & (i < t)))).astype(jnp.bfloat16)
-        rhs = jnp.concatenate([p for s in ss for p in split_bf16(zs[s])], axis=-2)
+        rhs = jnp.concatenate([p for s in ss for p in split_bf16(zs[s])[:P]], axis=-2)
         return _mm(ones, rhs, ((1,), (0,)), lax.Precision.DEFAULT)
 
     def gate_terms(self, Kg: KeyGrads) -> jax.Array:
@@ -275,7 +288,8 @@ class Tiles:
         by: q 2^G and k 2^G over steps 0..i, k 2^(G_C - G) over i+1..C-1, 2^G_C over every step.
         The second as the inclusive cumsum less the row (its terms grow down the chunk, so the
         rounding is of the row's size), which spares a GPU kernel a second 0/1 matrix."""
-        return self.suffix_sums(Kg.dG_start) + (self.cumsum(Kg.dG_rest) - Kg.dG_rest) + Kg.dG_end
+        t = self.gate
+        return t.suffix_sums(Kg.dG_start) + (t.cumsum(Kg.dG_rest) - Kg.dG_rest) + Kg.dG_end
 
     @property
     def wide(self) -> Tiles:  # the matmuls with float32 operands, at wide_precision (if set)
@@ -315,35 +329,37 @@ class Tiles:
         Doubling h = 1, 2, ..., C/2 with T block diagonal in blocks of h: T <- T - T A_h T,
         A_h holding the lower-left h x h block of every 2h diagonal block. That is the block
         forward substitution [[T11, 0], [-T22 A21 T11, T22]] for all blocks at once; the
-        masked-out entries only add exact zeros."""
+        masked-out entries only add exact zeros. At :data:`BF16_HIGH` the doubling runs at the bulk
+        matmuls' precision and one Newton step T <- T + T (I - M T), M = I + strict_lower(A), its
+        residual at BF16_HIGH, squares its error: 2e-5 to 6e-5 relative where the doubling alone
+        leaves 6e-3 to 9e-3 and BF16_HIGH throughout 1e-5 (cond(M) 37-79), in half the passes."""
         C = A.shape[-1]
         i, j = _iota((C, C), 0), _iota((C, C), 1)
         wide = self.wide
         T = _ones_where(i == j) - jnp.where(_lower_left(i, j, 2), A, 0.0)  # h = 1: T = I, so T A_1 T = A_1
         s = 4
-        if wide.precision == BF16_HIGH:  # A split once, its parts masked per level (masks keep exact zeros)
-            A_parts, mm = split_bf16(A)[:2], ((1,), (0,))
-            while s <= C:
-                mask = _lower_left(i, j, s)
-                A_s = tuple(jnp.where(mask, x, jnp.zeros_like(x)) for x in A_parts)
-                T = T - wide.dot(T, _high(A_s, split_bf16(T)[:2], mm))
-                s *= 2
-            return T
+        step = self if wide.precision == BF16_HIGH else wide
         while s <= C:
-            T = T - wide.dot(T, wide.dot(jnp.where(_lower_left(i, j, s), A, 0.0), T))
+            T = T - step.dot(T, step.dot(jnp.where(_lower_left(i, j, s), A, 0.0), T))
             s *= 2
-        return T
+        if wide.precision != BF16_HIGH:
+            return T
+        L = jnp.where(i > j, A, 0.0)
+        R = (_ones_where(i == j) - T) - _high(split_bf16(L)[:2], split_bf16(T)[:2], ((1,), (0,)))
+        return T + self.dot(T, R)
 
     def intra(self, q, k, v, g, beta) -> Intra:
         """q, k: [C, K]; v: [C, V]; g: [C, K] per-step log2 gate; beta: [C, 1] (all float32)."""
         G = self.cumsum(g)  # [C, K]
         R = self.suffix_sums(g, inclusive=False)  # the steps after each row
         Aqk, Kkk = self.pairs(q, k, g)
-        T = self.unit_lower_inverse(beta * Kkk)
+        return self.rest(q, k, v, g, beta, G, R, Aqk, Kkk, self.unit_lower_inverse(beta * Kkk))
+
+    def rest(self, q, k, v, g, beta, G, R, Aqk, Kkk, T) -> Intra:
+        """The :class:`Intra` of a chunk from its matmul products that take levels or an inverse (G, R,
+        Aqk, Kkk, T): the gated q and k, the decay, and w, u (two matmuls)."""
         q_g, k_g, k_d, decay = gated(q, k, G, R, last_row(G))
-        w = self.dot(T, beta * k_g)
-        u = self.dot(T, beta * v)
-        return Intra(g, G, R, Aqk, Kkk, T, w, u, q_g, k_d, decay)
+        return Intra(g, G, R, Aqk, Kkk, T, self.dot(T, beta * k_g), self.dot(T, beta * v), q_g, k_d, decay)
 
     def pairs(self, q, k, g):
         """(Aqk, Kkk) [C, C]: Aqk[i, j] = sum_d q_id k_jd 2^(G_id - G_jd) (j <= i) and Kkk likewise
@@ -432,8 +448,8 @@ class Tiles:
         given their cotangents dAqk, dKkk [C, C] and the per-step log2 gates g: (dq, dk, dg)
         [C, K] each, dg the pairs' share of the cotangent of g (natural-log units), each pair's
         term summed over the steps its decay spans (:meth:`straddle`). Float32 operands
-        (:attr:`wide`)."""
-        wide = self.wide
+        (:attr:`wide`) if ``wide_levels``."""
+        wide = self.wide if self.wide_levels else self
         dq = dk_p = dk_x = dg = jnp.zeros_like(k)  # dk_p: through the right factor k e, dk_x: the left
         C, zs = k.shape[-2], {}
         parts = None
@@ -462,9 +478,9 @@ class Tiles:
             dk_s = (wide.t_dot(dQ, q * e) + wide.t_dot(dK, k_e)) * e  # columns: upper halves
             dkx_s = wide.dot(dK, k_e) * e  # rows
             dq, dk_p, dk_x = dq + dq_s, dk_p + dk_s, dk_x + dkx_s
-            dg = dg + self.straddle(q * dq_s + k * (dkx_s + dk_s), s)
+            dg = dg + self.gate.straddle(q * dq_s + k * (dkx_s + dk_s), s)
         if zs:
-            dg = dg + self.straddles(zs)
+            dg = dg + self.gate.straddles(zs)
         return dq, dk_p + dk_x, dg
 
 
