@@ -263,22 +263,27 @@ def _qk_spec(n: int, groups: int, C: int, Kp: int, where):
     return pl.BlockSpec((1, max(n // groups, 1), C, Kp), index)
 
 
-# Value heads a grid step takes by default at C = 64, K = V = 128, forward and backward: eight, in
-# 16 MiB of scoped VMEM forward (a v5e kernel's default) and BACKWARD_VMEM backward (docs/kda_tpu.md,
-# VMEM); fewer for wider states or chunks, and half as many at precision "highest" (its split
-# operands take twice the VMEM).
-HEADS = {"forward": 8, "backward": 8}
-BACKWARD_VMEM = 32 << 20  # the backward kernel's scoped VMEM limit: 24 MiB fit at eight heads on v5e
+# Value heads a grid step takes by default at C = 64, K = V = 128: sixteen forward, eight backward,
+# as many as fit VMEM_LIMIT (docs/kda_tpu.md, VMEM); fewer for wider states or chunks, and half as
+# many at precision "highest" (its split operands take twice the VMEM). By default a step takes more
+# than PAIRED heads only where the grid keeps two parallel programs (B HV / n >= 2), which chips
+# with two cores a device (v4, v5p) split between them.
+HEADS = {"forward": 16, "backward": 8}
+PAIRED = 8
+VMEM_LIMIT = 32 << 20  # the chunk kernels' scoped VMEM limit: eight heads backward need 24 MiB on v5e
 
 
-def heads_per_step(HV: int, groups: int, C: int, Kp: int, Vp: int, cfg: Config, kernel: str) -> int:
+def heads_per_step(HV: int, groups: int, C: int, Kp: int, Vp: int, cfg: Config, kernel: str, B: int = 1) -> int:
     """The value heads a grid step of ``kernel`` ("forward", "backward") takes: ``cfg.heads`` (None:
     :data:`HEADS`, scaled down by the state's size over 128 x 128, the chunk's over 64 and for
-    precision "highest"), lowered to the largest count that divides HV and that groups divides or
-    that divides groups (q and k come in whole blocks)."""
+    precision "highest", and above :data:`PAIRED` only where B HV / n >= 2), lowered to the largest
+    count that divides HV and that groups divides or that divides groups (q and k come in whole
+    blocks)."""
     asked, top = cfg.heads, HEADS[kernel] // (2 if cfg.precision == "highest" else 1)
     top = max(1, min(top, top * LANE * LANE * 64 // (Kp * Vp * C))) if asked is None else asked
-    return max(n for n in range(1, min(top, HV) + 1) if HV % n == 0 and (n % groups == 0 or groups % n == 0))
+    fits = [n for n in range(1, min(top, HV) + 1) if HV % n == 0 and (n % groups == 0 or groups % n == 0)]
+    split = [n for n in fits if asked is not None or n <= PAIRED or B * HV // n >= 2]
+    return max(split or fits)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -336,7 +341,9 @@ class _Forward:
         return jax.ShapeDtypeStruct((self.B, self.HV, self.NC * rows, width), dtype)
 
     def sequential(self):
-        return pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"))
+        return pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"), vmem_limit_bytes=VMEM_LIMIT
+        )
 
 
 def _forward(q, k, v, g, beta, h0t, sched, groups: int, cfg: Config, save_states: bool, keep: tuple[str, ...]):
@@ -346,7 +353,7 @@ def _forward(q, k, v, g, beta, h0t, sched, groups: int, cfg: Config, save_states
     {name: field} of the fields named in ``keep`` (:func:`_field`; _SAVED, _KEPT or none)."""
     B, HV, L, Vp = v.shape
     Kp = k.shape[-1]
-    n = heads_per_step(HV, groups, L // sched[0].shape[0], Kp, cfg.block_v, cfg, "forward")
+    n = heads_per_step(HV, groups, L // sched[0].shape[0], Kp, cfg.block_v, cfg, "forward", B)
     fw = _Forward(B, HV, L, sched[0].shape[0], Kp, Vp, cfg.block_v, groups, dataclasses.replace(cfg, heads=n))
     run = _fused if cfg.pipeline == "fused" else _staged
     return run(fw, q, k, v, g, beta, h0t, sched, save_states, keep)
@@ -406,7 +413,7 @@ def _staged(fw: _Forward, q, k, v, g, beta, h0t, sched, save_states, keep):
         in_specs=[_qk_spec(n, fw.groups, C, Kp, lambda b, h, c: (b, h, c))] * 2 + [spec3(Vp), spec3(Kp), spec3(LANE)],
         out_specs=[chunk_spec(n) for n in names],
         out_shape=[fw.shape(n) for n in names],
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",) * 3),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",) * 3, vmem_limit_bytes=VMEM_LIMIT),
         interpret=fw.interpret,
     )(q, k, v, g, beta)
     f = dict(zip(names, staged))
@@ -438,7 +445,7 @@ def _staged(fw: _Forward, q, k, v, g, beta, h0t, sched, save_states, keep):
         ],
         out_specs=pl.BlockSpec((1, n, C, BV), lambda b, h, c, vb: (b, h, c, vb)),
         out_shape=fw.shape("o"),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",) * 4),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",) * 4, vmem_limit_bytes=VMEM_LIMIT),
         interpret=fw.interpret,
     )(f["Aqk"], f["q_g"], v_new, s_in)
     kept = {**f, "v_new": v_new}
@@ -453,7 +460,7 @@ def _backward(q, k, v, g, beta, sched, S_in, kept, do, dfinal_t, dS_in, groups: 
     H, Kp = k.shape[1], k.shape[-1]
     NC = sched[0].shape[0]
     C = L // NC
-    n = heads_per_step(HV, groups, C, Kp, Vp, cfg, "backward")
+    n = heads_per_step(HV, groups, C, Kp, Vp, cfg, "backward", B)
     f32 = jnp.float32
 
     def spec(d, rows=C):
@@ -477,7 +484,7 @@ def _backward(q, k, v, g, beta, sched, S_in, kept, do, dfinal_t, dS_in, groups: 
         out_shape=[jax.ShapeDtypeStruct((B, HV, L, d), f32) for d in (Kp, Kp, Vp, Kp, 1)]
         + [jax.ShapeDtypeStruct(dfinal_t.shape, f32)],
         compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "arbitrary"), vmem_limit_bytes=BACKWARD_VMEM
+            dimension_semantics=("parallel", "parallel", "arbitrary"), vmem_limit_bytes=VMEM_LIMIT
         ),
         interpret=_interpret(cfg),
     )(*sched, q, k, v, g, beta, S_in, do, dfinal_t, *dh, *kept.values())

@@ -75,10 +75,13 @@ def test_heads_per_step_with_grouped_value_heads(H, heads, monkeypatch):
 
 def test_heads_per_step_fits_groups_and_state_size():
     bf16, f32 = pallas_tpu.Config(precision="bf16"), pallas_tpu.Config(precision="highest")
+    # more than eight heads a step only where two parallel programs remain (B HV / n >= 2)
     assert pallas_tpu.heads_per_step(16, 1, 64, 128, 128, bf16, "forward") == 8
+    assert pallas_tpu.heads_per_step(16, 1, 64, 128, 128, bf16, "forward", B=2) == 16
+    assert pallas_tpu.heads_per_step(32, 1, 64, 128, 128, bf16, "forward") == 16
     assert pallas_tpu.heads_per_step(16, 1, 64, 128, 128, bf16, "backward") == 8
     assert pallas_tpu.heads_per_step(16, 1, 64, 128, 128, f32, "backward") == 4
-    assert pallas_tpu.heads_per_step(16, 1, 64, 256, 256, bf16, "forward") == 2
+    assert pallas_tpu.heads_per_step(16, 1, 64, 256, 256, bf16, "forward") == 4
     assert pallas_tpu.heads_per_step(16, 1, 128, 128, 128, bf16, "backward") == 4
     assert pallas_tpu.heads_per_step(16, 1, 128, 128, 128, f32, "backward") == 2
     assert pallas_tpu.heads_per_step(16, 1, 32, 128, 128, bf16, "backward") == 8  # at most HEADS
