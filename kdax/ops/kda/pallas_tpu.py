@@ -51,9 +51,10 @@ class Config:
             inverse's: two bfloat16 parts of each operand, three products) or "auto" (bf16 for
             bfloat16 inputs, highest for the others). The 0/1 sums (exponents, cumsums) take three
             bfloat16 parts of their operand, exact products, in every mode.
-        heads: value heads a grid step takes (a batch of independent chains of matmuls, which
-            hide each other's latency); None: :data:`HEADS` at K = V = 128, fewer for wider
-            states. Lowered to a count that divides the value heads and fits the groups of value
+        heads: value heads a grid step takes, forward and backward (a batch of independent chains
+            of matmuls, which hide each other's latency); None: :data:`HEADS` at K = V = 128, fewer
+            for wider states, more than :data:`PAIRED` only where two parallel programs remain.
+            Lowered to a count that divides the value heads and fits the groups of value
             heads per q/k head.
         interpret: run in the Pallas TPU interpreter; None: unless on a TPU (or lowering for one).
         detect_races: in the interpreter, check the kernels for data races.
