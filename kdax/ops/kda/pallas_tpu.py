@@ -137,6 +137,7 @@ def _state_step(tiles, first, last, h0_ref, fin_ref, St, w, u, k_d, decay):
 _SAVED = ("Aqk", "Kkk", "T")
 _KEPT = ("G", "R", "Aqk", "Kkk", "T", "w", "u", "v_new")
 _OPERANDS = ("Aqk", "T")
+_BY_V = ("u", "v_new")  # the fields of value columns
 _STAGED = ("Aqk", "w", "u", "q_g", "k_d", "decay")
 
 
@@ -203,7 +204,7 @@ def _bwd_kernel(
     """Grid (B, head blocks, chunks), n value heads a step, chunks walked last to first; the
     cotangent of the state (transposed, [n, V, K]) carried in scratch. dq, dk come out per value
     head. Inputs after df: the cotangent of S_in [n, V, K] if has_dh, then the blocks of the
-    forward's named fields (_SAVED, _KEPT, or none: the intra stage is recomputed)."""
+    forward's named fields (_SAVED or _KEPT)."""
     dh_ref, kept = (rest[0] if has_dh else None), rest[has_dh:-7]
     dq_ref, dk_ref, dv_ref, dg_ref, db_ref, dh0_ref, dSt = rest[-7:]
     n = pl.num_programs(2)
@@ -220,14 +221,12 @@ def _bwd_kernel(
     q, k, v, g, beta = _chunk_inputs(q_ref, k_ref, v_ref, g_ref, b_ref)
     S = s_ref[0, :, 0]
     f = {name: ref[0] for name, ref in zip(names, kept)}
-    if not f:
-        I = tiles.intra(q, k, v, g, beta)
-    elif "w" in f:
+    if "w" in f:  # _KEPT
         q_g, _, k_d, decay = gated(q, k, f["G"], f["R"], last_row(f["G"]))
-        I = Intra(g, *(f[x] for x in _KEPT[:-1]), q_g=q_g, k_d=k_d, decay=decay)
+        I = Intra(g, **{x: f[x] for x in _KEPT if x != "v_new"}, q_g=q_g, k_d=k_d, decay=decay)
     else:
         G, R = tiles.cumsum(g), tiles.suffix_sums(g, inclusive=False)
-        I = tiles.rest(q, k, v, g, beta, G, R, *(f[x] for x in _SAVED))
+        I = tiles.from_products(q, k, v, g, beta, G, R, *(f[x] for x in _SAVED))
     v_new = f["v_new"] if "v_new" in f else tiles.v_new(I, S)
     r = tiles.grads(q, k, v, beta, I, v_new, S, do_ref[0], dSt[...])
     dq_ref[0], dk_ref[0], dv_ref[0], dg_ref[0], db_ref[0] = r.dq, r.dk, r.dv, r.dg, r.dbeta
@@ -250,7 +249,7 @@ def _field(name: str, C: int, Kp: int, Vp: int) -> tuple[int, int]:
     """(rows per chunk, width) of the head-major array [B, HV, NC * rows, width] of a field of the
     intra stage, or of v_new."""
     rows = 8 if name == "decay" else C
-    return rows, C if name in ("Aqk", "Kkk", "T") else Vp if name in ("u", "v_new") else Kp
+    return rows, C if name in ("Aqk", "Kkk", "T") else Vp if name in _BY_V else Kp
 
 
 def _qk_spec(n: int, groups: int, C: int, Kp: int, where):
@@ -331,7 +330,8 @@ class _Forward:
     def s_in(self):  # the state entering chunk c
         return pl.BlockSpec((1, self.n, 1, self.BV, self.Kp), lambda b, h, vb, c, *_: (b, h, c, vb, 0))
 
-    def shape(self, name: str):  # an output's ShapeDtypeStruct: "o", "final", "s_in" or a field
+    def shape(self, name: str, chunks: int | None = None):
+        """An output's ShapeDtypeStruct: "o", "s_in" or a field (of NC chunks, or ``chunks``)."""
         f32 = jnp.float32
         if name == "o":
             return jax.ShapeDtypeStruct((self.B, self.HV, self.L, self.Vp), f32)
@@ -339,7 +339,7 @@ class _Forward:
             return jax.ShapeDtypeStruct((self.B, self.HV, self.NC, self.Vp, self.Kp), f32)
         rows, width = _field(name, self.C, self.Kp, self.Vp)
         dtype = (tiles_for(self.cfg).operands or f32) if name in _OPERANDS else f32
-        return jax.ShapeDtypeStruct((self.B, self.HV, self.NC * rows, width), dtype)
+        return jax.ShapeDtypeStruct((self.B, self.HV, (chunks or self.NC) * rows, width), dtype)
 
     def sequential(self):
         return pltpu.CompilerParams(
@@ -369,14 +369,12 @@ def _fused(fw: _Forward, q, k, v, g, beta, h0t, sched, save_states, keep):
 
     def kept_spec(name):
         rows, width = _field(name, fw.C, fw.Kp, fw.Vp)
-        if name in ("u", "v_new"):
+        if name in _BY_V:
             return pl.BlockSpec((1, fw.n, rows, fw.BV), lambda b, h, vb, c, *_: (b, h, c, vb))
         return pl.BlockSpec((1, fw.n, rows, width), lambda b, h, vb, c, *_: (b, h, jnp.where(vb == 0, c, fw.NC), 0))
 
     def kept_shape(name):
-        x = fw.shape(name)
-        rows = x.shape[2] // fw.NC
-        return x if name in ("u", "v_new") else x.update(shape=(*x.shape[:2], x.shape[2] + spare * rows, x.shape[3]))
+        return fw.shape(name, None if name in _BY_V else fw.NC + spare)
 
     fin_shape = jax.ShapeDtypeStruct(h0t.shape, jnp.float32)
     v_spec = fw.v_block()
@@ -549,8 +547,8 @@ def chunk_kda_pallas_tpu(
     q, k: [B, T, H, K] (q scaled, not repeated over value heads); v: [B, T, HV, V];
     g: [B, T, HV, K] natural-log decay; beta: [B, T, HV]; h0: [B, N, HV, K, V].
     disable_recompute: besides the products of levels and inverse the forward saves for a gradient
-    (_SAVED), it writes w, u and v_new (_KEPT), which the backward then reads instead of taking
-    them by three matmuls.
+    (_SAVED), it writes G, R, w, u and v_new (_KEPT), which the backward then reads instead of
+    taking them by 0/1 sums and three matmuls.
     Returns (o [B, T, HV, V], final [B, N, HV, K, V]) and with ``intermediate_states`` the
     state entering each chunk [B, NC, HV, K, V] (differentiable; chunks no sequence uses are 0)."""
     cfg = cfg.resolved()

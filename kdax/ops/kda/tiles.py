@@ -248,7 +248,7 @@ class Tiles:
         """{s: :meth:`level` (g, s)} for every dyadic level; stacked, every level's exponents from one
         0/1 matmul, the levels' masks stacked by rows against g's parts pushed once."""
         C = g.shape[-2]
-        if not (self.stacked and _PARTS.get(self.sums) == 3):
+        if not (self.stacked and self.sums == BF16X3):
             return {s: self.level(g, s) for s in dyadic_levels(C)}
         i, j = _iota((C, C), 0), _iota((C, C), 1)
         ii, jj = _iota((C, 3 * C), 0), _in_block(_iota((C, 3 * C), 1), C)
@@ -331,8 +331,8 @@ class Tiles:
         forward substitution [[T11, 0], [-T22 A21 T11, T22]] for all blocks at once; the
         masked-out entries only add exact zeros. At :data:`BF16_HIGH` the doubling runs at the bulk
         matmuls' precision and one Newton step T <- T + T (I - M T), M = I + strict_lower(A), its
-        residual at BF16_HIGH, squares its error: 2e-5 to 6e-5 relative where the doubling alone
-        leaves 6e-3 to 9e-3 and BF16_HIGH throughout 1e-5 (cond(M) 37-79), in half the passes."""
+        residual at BF16_HIGH, squares its error: 2.6e-5 to 6.2e-5 relative where the doubling alone
+        leaves 5e-3 to 8e-3 and BF16_HIGH throughout 1e-5 (cond(M) 34-79), in half the passes."""
         C = A.shape[-1]
         i, j = _iota((C, C), 0), _iota((C, C), 1)
         wide = self.wide
@@ -344,8 +344,7 @@ class Tiles:
             s *= 2
         if wide.precision != BF16_HIGH:
             return T
-        L = jnp.where(i > j, A, 0.0)
-        R = (_ones_where(i == j) - T) - _high(split_bf16(L)[:2], split_bf16(T)[:2], ((1,), (0,)))
+        R = (_ones_where(i == j) - T) - wide.dot(jnp.where(i > j, A, 0.0), T)  # I - M T
         return T + self.dot(T, R)
 
     def intra(self, q, k, v, g, beta) -> Intra:
@@ -353,9 +352,9 @@ class Tiles:
         G = self.cumsum(g)  # [C, K]
         R = self.suffix_sums(g, inclusive=False)  # the steps after each row
         Aqk, Kkk = self.pairs(q, k, g)
-        return self.rest(q, k, v, g, beta, G, R, Aqk, Kkk, self.unit_lower_inverse(beta * Kkk))
+        return self.from_products(q, k, v, g, beta, G, R, Aqk, Kkk, self.unit_lower_inverse(beta * Kkk))
 
-    def rest(self, q, k, v, g, beta, G, R, Aqk, Kkk, T) -> Intra:
+    def from_products(self, q, k, v, g, beta, G, R, Aqk, Kkk, T) -> Intra:
         """The :class:`Intra` of a chunk from its matmul products that take levels or an inverse (G, R,
         Aqk, Kkk, T): the gated q and k, the decay, and w, u (two matmuls)."""
         q_g, k_g, k_d, decay = gated(q, k, G, R, last_row(G))
@@ -452,24 +451,13 @@ class Tiles:
         wide = self.wide if self.wide_levels else self
         dq = dk_p = dk_x = dg = jnp.zeros_like(k)  # dk_p: through the right factor k e, dk_x: the left
         C, zs = k.shape[-2], {}
-        parts = None
-        if self.stacked and wide.precision == BF16_HIGH:  # (hi, lo) of dAqk, then of dKkk
-            parts = tuple(zip(split_bf16(dAqk)[:2], split_bf16(dKkk)[:2]))
         for s, (e, block) in self.levels(g).items():  # dQ, dK: zero outside the level's pairs, so e serves both sides
             dQ, dK = jnp.where(block, dAqk, 0.0), jnp.where(block, dKkk, 0.0)
             k_e = k * e
             if self.stacked:  # [dQ; dK] k e, and [dQ; dK]^T [q e; k e] (contraction 2C): two matmuls
-                if parts is None:
-                    D = jnp.concatenate((dQ, dK), axis=-2)
-                    X = wide.dot(D, k_e)
-                    dk_s = wide.t_dot(D, jnp.concatenate((q * e, k_e), axis=-2)) * e
-                else:  # BF16_HIGH on the parts of dAqk and dKkk split once, masked per level
-                    D = tuple(
-                        jnp.concatenate([jnp.where(block, x, jnp.zeros_like(x)) for x in p], axis=-2) for p in parts
-                    )
-                    ke, qe = split_bf16(k_e)[:2], split_bf16(q * e)[:2]
-                    X = _high(D, ke, ((1,), (0,)))
-                    dk_s = _high(D, tuple(jnp.concatenate(p, axis=-2) for p in zip(qe, ke)), ((0,), (0,))) * e
+                D = jnp.concatenate((dQ, dK), axis=-2)
+                X = wide.dot(D, k_e)
+                dk_s = wide.t_dot(D, jnp.concatenate((q * e, k_e), axis=-2)) * e
                 dq_s, dkx_s = X[..., :C, :] * e, X[..., C:, :] * e
                 dq, dk_p, dk_x = dq + dq_s, dk_p + dk_s, dk_x + dkx_s
                 zs[s] = q * dq_s + k * (dkx_s + dk_s)
