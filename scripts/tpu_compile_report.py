@@ -180,13 +180,56 @@ class Program:
     vmem: int  # bytes of VMEM allocations (Mosaic kernels)
 
 
+_HLO_COMPUTATION = re.compile(r"^(?:ENTRY )?%([\w.\-]+) .*\{$")
+_HLO_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.+?) ([a-z][\w\-]*)\((.*?)\)(.*)$")
+_HLO_NAME = re.compile(r"%([\w.\-]+)")
+
+
+def hlo_signatures(text: str) -> dict:
+    """{instruction: key} for the top-level computation of an HLO module's text, equal keys for
+    instructions that compile to the same program: the opcode, the result's and operands' shapes
+    and layouts, and the computations it calls with their names numbered by first use."""
+    computations, body, shapes, entry = {}, None, {}, None
+    for line in text.splitlines():
+        if m := _HLO_COMPUTATION.match(line):
+            body = computations[m.group(1)] = []
+            entry = m.group(1) if line.startswith("ENTRY") else entry
+        elif line.strip() == "}":
+            body = None
+        elif body is not None and (m := _HLO_INSTRUCTION.match(line.split(", metadata=")[0])):
+            body.append(m.groups())
+            shapes[m.group(1)] = m.group(2)
+
+    def normal(name, seen=()):  # a computation's text, its names numbered, the computations it calls inlined
+        numbers = {}
+
+        def rename(m):
+            callee = m.group(1)
+            if callee in computations and callee not in seen and callee != name:
+                return "{" + normal(callee, (*seen, name)) + "}"
+            return "%" + str(numbers.setdefault(callee, len(numbers)))
+
+        return ";".join(_HLO_NAME.sub(rename, " ".join((f"%{n}", *rest))) for n, *rest in computations[name])
+
+    keys = {}
+    for name, shape, op, operands, attrs in computations.get(entry, []):
+        callees = [normal(c) for c in _HLO_NAME.findall(attrs) if c in computations]
+        keys[name] = (shape, op, tuple(shapes.get(o) for o in _HLO_NAME.findall(operands)), tuple(callees))
+    return keys
+
+
 def read_dump(files: list[str]) -> list[Program]:
     """The programs of one compile's LLO dump files: per program its post-RA bundle listing
     (``*final_bundles.txt``) counted by :func:`static_cycles`, times the weight of the call sites
     that run it from the top-level program ("TLP"; once if none does), and its VMEM allocations
-    (``*-original.txt``)."""
-    final, original = {}, {}
+    (``*-original.txt``). XLA dumps one listing for instructions that compile to the same program
+    (say the transposes of three gradients of one shape); a call of one without a listing runs
+    the listing of its equal in the top-level HLO (``*-TLP-hlo.txt``, :func:`hlo_signatures`)."""
+    final, original, keys = {}, {}, {}
     for path in files:
+        if path.endswith("-TLP-hlo.txt"):
+            with open(path, errors="replace") as f:
+                keys = hlo_signatures(f.read())
         m = re.match(r"^\d+-(.+)-(\d+)-(final_bundles|original)\.txt$", os.path.basename(path))
         if m:
             (final if m.group(3) == "final_bundles" else original)[m.group(1)] = path
@@ -194,10 +237,18 @@ def read_dump(files: list[str]) -> list[Program]:
     for name, path in final.items():
         with open(path, errors="replace") as f:
             listings[name] = static_cycles(f.read())
+    same = {}  # signature -> the instruction whose listing was dumped
+    for name in listings:
+        same.setdefault(keys.get(name), name)
     runs = {}  # name -> (times run, whether under a loop of unknown trips)
 
+    missing = []  # calls of programs with no listing and no equal: the total becomes a lower bound
+
     def visit(name, times, unknown):
+        if name not in listings and name in keys:
+            name = same.get(keys[name], name)
         if name not in listings:
+            missing.append(name)
             return
         was = runs.get(name, (0, False))
         runs[name] = (was[0] + times, was[1] or unknown)
@@ -213,7 +264,8 @@ def read_dump(files: list[str]) -> list[Program]:
             with open(original[name], errors="replace") as f:
                 vmem = sum(int(s, 16) for s in _VMEM.findall(f.read()))
         bodies = [b * times for b in listing.unknown_bodies]
-        out.append(Program(name, listing.cycles * times, listing.unknown_loops + unknown, bodies, vmem))
+        calls_missing = len(missing) if name == "TLP" else 0
+        out.append(Program(name, listing.cycles * times, listing.unknown_loops + unknown + calls_missing, bodies, vmem))
     return out
 
 

@@ -61,3 +61,43 @@ def test_record_with_only_updates_the_backend_it_compiled(tmp_path):
     table = json.load(open(path))
     assert table["entries"] == [dict(where, pallas_tpu=cost(2), xla=cost(9))]
     assert table["command"].count("scripts/tpu_compile_report.py") == 2
+
+
+def test_a_program_dumped_once_counts_at_every_call_of_an_equal_instruction(tmp_path):
+    """XLA dumps one listing for instructions that compile to the same program: the transposes of
+    two gradients of one shape both run copy.1's listing; a copy of another layout has none, which
+    makes the total a lower bound."""
+    hlo = """HloModule m
+%fused_computation.2 (param_0.1: f32[8,128]) -> bf16[8,128] {
+  %param_0.1 = f32[8,128]{1,0} parameter(0)
+  ROOT %convert.3 = bf16[8,128]{1,0} convert(%param_0.1), metadata={op_name="a"}
+}
+%fused_computation.3 (param_0.2: f32[8,128]) -> bf16[8,128] {
+  %param_0.2 = f32[8,128]{1,0} parameter(0)
+  ROOT %convert.4 = bf16[8,128]{1,0} convert(%param_0.2), metadata={op_name="b"}
+}
+ENTRY %main (p0: f32[8,128], p1: f32[8,128]) -> (bf16[8,128], bf16[8,128]) {
+  %p0 = f32[8,128]{1,0} parameter(0)
+  %p1 = f32[8,128]{1,0} parameter(1)
+  %fusion.1 = bf16[8,128]{1,0} fusion(%p0), kind=kLoop, calls=%fused_computation.2, metadata={op_name="c"}
+  %fusion.2 = bf16[8,128]{1,0} fusion(%p1), kind=kLoop, calls=%fused_computation.3, metadata={op_name="d"}
+  %copy.1 = bf16[8,128]{0,1} copy(%fusion.1), backend_config={"x":[]}
+  %copy.2 = bf16[8,128]{0,1} copy(%fusion.2), backend_config={"x":[]}
+  %copy.3 = bf16[8,128]{1,0} copy(%copy.2)
+  ROOT %tuple = (bf16[8,128]{0,1}, bf16[8,128]{0,1}) tuple(%copy.1, %copy.3)
+}
+"""
+    calls = [
+        f"%{i} = inlined_call %s1 /* %{n} = {n.split('.')[0]}(%x) */"
+        for i, n in enumerate(["fusion.1", "fusion.2", "copy.1", "copy.2", "copy.3"])
+    ]
+    files = {
+        "1-TLP-hlo.txt": hlo,
+        "2-TLP-02-final_bundles.txt": listing(*calls),
+        "3-fusion.1-02-final_bundles.txt": listing("%1 = vnop", "%2 = vnop"),
+        "4-copy.1-02-final_bundles.txt": listing(*["%1 = vnop"] * 10),
+    }
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    programs = {p.name: (p.cycles, p.unknown_loops) for p in report.read_dump([str(tmp_path / n) for n in files])}
+    assert programs == {"TLP": (5, 1), "fusion.1": (2 * 2, 0), "copy.1": (2 * 10, 0)}  # copy.3: a lower bound
