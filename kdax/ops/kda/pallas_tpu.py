@@ -1,7 +1,10 @@
 """Chunked KDA as Mosaic TPU kernels (``backend="pallas_tpu"``): forward.
 
-Layout inside the kernels: head-major ``[B, heads, slots, D]`` with K and V padded to
-multiples of 128, one chunk of C slots per grid step, the state kept transposed
+Layout: the kernels read head-major ``[B, heads, slots, D]`` inputs with K and V padded to
+multiples of 128 (XLA fuses the transpose with the cast to float32) and write the outputs (o, and
+dq, dk, dv, dg) token-major, as ``[B, slots, heads * D]``, each head's columns lane-aligned (XLA's
+relayout to ``[B, T, heads, D]`` costs a third of a transpose; docs/kda_tpu.md, Layout). One
+chunk of C slots per grid step, the state kept transposed
 (``St = S^T``, ``[V, K]``) so the per-key decay scales its lanes. GVA maps value
 head h to q/k head ``h // (HV // H)`` in the index maps (q and k are never repeated).
 Variable-length batches come in through scalar prefetch: per chunk, whether it starts
@@ -36,6 +39,7 @@ from kdax.ops.kda import decode
 from kdax.ops.kda.tiles import BF16_HIGH, BF16X2, BF16X3, Intra, Tiles, chunk_states, gated, head_major, last_row
 
 LANE = 128
+ALL = slice(None)  # all of a step's heads
 PRECISIONS = ("highest", "bf16")  # Config.precision, besides "auto" (docs/kda_tpu.md, Precision)
 
 
@@ -45,7 +49,8 @@ class Config:
 
     Attributes:
         pipeline: how the forward runs, "fused" (one kernel) or "staged" (intra, state, output).
-        block_v: a multiple of 128: splits V over grid programs.
+        block_v: None (all of V in one block) or a multiple of 128 below V, which splits V over
+            grid programs of one value head each.
         precision: of the matmuls, "highest" (float32: six bfloat16 passes), "bf16" (every
             matmul on bfloat16 operands, one pass, float32 accumulation, but the triangular
             inverse's: two bfloat16 parts of each operand, three products) or "auto" (bf16 for
@@ -53,7 +58,8 @@ class Config:
             bfloat16 parts of their operand, exact products, in every mode.
         heads: value heads a grid step takes, forward and backward (a batch of independent chains
             of matmuls, which hide each other's latency); None: :data:`HEADS` at K = V = 128, fewer
-            for wider states, more than :data:`PAIRED` only where two parallel programs remain.
+            for wider states, more than :data:`PAIRED` on two cores a device (v4, v5p) only where
+            two parallel programs remain.
             Lowered to a count that divides the value heads and fits the groups of value
             heads per q/k head.
         interpret: run in the Pallas TPU interpreter; None: unless on a TPU (or lowering for one).
@@ -64,7 +70,7 @@ class Config:
     """
 
     pipeline: str = "fused"
-    block_v: int = 128
+    block_v: int | None = None
     precision: str = "auto"
     heads: int | None = None
     interpret: bool | None = None
@@ -74,8 +80,8 @@ class Config:
         """This config, its fields checked, with ``interpret`` None replaced by what it means here."""
         if self.pipeline not in ("fused", "staged"):
             raise ValueError(f"config.pipeline: expected 'fused' or 'staged', got {self.pipeline!r}")
-        if self.block_v % LANE:
-            raise ValueError(f"config.block_v: expected a multiple of {LANE}, got {self.block_v}")
+        if self.block_v is not None and (not isinstance(self.block_v, int) or self.block_v < 1 or self.block_v % LANE):
+            raise ValueError(f"config.block_v: expected None or a positive multiple of {LANE}, got {self.block_v!r}")
         if self.heads is not None and (not isinstance(self.heads, int) or self.heads < 1):
             raise ValueError(f"config.heads: expected None or a positive int, got {self.heads!r}")
         if self.precision not in ("auto", *PRECISIONS):
@@ -155,18 +161,36 @@ def _heads(x, n: int):
     return x if m == n else jnp.broadcast_to(x[:, None], (m, n // m, *x.shape[1:])).reshape(n, *x.shape[1:])
 
 
-def _chunk_inputs(q_ref, k_ref, v_ref, g_ref, b_ref):
-    """The step's (q, k, v, g in log2 units, beta) [n, C, D] from their [1, heads, C, D] blocks
-    (beta [n, C, 1]: column 0 of its [1, n, C, 128] block)."""
+def _split(ref, hs: slice, D: int):
+    """Heads hs of a token-major block [1, C, n * D] as [m, C, D] (lane-aligned columns)."""
+    return jnp.stack([ref[0, :, i * D : (i + 1) * D] for i in range(hs.start, hs.stop)])
+
+
+def _join(ref, x, first: int = 0):
+    """Write [m, C, D] into heads first, ..., first + m - 1 of the token-major block [1, C, n * D]."""
+    D = x.shape[-1]
+    for i in range(x.shape[0]):
+        ref[0, :, (first + i) * D : (first + i + 1) * D] = x[i].astype(ref.dtype)
+
+
+def _chunk_inputs(q_ref, k_ref, v_ref, g_ref, b_ref, hs=ALL):
+    """The (q, k, v, g in log2 units, beta) [m, C, D] of the step's value heads hs from their
+    [1, heads, C, D] blocks (beta [m, C, 1]: column 0 of its [1, n, C, 128] block)."""
     n = v_ref.shape[1]
-    return _heads(q_ref[0], n), _heads(k_ref[0], n), v_ref[0], g_ref[0] * LOG2E, b_ref[0, :, :, :1]
+    q, k = _heads(q_ref[0], n)[hs], _heads(k_ref[0], n)[hs]
+    return q, k, v_ref[0, hs], g_ref[0, hs] * LOG2E, b_ref[0, hs, :, :1]
+
+
+def _lockstep(n: int, m: int) -> list[slice]:
+    """A step's n heads, m at a time."""
+    return [slice(i, min(i + m, n)) for i in range(0, n, m)]
 
 
 def _fused_kernel(
     tiles, save_states, names, first, last, seq, q_ref, k_ref, v_ref, g_ref, b_ref, h0_ref, o_ref, fin_ref, *rest
 ):
     """Grid (B, head blocks, V-blocks, chunks), n value heads a step. Blocks: g [n, C, K]; q, k
-    [n / groups or 1, C, K]; v, o [n, C, BV]; beta [n, C, 128]; h0, final (and S_in if save_states)
+    [n / groups or 1, C, K]; v [n, C, BV]; beta [n, C, 128]; o token-major [C, n BV]; h0, final (and S_in if save_states)
     [n, BV, K]; then the outputs of the named fields (_SAVED, _KEPT or none); scratch St [n, BV, K]
     carried across chunks."""
     *outs, St = rest
@@ -175,7 +199,7 @@ def _fused_kernel(
     if save_states:
         outs[0][0, :, 0] = S
     _put_fields(outs[save_states:], names, I, v_new)
-    o_ref[0] = (tiles.dot_t(I.q_g, S) + tiles.dot(I.Aqk, v_new)).astype(o_ref.dtype)
+    _join(o_ref, tiles.dot_t(I.q_g, S) + tiles.dot(I.Aqk, v_new))
 
 
 def _intra_kernel(tiles, names, q_ref, k_ref, v_ref, g_ref, b_ref, *out_refs):
@@ -194,16 +218,15 @@ def _state_kernel(tiles, first, last, seq, w_ref, u_ref, kd_ref, dec_ref, h0_ref
 
 def _output_kernel(tiles, aqk_ref, qg_ref, vn_ref, sin_ref, o_ref):
     """Grid (B, head blocks, chunks, V-blocks), all parallel: o = q_g S + Aqk v_new."""
-    o = tiles.dot_t(qg_ref[0], sin_ref[0, :, 0]) + tiles.dot(aqk_ref[0], vn_ref[0])
-    o_ref[0] = o.astype(o_ref.dtype)
+    _join(o_ref, tiles.dot_t(qg_ref[0], sin_ref[0, :, 0]) + tiles.dot(aqk_ref[0], vn_ref[0]))
 
 
 def _bwd_kernel(
-    tiles, has_dh, names, first, last, seq, q_ref, k_ref, v_ref, g_ref, b_ref, s_ref, do_ref, df_ref, *rest
+    tiles, lockstep, has_dh, names, first, last, seq, q_ref, k_ref, v_ref, g_ref, b_ref, s_ref, do_ref, df_ref, *rest
 ):
-    """Grid (B, head blocks, chunks), n value heads a step, chunks walked last to first; the
-    cotangent of the state (transposed, [n, V, K]) carried in scratch. dq, dk come out per value
-    head. Inputs after df: the cotangent of S_in [n, V, K] if has_dh, then the blocks of the
+    """Grid (B, head blocks, chunks), n value heads a step, taken ``lockstep`` at a time, chunks
+    walked last to first; the cotangent of the state (transposed, [n, V, K]) carried in scratch. do comes in and dq, dk, dv,
+    dg go out token-major ([C, n D]), dq and dk per value head. Inputs after df: the cotangent of S_in [n, V, K] if has_dh, then the blocks of the
     forward's named fields (_SAVED or _KEPT)."""
     dh_ref, kept = (rest[0] if has_dh else None), rest[has_dh:-7]
     dq_ref, dk_ref, dv_ref, dg_ref, db_ref, dh0_ref, dSt = rest[-7:]
@@ -218,24 +241,27 @@ def _bwd_kernel(
     def _():
         dSt[...] = df_ref[0, 0]
 
-    q, k, v, g, beta = _chunk_inputs(q_ref, k_ref, v_ref, g_ref, b_ref)
-    S = s_ref[0, :, 0]
-    f = {name: ref[0] for name, ref in zip(names, kept)}
-    if "w" in f:  # _KEPT
-        q_g, _, k_d, decay = gated(q, k, f["G"], f["R"], last_row(f["G"]))
-        I = Intra(g, **{x: f[x] for x in _KEPT if x != "v_new"}, q_g=q_g, k_d=k_d, decay=decay)
-    else:
-        G, R = tiles.cumsum(g), tiles.suffix_sums(g, inclusive=False)
-        I = tiles.from_products(q, k, v, g, beta, G, R, *(f[x] for x in _SAVED))
-    v_new = f["v_new"] if "v_new" in f else tiles.v_new(I, S)
-    r = tiles.grads(q, k, v, beta, I, v_new, S, do_ref[0], dSt[...])
-    dq_ref[0], dk_ref[0], dv_ref[0], dg_ref[0], db_ref[0] = r.dq, r.dk, r.dv, r.dg, r.dbeta
-    dS_in = r.dS_in if dh_ref is None else r.dS_in + dh_ref[0, :, 0]
-    dSt[...] = dS_in
+    for hs in _lockstep(v_ref.shape[1], lockstep):
+        q, k, v, g, beta = _chunk_inputs(q_ref, k_ref, v_ref, g_ref, b_ref, hs)
+        S = s_ref[0, hs, 0]
+        f = {name: ref[0, hs] for name, ref in zip(names, kept)}
+        if "w" in f:  # _KEPT
+            q_g, _, k_d, decay = gated(q, k, f["G"], f["R"], last_row(f["G"]))
+            I = Intra(g, **{x: f[x] for x in _KEPT if x != "v_new"}, q_g=q_g, k_d=k_d, decay=decay)
+        else:
+            G, R = tiles.cumsum(g), tiles.suffix_sums(g, inclusive=False)
+            I = tiles.from_products(q, k, v, g, beta, G, R, *(f[x] for x in _SAVED))
+        v_new = f["v_new"] if "v_new" in f else tiles.v_new(I, S)
+        r = tiles.grads(q, k, v, beta, I, v_new, S, _split(do_ref, hs, v.shape[-1]), dSt[hs])
+        for ref, x in zip((dq_ref, dk_ref, dv_ref, dg_ref), (r.dq, r.dk, r.dv, r.dg)):
+            _join(ref, x, hs.start)
+        db_ref[0, hs] = r.dbeta
+        dS_in = r.dS_in if dh_ref is None else r.dS_in + dh_ref[0, hs, 0]
+        dSt[hs] = dS_in
 
-    @pl.when(first[c] == 1)
-    def _():
-        dh0_ref[0, 0] = dS_in
+        @pl.when(first[c] == 1)
+        def _(hs=hs, dS_in=dS_in):
+            dh0_ref[0, 0, hs] = dS_in
 
 
 # ----------------------------------------------------------------------------- wrapper
@@ -263,27 +289,55 @@ def _qk_spec(n: int, groups: int, C: int, Kp: int, where):
     return pl.BlockSpec((1, max(n // groups, 1), C, Kp), index)
 
 
-# Value heads a grid step takes by default at C = 64, K = V = 128: sixteen forward, eight backward,
-# as many as fit VMEM_LIMIT (docs/kda_tpu.md, VMEM); fewer for wider states or chunks, and half as
-# many at precision "highest" (its split operands take twice the VMEM). By default a step takes more
-# than PAIRED heads only where the grid keeps two parallel programs (B HV / n >= 2), which chips
-# with two cores a device (v4, v5p) split between them.
-HEADS = {"forward": 16, "backward": 8}
+def _tokens(C: int, width: int, n: int, where):
+    """A token-major block [1, C, n * width] of chunk c; where: grid indices -> (b, lane block, chunk)."""
+
+    def index(*grid):
+        b, h, c = where(*grid)
+        return (b, c, h)
+
+    return pl.BlockSpec((1, C, n * width), index)
+
+
+# Value heads a grid step takes by default at C = 64, K = V = 128, per precision and kernel: the
+# forward, the forward saving products and states for the backward, the backward, each as many as
+# fit VMEM_LIMIT and gain (docs/kda_tpu.md, Layout); fewer for wider states or chunks. The backward
+# takes its heads LOCKSTEP at a time (more in lockstep spill past the limit). On chips with two
+# TensorCores a device (v4, v5p), which split the grid's parallel axes between them, a step takes
+# more than PAIRED heads only where the grid keeps two parallel programs (B HV / n >= 2).
+HEADS = {"bf16": {"forward": 32, "saving": 16, "backward": 16}, "highest": {"forward": 8, "saving": 8, "backward": 8}}
+LOCKSTEP = {"bf16": 8, "highest": 4}
 PAIRED = 8
-VMEM_LIMIT = 32 << 20  # the chunk kernels' scoped VMEM limit: eight heads backward need 24 MiB on v5e
+VMEM_LIMIT = 32 << 20  # the chunk kernels' scoped VMEM limit (v5e and v6e have 128 MiB, TPU7x 64 MiB a core)
 
 
-def heads_per_step(HV: int, groups: int, C: int, Kp: int, Vp: int, cfg: Config, kernel: str, B: int = 1) -> int:
-    """The value heads a grid step of ``kernel`` ("forward", "backward") takes: ``cfg.heads`` (None:
-    :data:`HEADS`, scaled down by the state's size over 128 x 128, the chunk's over 64 and for
-    precision "highest", and above :data:`PAIRED` only where B HV / n >= 2), lowered to the largest
-    count that divides HV and that groups divides or that divides groups (q and k come in whole
-    blocks)."""
-    asked, top = cfg.heads, HEADS[kernel] // (2 if cfg.precision == "highest" else 1)
-    top = max(1, min(top, top * LANE * LANE * 64 // (Kp * Vp * C))) if asked is None else asked
+def _scaled(top: int, C: int, Kp: int, Vp: int) -> int:  # top at C = 64, K = V = 128
+    return max(1, min(top, top * LANE * LANE * 64 // (Kp * Vp * C)))
+
+
+def cores_per_device() -> int:
+    """The TensorCores of one device of the chip the kernels are built for (2 on v4 and v5p), 2 where
+    no TPU is known (the interpreter)."""
+    try:
+        return pltpu.get_tpu_info().num_cores
+    except ValueError:
+        return 2
+
+
+def heads_per_step(
+    HV: int, groups: int, C: int, Kp: int, Vp: int, cfg: Config, kernel: str, B: int = 1, cores: int | None = None
+) -> int:
+    """The value heads a grid step of ``kernel`` ("forward", "saving", "backward") takes:
+    ``cfg.heads`` (None: :data:`HEADS` of the precision, scaled down by the state's size over
+    128 x 128 and the chunk's over 64, and above :data:`PAIRED` on two cores a device (``cores``,
+    None: :func:`cores_per_device`) only where B HV / n >= 2), lowered to the largest count that
+    divides HV and that groups divides or that divides groups (q and k come in whole blocks)."""
+    asked = cfg.heads
+    top = _scaled(HEADS[cfg.precision][kernel], C, Kp, Vp) if asked is None else asked
     fits = [n for n in range(1, min(top, HV) + 1) if HV % n == 0 and (n % groups == 0 or groups % n == 0)]
-    split = [n for n in fits if asked is not None or n <= PAIRED or B * HV // n >= 2]
-    return max(split or fits)
+    if asked is not None or (cores_per_device() if cores is None else cores) == 1:
+        return max(fits)
+    return max([n for n in fits if n <= PAIRED or B * HV // n >= 2] or fits)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -319,6 +373,10 @@ class _Forward:
     def v_block(self):  # a [n, C, BV] block of chunk c, value columns of V-block vb
         return pl.BlockSpec((1, self.n, self.C, self.BV), lambda b, h, vb, c, *_: (b, h, c, vb))
 
+    def o(self):  # the token-major o block [C, n BV]: V-block vb (one head a step where BV < Vp)
+        blocks = self.Vp // self.BV
+        return _tokens(self.C, self.BV, self.n, lambda b, h, vb, c, *_: (b, h * blocks + vb, c))
+
     def qk(self):  # q and k: the q/k heads of the step's value heads
         return _qk_spec(self.n, self.groups, self.C, self.Kp, lambda b, h, vb, c, *_: (b, h, c))
 
@@ -334,7 +392,7 @@ class _Forward:
         """An output's ShapeDtypeStruct: "o", "s_in" or a field (of NC chunks, or ``chunks``)."""
         f32 = jnp.float32
         if name == "o":
-            return jax.ShapeDtypeStruct((self.B, self.HV, self.L, self.Vp), f32)
+            return jax.ShapeDtypeStruct((self.B, self.L, self.HV * self.Vp), f32)
         if name == "s_in":
             return jax.ShapeDtypeStruct((self.B, self.HV, self.NC, self.Vp, self.Kp), f32)
         rows, width = _field(name, self.C, self.Kp, self.Vp)
@@ -350,11 +408,12 @@ class _Forward:
 def _forward(q, k, v, g, beta, h0t, sched, groups: int, cfg: Config, save_states: bool, keep: tuple[str, ...]):
     """Head-major padded inputs: q, k [B, H, L, Kp]; v [B, HV, L, Vp]; g [B, HV, L, Kp] (natural log);
     beta [B, HV, L, 128] (:func:`_lanes`); h0t [B, N, HV, Vp, Kp]; sched (first, last, seq) int32 [NC].
-    Returns o [B, HV, L, Vp], final [B, N, HV, Vp, Kp], S_in [B, HV, NC, Vp, Kp] or None, and
+    Returns o [B, L, HV Vp] (token-major), final [B, N, HV, Vp, Kp], S_in [B, HV, NC, Vp, Kp] or None, and
     {name: field} of the fields named in ``keep`` (:func:`_field`; _SAVED, _KEPT or none)."""
     B, HV, L, Vp = v.shape
     Kp = k.shape[-1]
-    n = heads_per_step(HV, groups, L // sched[0].shape[0], Kp, cfg.block_v, cfg, "forward", B)
+    kernel = "saving" if save_states or keep else "forward"
+    n = 1 if cfg.block_v < Vp else heads_per_step(HV, groups, L // sched[0].shape[0], Kp, Vp, cfg, kernel, B)
     fw = _Forward(B, HV, L, sched[0].shape[0], Kp, Vp, cfg.block_v, groups, dataclasses.replace(cfg, heads=n))
     run = _fused if cfg.pipeline == "fused" else _staged
     return run(fw, q, k, v, g, beta, h0t, sched, save_states, keep)
@@ -385,7 +444,7 @@ def _fused(fw: _Forward, q, k, v, g, beta, h0t, sched, save_states, keep):
             num_scalar_prefetch=3,
             grid=(fw.B, fw.HV // fw.n, fw.Vp // fw.BV, fw.NC),
             in_specs=[fw.qk(), fw.qk(), v_spec, fw.spec(fw.Kp), fw.spec(LANE), fw.state()],
-            out_specs=[v_spec, fw.state()] + [fw.s_in()] * save_states + [kept_spec(n) for n in keep],
+            out_specs=[fw.o(), fw.state()] + [fw.s_in()] * save_states + [kept_spec(n) for n in keep],
             scratch_shapes=[pltpu.VMEM((fw.n, fw.BV, fw.Kp), jnp.float32)],
         ),
         out_shape=[fw.shape("o"), fin_shape] + [fw.shape("s_in")] * save_states + [kept_shape(n) for n in keep],
@@ -428,7 +487,7 @@ def _staged(fw: _Forward, q, k, v, g, beta, h0t, sched, save_states, keep):
             out_specs=[v_spec, fw.s_in(), fw.state()],
             scratch_shapes=[pltpu.VMEM((n, BV, Kp), jnp.float32)],
         ),
-        out_shape=[fw.shape("o"), fw.shape("s_in"), jax.ShapeDtypeStruct(h0t.shape, jnp.float32)],
+        out_shape=[fw.shape("v_new"), fw.shape("s_in"), jax.ShapeDtypeStruct(h0t.shape, jnp.float32)],
         compiler_params=fw.sequential(),
         interpret=fw.interpret,
     )(*sched, f["w"], f["u"], f["k_d"], f["decay"], h0t)
@@ -442,7 +501,7 @@ def _staged(fw: _Forward, q, k, v, g, beta, h0t, sched, save_states, keep):
             pl.BlockSpec((1, n, C, BV), lambda b, h, c, vb: (b, h, c, vb)),
             pl.BlockSpec((1, n, 1, BV, Kp), lambda b, h, c, vb: (b, h, c, vb, 0)),
         ],
-        out_specs=pl.BlockSpec((1, n, C, BV), lambda b, h, c, vb: (b, h, c, vb)),
+        out_specs=_tokens(C, BV, n, lambda b, h, c, vb: (b, h * (Vp // BV) + vb, c)),
         out_shape=fw.shape("o"),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",) * 4, vmem_limit_bytes=VMEM_LIMIT),
         interpret=fw.interpret,
@@ -452,18 +511,21 @@ def _staged(fw: _Forward, q, k, v, g, beta, h0t, sched, save_states, keep):
 
 
 def _backward(q, k, v, g, beta, sched, S_in, kept, do, dfinal_t, dS_in, groups: int, cfg: Config):
-    """Cotangents of the head-major padded inputs of :func:`_forward` (dq, dk summed over
-    each group's value heads). kept: {name: field} of the forward's (:func:`_forward`);
-    do: [B, HV, L, Vp]; dfinal_t: [B, N, HV, Vp, Kp]; dS_in: cotangent of S_in or None."""
+    """Cotangents of the padded inputs of :func:`_forward`, token-major ([B, L, heads, D]; dq, dk
+    summed over each group's value heads), dbeta [B, HV, L, 1]. kept: {name: field} of the forward's (:func:`_forward`);
+    do: [B, L, HV Vp]; dfinal_t: [B, N, HV, Vp, Kp]; dS_in: cotangent of S_in or None."""
     B, HV, L, Vp = v.shape
     H, Kp = k.shape[1], k.shape[-1]
     NC = sched[0].shape[0]
     C = L // NC
     n = heads_per_step(HV, groups, C, Kp, Vp, cfg, "backward", B)
+    lockstep = _scaled(LOCKSTEP[cfg.precision], C, Kp, Vp)
     f32 = jnp.float32
 
     def spec(d, rows=C):
         return pl.BlockSpec((1, n, rows, d), lambda b, h, c, *_: (b, h, NC - 1 - c, 0))
+
+    tok = lambda d: _tokens(C, d, n, lambda b, h, c, *_: (b, h, NC - 1 - c))
 
     qk = _qk_spec(n, groups, C, Kp, lambda b, h, c, *_: (b, h, NC - 1 - c))
     st = pl.BlockSpec((1, 1, n, Vp, Kp), lambda b, h, c, first, last, seq: (b, seq[NC - 1 - c], h, 0, 0))
@@ -471,23 +533,24 @@ def _backward(q, k, v, g, beta, sched, S_in, kept, do, dfinal_t, dS_in, groups: 
     fields = [spec(w, rows=r) for r, w in (_field(n, C, Kp, Vp) for n in kept)]
     dh = [] if dS_in is None else [dS_in]
     dq, dk, dv, dg, dbeta, dh0t = pl.pallas_call(
-        functools.partial(_bwd_kernel, tiles_for(cfg), dS_in is not None, tuple(kept)),
+        functools.partial(_bwd_kernel, tiles_for(cfg), lockstep, dS_in is not None, tuple(kept)),
         name="kda_backward",
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=3,
             grid=(B, HV // n, NC),
-            in_specs=[qk, qk, spec(Vp), spec(Kp), spec(LANE), sin, spec(Vp), st] + [sin] * len(dh) + fields,
-            out_specs=[spec(Kp), spec(Kp), spec(Vp), spec(Kp), spec(1), st],
+            in_specs=[qk, qk, spec(Vp), spec(Kp), spec(LANE), sin, tok(Vp), st] + [sin] * len(dh) + fields,
+            out_specs=[tok(Kp), tok(Kp), tok(Vp), tok(Kp), spec(1), st],
             scratch_shapes=[pltpu.VMEM((n, Vp, Kp), f32)],
         ),
-        out_shape=[jax.ShapeDtypeStruct((B, HV, L, d), f32) for d in (Kp, Kp, Vp, Kp, 1)]
-        + [jax.ShapeDtypeStruct(dfinal_t.shape, f32)],
+        out_shape=[jax.ShapeDtypeStruct((B, L, HV * d), f32) for d in (Kp, Kp, Vp, Kp)]
+        + [jax.ShapeDtypeStruct((B, HV, L, 1), f32), jax.ShapeDtypeStruct(dfinal_t.shape, f32)],
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "arbitrary"), vmem_limit_bytes=VMEM_LIMIT
         ),
         interpret=_interpret(cfg),
     )(*sched, q, k, v, g, beta, S_in, do, dfinal_t, *dh, *kept.values())
-    dq, dk = (x.reshape(B, H, groups, L, Kp).sum(2) for x in (dq, dk))
+    dq, dk = (x.reshape(B, L, H, groups, Kp).sum(3) for x in (dq, dk))
+    dv, dg = dv.reshape(B, L, HV, Vp), dg.reshape(B, L, HV, Kp)
     return dq, dk, dv, dg, dbeta, dh0t
 
 
@@ -522,6 +585,7 @@ def _core_bwd(groups, cfg, keep, states, res, cts):
     q, k, v, g, bl, sched, empty, S_in, kept = res
     do, dfinal_t, dS_in = cts
     dq, dk, dv, dg, dbeta, dh0t = _backward(q, k, v, g, bl, sched, S_in, kept, do, dfinal_t, dS_in, groups, cfg)
+    dq, dk, dv, dg = (jnp.moveaxis(x, 2, 1) for x in (dq, dk, dv, dg))  # a layout change XLA drops (below)
     return dq, dk, dv, dg, jnp.moveaxis(dbeta, 1, 2)[..., 0], _if_empty(empty, dfinal_t, dh0t), (None, None, None), None
 
 
@@ -557,8 +621,10 @@ def chunk_kda_pallas_tpu(
     precision = cfg.precision if cfg.precision != "auto" else "bf16" if input_dtype == jnp.bfloat16 else "highest"
     cfg = dataclasses.replace(cfg, precision=precision)
     Kp = round_up(K, LANE)
-    Vp = round_up(V, max(LANE, cfg.block_v))
-    cfg = dataclasses.replace(cfg, block_v=min(cfg.block_v, Vp))
+    Vp = round_up(V, max(LANE, cfg.block_v or LANE))
+    cfg = dataclasses.replace(cfg, block_v=min(cfg.block_v or Vp, Vp))
+    if cfg.block_v < Vp and cfg.heads not in (None, 1):
+        raise ValueError(f"config.heads: with block_v below V a grid step takes one value head, got {cfg.heads}")
     qh, kh, gh = (head_major(layout, x, Kp) for x in (q, k, g))
     vh = head_major(layout, v, Vp)
     bh = layout.pack(beta)  # [B, L, HV]: _lanes makes it head-major
@@ -568,7 +634,7 @@ def chunk_kda_pallas_tpu(
     o, final, S_in = _core(
         qh, kh, vh, gh, bh, h0t, sched, layout.seq_empty, HV // H, cfg, disable_recompute, intermediate_states
     )
-    o = layout.unpack(jnp.moveaxis(o[..., :V], 1, 2))
+    o = layout.unpack(o.reshape(*o.shape[:2], HV, Vp)[..., :V])
     final = jnp.swapaxes(final, -1, -2)[..., :K, :V]
     if not intermediate_states:
         return o, final

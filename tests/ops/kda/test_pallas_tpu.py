@@ -73,18 +73,32 @@ def test_heads_per_step_with_grouped_value_heads(H, heads, monkeypatch):
     assert_close_to_reference(fn, case, jnp.float32)
 
 
+def test_backward_takes_a_steps_heads_in_lockstep_groups(monkeypatch):
+    """Eight value heads a step over two q/k heads; in float32 the backward takes them four at a time
+    (two groups, each with its own slice of q and k, state cotangents and token-major columns)."""
+    assert pallas_tpu._scaled(pallas_tpu.LOCKSTEP["highest"], 16, 128, 128) == 4
+    case = Case("lockstep", T=40, B=1, H=2, HV=8, initial_state=True, lengths=None, chunk_size=16)
+    fn = functools.partial(kdax.chunk_kda, backend="pallas_tpu", config=pallas_tpu.Config(heads=8))
+    assert_close_to_reference(fn, case, jnp.float32)
+
+
 def test_heads_per_step_fits_groups_and_state_size():
     bf16, f32 = pallas_tpu.Config(precision="bf16"), pallas_tpu.Config(precision="highest")
-    # more than eight heads a step only where two parallel programs remain (B HV / n >= 2)
+    heads = functools.partial(pallas_tpu.heads_per_step, cores=1)  # v5e, v6e, TPU7x: one core a device
+    assert pallas_tpu.cores_per_device() == 2  # no TPU here: as if the grid were split between two
+    # two cores a device: more than eight heads a step only where two parallel programs remain (B HV / n >= 2)
     assert pallas_tpu.heads_per_step(16, 1, 64, 128, 128, bf16, "forward") == 8
     assert pallas_tpu.heads_per_step(16, 1, 64, 128, 128, bf16, "forward", B=2) == 16
     assert pallas_tpu.heads_per_step(32, 1, 64, 128, 128, bf16, "forward") == 16
     assert pallas_tpu.heads_per_step(16, 1, 64, 128, 128, bf16, "backward") == 8
-    assert pallas_tpu.heads_per_step(16, 1, 64, 128, 128, f32, "backward") == 4
-    assert pallas_tpu.heads_per_step(16, 1, 64, 256, 256, bf16, "forward") == 4
-    assert pallas_tpu.heads_per_step(16, 1, 128, 128, 128, bf16, "backward") == 4
-    assert pallas_tpu.heads_per_step(16, 1, 128, 128, 128, f32, "backward") == 2
-    assert pallas_tpu.heads_per_step(16, 1, 32, 128, 128, bf16, "backward") == 8  # at most HEADS
+    assert heads(16, 1, 64, 128, 128, bf16, "forward") == heads(16, 1, 64, 128, 128, bf16, "backward") == 16
+    assert heads(16, 1, 64, 128, 128, f32, "backward") == 8
+    assert heads(32, 1, 64, 128, 128, bf16, "forward") == 32 and heads(32, 1, 64, 128, 128, bf16, "saving") == 16
+    assert heads(16, 1, 64, 256, 256, bf16, "forward") == 8
+    assert heads(16, 1, 128, 128, 128, bf16, "backward") == 8
+    assert heads(16, 1, 128, 128, 128, f32, "backward") == 4
+    assert heads(32, 1, 32, 128, 128, bf16, "backward") == 16  # at most HEADS
+    assert heads(12, 3, 64, 128, 128, bf16, "forward") == 12  # 3 divides 12
     assert pallas_tpu.heads_per_step(12, 3, 64, 128, 128, bf16, "forward") == 6  # 3 divides 6
     asked = pallas_tpu.Config(heads=4)
     assert pallas_tpu.heads_per_step(6, 6, 64, 128, 128, asked, "forward") == 3  # 3 divides 6 (the group)
@@ -111,7 +125,7 @@ def test_state_carries_across_grid_steps_without_races(monkeypatch):
     """Six chunks of one sequence, two V blocks: the state (and in the backward its
     cotangent) lives in VMEM scratch across the sequential grid axis; the interpreter's
     race detector watches every access."""
-    chunk_kda_tpu = functools.partial(kdax.chunk_kda, backend="pallas_tpu", config=pallas_tpu.Config(detect_races=True))
+    chunk_kda_tpu = functools.partial(kdax.chunk_kda, backend="pallas_tpu", config=pallas_tpu.Config(block_v=128, detect_races=True))
     case = Case("six_chunks", T=6 * 16 - 5, B=1, H=1, HV=1, K=32, V=200, initial_state=True, chunk_size=16)
     errors = assert_close_to_reference(chunk_kda_tpu, case, jnp.float32)
     assert errors["final_state"] < F32["out"] and errors["dinitial_state"] < F32["grad"]
