@@ -125,7 +125,9 @@ def test_state_carries_across_grid_steps_without_races(monkeypatch):
     """Six chunks of one sequence, two V blocks: the state (and in the backward its
     cotangent) lives in VMEM scratch across the sequential grid axis; the interpreter's
     race detector watches every access."""
-    chunk_kda_tpu = functools.partial(kdax.chunk_kda, backend="pallas_tpu", config=pallas_tpu.Config(block_v=128, detect_races=True))
+    chunk_kda_tpu = functools.partial(
+        kdax.chunk_kda, backend="pallas_tpu", config=pallas_tpu.Config(block_v=128, detect_races=True)
+    )
     case = Case("six_chunks", T=6 * 16 - 5, B=1, H=1, HV=1, K=32, V=200, initial_state=True, chunk_size=16)
     errors = assert_close_to_reference(chunk_kda_tpu, case, jnp.float32)
     assert errors["final_state"] < F32["out"] and errors["dinitial_state"] < F32["grad"]
