@@ -77,24 +77,30 @@ def _straddle_steps(t, i, s: int):  # Tiles.straddle's mask: row t sums rows i o
 
 
 def _high(a, b, dims):
-    """:data:`BF16_HIGH` product of a and b given as their (hi, lo) bfloat16 parts: hi hi + hi lo +
-    lo hi as one matmul over the concatenated contraction, accumulated on the MXU (one set of result
-    pops rather than three)."""
+    """:data:`BF16_HIGH` product of float32 tiles a and b as their (hi, lo) bfloat16 parts (16 of
+    float32's 24 bits each): hi hi + hi lo + lo hi as one matmul over the concatenated contraction,
+    accumulated on the MXU (one set of result pops rather than three)."""
     (da,), (db,) = dims
+    a, b = split_bf16(a)[:2], split_bf16(b)[:2]
     a3 = jnp.concatenate((a[0], a[0], a[1]), axis=da - 2)
     b3 = jnp.concatenate((b[0], b[1], b[0]), axis=db - 2)
     return _mm(a3, b3, dims, lax.Precision.DEFAULT)
 
 
 def _mm(a, b, dims, precision):
-    """dot_general of tiles [C, D] with contracting ``dims``, or tile by tile of stacks of tiles
-    [n, C, D] (several heads at once; a single tile serves every tile of the other operand)."""
-    batch = ((), ())
-    if a.ndim == 3 or b.ndim == 3:
-        n = (a if a.ndim == 3 else b).shape[0]
-        a, b = (x if x.ndim == 3 else jnp.broadcast_to(x, (n, *x.shape)) for x in (a, b))
-        dims, batch = tuple(tuple(d + 1 for d in side) for side in dims), ((0,), (0,))
-    return lax.dot_general(a, b, (dims, batch), precision=precision, preferred_element_type=jnp.float32)
+    """dot_general of tiles [C, D] with contracting ``dims``, float32 result."""
+    return lax.dot_general(a, b, (dims, ((), ())), precision=precision, preferred_element_type=jnp.float32)
+
+
+def _by_head(fn, *xs):
+    """fn of tiles [C, D], or head by head of stacks of tiles [n, C, D] (several heads at once; a
+    single tile serves every head), stacked. Each head's products are 2D matmuls, their operands
+    cast or split inside fn: Mosaic lowers a batched matmul with its bfloat16 operands relaid out,
+    2.5 vector ops a float32 vreg, where a 2D one takes them as cast (docs/kda_tpu.md, Precision)."""
+    n = next((x.shape[0] for x in xs if x.ndim == 3), None)
+    if n is None:
+        return fn(*xs)
+    return jnp.stack([fn(*(x[h] if x.ndim == 3 else x for x in xs)) for h in range(n)])
 
 
 def last_row(x):
@@ -217,12 +223,14 @@ class Tiles:
             # accumulated on the MXU (exact products, float32 sums) with one set of result pops
             i, j = _iota((C, P * C), 0), _in_block(_iota((C, P * C), 1), C)
             ones = _ones_where(mask(i, j)).astype(jnp.bfloat16)
-            return _mm(ones, jnp.concatenate(split_bf16(x)[:P], axis=-2), dims, lax.Precision.DEFAULT)
+            parts = lambda x: jnp.concatenate(split_bf16(x)[:P], axis=-2)
+            return _by_head(lambda x: _mm(ones, parts(x), dims, lax.Precision.DEFAULT), x)
         ones = _ones_where(mask(_iota((C, C), 0), _iota((C, C), 1)))
         if self.sums != TF32X2:
-            return _mm(ones, x, dims, self.sums)
+            return _by_head(lambda x: _mm(ones, x, dims, self.sums), x)
         head = round_tf32(x)
-        return _mm(ones, head, dims, lax.Precision.DEFAULT) + _mm(ones, x - head, dims, lax.Precision.DEFAULT)
+        tf32 = lambda x: _mm(ones, x, dims, lax.Precision.DEFAULT)
+        return _by_head(tf32, head) + _by_head(tf32, x - head)
 
     def prefix_sums(self, x, inclusive: bool = True):  # [..., C, D]: row i sums rows 0..i (0..i-1)
         return self._sum((lambda i, j: j <= i) if inclusive else (lambda i, j: j < i), x)
@@ -254,7 +262,8 @@ class Tiles:
         ii, jj = _iota((C, 3 * C), 0), _in_block(_iota((C, 3 * C), 1), C)
         ss = dyadic_levels(C)
         ones = jnp.concatenate([_ones_where(_level_steps(ii, jj, s)).astype(jnp.bfloat16) for s in ss], axis=0)
-        E = jnp.exp2(_mm(ones, jnp.concatenate(split_bf16(g), axis=-2), ((1,), (0,)), lax.Precision.DEFAULT))
+        exponents = lambda g: _mm(ones, jnp.concatenate(split_bf16(g), axis=-2), ((1,), (0,)), lax.Precision.DEFAULT)
+        E = jnp.exp2(_by_head(exponents, g))
         return {s: (E[..., m * C : (m + 1) * C, :], _lower_left(i, j, s)) for m, s in enumerate(ss)}
 
     def straddle(self, z: jax.Array, s: int) -> jax.Array:
@@ -280,8 +289,8 @@ class Tiles:
         lower = (t & ((C >> m) - 1)) >= (C >> (m + 1))
         same_half = (t >> (L - 1 - m)) == (i >> (L - 1 - m))
         ones = _ones_where(same_half & ((lower & (i >= t)) | (~lower & (i < t)))).astype(jnp.bfloat16)
-        rhs = jnp.concatenate([p for s in ss for p in split_bf16(zs[s])[:P]], axis=-2)
-        return _mm(ones, rhs, ((1,), (0,)), lax.Precision.DEFAULT)
+        rhs = lambda *zs: jnp.concatenate([p for z in zs for p in split_bf16(z)[:P]], axis=-2)
+        return _by_head(lambda *zs: _mm(ones, rhs(*zs), ((1,), (0,)), lax.Precision.DEFAULT), *(zs[s] for s in ss))
 
     def gate_terms(self, Kg: KeyGrads) -> jax.Array:
         """[C, BK]: the share of dg of the state-side terms, each summed over the steps it decays
@@ -296,11 +305,10 @@ class Tiles:
         return dataclasses.replace(self, operands=None, precision=self.wide_precision or self.precision)
 
     def _bulk(self, a, b, dims):
-        if self.operands is not None:
-            a, b = a.astype(self.operands), b.astype(self.operands)
-        if self.precision != BF16_HIGH:
-            return _mm(a, b, dims, self.precision)
-        return _high(split_bf16(a)[:2], split_bf16(b)[:2], dims)  # 16 of float32's 24 bits each
+        if self.precision == BF16_HIGH:
+            return _by_head(lambda a, b: _high(a, b, dims), a, b)
+        cast = (lambda x: x) if self.operands is None else (lambda x: x.astype(self.operands))
+        return _by_head(lambda a, b: _mm(cast(a), cast(b), dims, self.precision), a, b)
 
     def dot(self, a, b):  # a @ b
         return self._bulk(a, b, ((1,), (0,)))
