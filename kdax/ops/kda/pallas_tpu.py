@@ -190,8 +190,8 @@ def _fused_kernel(
     tiles, save_states, names, first, last, seq, q_ref, k_ref, v_ref, g_ref, b_ref, h0_ref, o_ref, fin_ref, *rest
 ):
     """Grid (B, head blocks, V-blocks, chunks), n value heads a step. Blocks: g [n, C, K]; q, k
-    [n / groups or 1, C, K]; v [n, C, BV]; beta [n, C, 128]; o token-major [C, n BV]; h0, final (and S_in if save_states)
-    [n, BV, K]; then the outputs of the named fields (_SAVED, _KEPT or none); scratch St [n, BV, K]
+    [n / groups or 1, C, K]; v [n, C, BV]; beta [n, C, 128]; o token-major [C, n BV]; h0, final
+    (and S_in if save_states) [n, BV, K]; then the outputs of the named fields (_SAVED, _KEPT or none); scratch St [n, BV, K]
     carried across chunks."""
     *outs, St = rest
     I = tiles.intra(*_chunk_inputs(q_ref, k_ref, v_ref, g_ref, b_ref))
@@ -225,9 +225,10 @@ def _bwd_kernel(
     tiles, lockstep, has_dh, names, first, last, seq, q_ref, k_ref, v_ref, g_ref, b_ref, s_ref, do_ref, df_ref, *rest
 ):
     """Grid (B, head blocks, chunks), n value heads a step, taken ``lockstep`` at a time, chunks
-    walked last to first; the cotangent of the state (transposed, [n, V, K]) carried in scratch. do comes in and dq, dk, dv,
-    dg go out token-major ([C, n D]), dq and dk per value head. Inputs after df: the cotangent of S_in [n, V, K] if has_dh, then the blocks of the
-    forward's named fields (_SAVED or _KEPT)."""
+    walked last to first; the cotangent of the state (transposed, [n, V, K]) carried in scratch.
+    do comes in and dq, dk, dv, dg go out token-major ([C, n D]), dq and dk per value head.
+    Inputs after df: the cotangent of S_in [n, V, K] if has_dh, then the blocks of the forward's
+    named fields (_SAVED or _KEPT)."""
     dh_ref, kept = (rest[0] if has_dh else None), rest[has_dh:-7]
     dq_ref, dk_ref, dv_ref, dg_ref, db_ref, dh0_ref, dSt = rest[-7:]
     n = pl.num_programs(2)
