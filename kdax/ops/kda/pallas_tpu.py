@@ -191,8 +191,8 @@ def _fused_kernel(
 ):
     """Grid (B, head blocks, V-blocks, chunks), n value heads a step. Blocks: g [n, C, K]; q, k
     [n / groups or 1, C, K]; v [n, C, BV]; beta [n, C, 128]; o token-major [C, n BV]; h0, final
-    (and S_in if save_states) [n, BV, K]; then the outputs of the named fields (_SAVED, _KEPT or none); scratch St [n, BV, K]
-    carried across chunks."""
+    (and S_in if save_states) [n, BV, K]; then the outputs of the named fields (_SAVED, _KEPT or
+    none); scratch St [n, BV, K] carried across chunks."""
     *outs, St = rest
     I = tiles.intra(*_chunk_inputs(q_ref, k_ref, v_ref, g_ref, b_ref))
     S, v_new = _state_step(tiles, first, last, h0_ref, fin_ref, St, I.w, I.u, I.k_d, I.decay)
