@@ -239,9 +239,9 @@ def read_dump(files: list[str]) -> list[Program]:
             listings[name] = static_cycles(f.read())
     same = {}  # signature -> the instruction whose listing was dumped
     for name in listings:
-        same.setdefault(keys.get(name), name)
+        if name in keys:
+            same.setdefault(keys[name], name)
     runs = {}  # name -> (times run, whether under a loop of unknown trips)
-
     missing = []  # calls of programs with no listing and no equal: the total becomes a lower bound
 
     def visit(name, times, unknown):
