@@ -57,9 +57,10 @@ class Config:
             bfloat16 inputs, highest for the others). The 0/1 sums (exponents, cumsums) take three
             bfloat16 parts of their operand, exact products, in every mode.
         heads: value heads a grid step takes, forward and backward (a batch of independent chains
-            of matmuls, which hide each other's latency); None: :data:`HEADS` at K = V = 128, fewer
-            for wider states, more than :data:`PAIRED` on two cores a device (v4, v5p) only where
-            two parallel programs remain.
+            of matmuls, which hide each other's latency); None: :data:`HEADS` (:data:`ROOMY` on
+            chips with 64 MiB of VMEM a core or more) at K = V = 128, fewer for wider states, more
+            than :data:`PAIRED` on two cores a device (v4, v5p) only where two parallel programs
+            remain.
             Lowered to a count that divides the value heads and fits the groups of value
             heads per q/k head.
         interpret: run in the Pallas TPU interpreter; None: unless on a TPU (or lowering for one).
@@ -175,10 +176,12 @@ def _join(ref, x, first: int = 0):
 
 def _chunk_inputs(q_ref, k_ref, v_ref, g_ref, b_ref, hs=ALL):
     """The (q, k, v, g in log2 units, beta) [m, C, D] of the step's value heads hs from their
-    [1, heads, C, D] blocks (beta [m, C, 1]: column 0 of its [1, n, C, 128] block)."""
+    [1, heads, C, D] blocks (beta [m, C, 1]: the heads' columns of its [1, 1, C, n] block)."""
     n = v_ref.shape[1]
     q, k = _heads(q_ref[0], n)[hs], _heads(k_ref[0], n)[hs]
-    return q, k, v_ref[0, hs], g_ref[0, hs] * LOG2E, b_ref[0, hs, :, :1]
+    b = b_ref[0, 0]
+    beta = jnp.stack([b[:, i : i + 1] for i in range(n)[hs]])
+    return q, k, v_ref[0, hs], g_ref[0, hs] * LOG2E, beta
 
 
 def _lockstep(n: int, m: int) -> list[slice]:
@@ -242,7 +245,10 @@ def _bwd_kernel(
     def _():
         dSt[...] = df_ref[0, 0]
 
-    for hs in _lockstep(v_ref.shape[1], lockstep):
+    n_heads = v_ref.shape[1]
+    lanes = lax.broadcasted_iota(jnp.int32, db_ref.shape[2:], 1)
+    dbeta = jnp.zeros(db_ref.shape[2:], jnp.float32)
+    for hs in _lockstep(n_heads, lockstep):
         q, k, v, g, beta = _chunk_inputs(q_ref, k_ref, v_ref, g_ref, b_ref, hs)
         S = s_ref[0, hs, 0]
         f = {name: ref[0, hs] for name, ref in zip(names, kept)}
@@ -256,13 +262,16 @@ def _bwd_kernel(
         r = tiles.grads(q, k, v, beta, I, v_new, S, _split(do_ref, hs, v.shape[-1]), dSt[hs])
         for ref, x in zip((dq_ref, dk_ref, dv_ref, dg_ref), (r.dq, r.dk, r.dv, r.dg)):
             _join(ref, x, hs.start)
-        db_ref[0, hs] = r.dbeta
+        for i, x in zip(range(n_heads)[hs], r.dbeta):  # column i of the [C, n] dbeta block
+            dbeta = jnp.where(lanes == i, x, dbeta)
         dS_in = r.dS_in if dh_ref is None else r.dS_in + dh_ref[0, hs, 0]
         dSt[hs] = dS_in
 
         @pl.when(first[c] == 1)
         def _(hs=hs, dS_in=dS_in):
             dh0_ref[0, 0, hs] = dS_in
+
+    db_ref[0, 0] = dbeta
 
 
 # ----------------------------------------------------------------------------- wrapper
@@ -290,6 +299,23 @@ def _qk_spec(n: int, groups: int, C: int, Kp: int, where):
     return pl.BlockSpec((1, max(n // groups, 1), C, Kp), index)
 
 
+def _by_step(x, n: int):
+    """[B, L, HV] -> [B, HV / n, L, n]: the n value heads of each grid step side by side (beta, dbeta;
+    ``(8, 128)`` tiles of [B, HV, L, 1] would pad each value to a lane tile)."""
+    B, L, HV = x.shape
+    return jnp.moveaxis(x.reshape(B, L, HV // n, n), 2, 1)
+
+
+def _beta_spec(n: int, C: int, where):
+    """The [1, 1, C, n] block of beta or dbeta (:func:`_by_step`); where: grid indices -> (b, head block, chunk)."""
+
+    def index(*grid):
+        b, h, c = where(*grid)
+        return (b, h, c, 0)
+
+    return pl.BlockSpec((1, 1, C, n), index)
+
+
 def _tokens(C: int, width: int, n: int, where):
     """A token-major block [1, C, n * width] of chunk c; where: grid indices -> (b, lane block, chunk)."""
 
@@ -301,15 +327,31 @@ def _tokens(C: int, width: int, n: int, where):
 
 
 # Value heads a grid step takes by default at C = 64, K = V = 128, per precision and kernel: the
-# forward, the forward saving products and states for the backward, the backward, each as many as
-# fit VMEM_LIMIT and gain (docs/kda_tpu.md, Layout); fewer for wider states or chunks. The backward
-# takes its heads LOCKSTEP at a time (more in lockstep spill past the limit). On chips with two
-# TensorCores a device (v4, v5p), which split the grid's parallel axes between them, a step takes
-# more than PAIRED heads only where the grid keeps two parallel programs (B HV / n >= 2).
-HEADS = {"bf16": {"forward": 32, "saving": 16, "backward": 16}, "highest": {"forward": 8, "saving": 8, "backward": 8}}
+# forward; the forward saving products and states for the backward; the forward keeping its fields
+# too (disable_recompute); the backward; the backward reading the kept fields. Each as many as fit
+# the VMEM limit and gain (docs/kda_tpu.md, Layout), fewer for wider states or chunks; ROOMY where the
+# limit is ROOMY_LIMIT. The backward takes its heads LOCKSTEP at a time (more in lockstep spill past
+# the limit). On chips with two TensorCores a device (v4, v5p), which split the grid's parallel axes
+# between them, a step takes more than PAIRED heads only where the grid keeps two parallel programs
+# (B HV / n >= 2).
+KERNELS = ("forward", "saving", "keeping", "backward", "reading")
+HEADS = {"bf16": dict(zip(KERNELS, (32, 16, 16, 16, 16))), "highest": dict(zip(KERNELS, (8, 8, 8, 8, 8)))}
+ROOMY = {"bf16": {"saving": 32, "backward": 32}, "highest": {"backward": 16}}
 LOCKSTEP = {"bf16": 8, "highest": 4}
 PAIRED = 8
-VMEM_LIMIT = 32 << 20  # the chunk kernels' scoped VMEM limit (v5e and v6e have 128 MiB, TPU7x 64 MiB a core)
+# The chunk kernels' scoped VMEM limit: ROOMY_LIMIT on chips with at least 64 MiB of VMEM a core
+# (v5e and v6e have 128 MiB, v5p and TPU7x 64 MiB), else VMEM_LIMIT (and off a TPU).
+VMEM_LIMIT, ROOMY_LIMIT = 32 << 20, 56 << 20
+
+
+def vmem_limit() -> int:
+    """The chunk kernels' scoped VMEM limit on the chip they are built for (:data:`ROOMY_LIMIT` or
+    :data:`VMEM_LIMIT`)."""
+    try:
+        capacity = pltpu.get_tpu_info().vmem_capacity_bytes
+    except ValueError:
+        return VMEM_LIMIT
+    return ROOMY_LIMIT if capacity >= 64 << 20 else VMEM_LIMIT
 
 
 def _scaled(top: int, C: int, Kp: int, Vp: int) -> int:  # top at C = 64, K = V = 128
@@ -326,15 +368,30 @@ def cores_per_device() -> int:
 
 
 def heads_per_step(
-    HV: int, groups: int, C: int, Kp: int, Vp: int, cfg: Config, kernel: str, B: int = 1, cores: int | None = None
+    HV: int,
+    groups: int,
+    C: int,
+    Kp: int,
+    Vp: int,
+    cfg: Config,
+    kernel: str,
+    B: int = 1,
+    cores: int | None = None,
+    vmem: int | None = None,
 ) -> int:
-    """The value heads a grid step of ``kernel`` ("forward", "saving", "backward") takes:
-    ``cfg.heads`` (None: :data:`HEADS` of the precision, scaled down by the state's size over
-    128 x 128 and the chunk's over 64, and above :data:`PAIRED` on two cores a device (``cores``,
-    None: :func:`cores_per_device`) only where B HV / n >= 2), lowered to the largest count that
-    divides HV and that groups divides or that divides groups (q and k come in whole blocks)."""
+    """The value heads a grid step of ``kernel`` (one of :data:`KERNELS`) takes: ``cfg.heads``
+    (None: :data:`HEADS` of the precision, or :data:`ROOMY` where the VMEM limit ``vmem`` (None:
+    :func:`vmem_limit`) is :data:`ROOMY_LIMIT`, scaled down by the state's size over 128 x 128 and
+    the chunk's over 64, and above :data:`PAIRED` on two cores a device (``cores``, None:
+    :func:`cores_per_device`) only where B HV / n >= 2), lowered to the largest count that divides
+    HV and that groups divides or that divides groups (q and k come in whole blocks)."""
     asked = cfg.heads
-    top = _scaled(HEADS[cfg.precision][kernel], C, Kp, Vp) if asked is None else asked
+    if asked is None:
+        roomy = (vmem_limit() if vmem is None else vmem) >= ROOMY_LIMIT
+        table = {**HEADS[cfg.precision], **(ROOMY[cfg.precision] if roomy else {})}
+        top = _scaled(table[kernel], C, Kp, Vp)
+    else:
+        top = asked
     fits = [n for n in range(1, min(top, HV) + 1) if HV % n == 0 and (n % groups == 0 or groups % n == 0)]
     if asked is not None or (cores_per_device() if cores is None else cores) == 1:
         return max(fits)
@@ -371,6 +428,9 @@ class _Forward:
     def spec(self, width):  # a [n, C, width] block of chunk c, all columns
         return pl.BlockSpec((1, self.n, self.C, width), lambda b, h, vb, c, *_: (b, h, c, 0))
 
+    def beta(self):  # beta [C, n] (:func:`_by_step`) of chunk c
+        return _beta_spec(self.n, self.C, lambda b, h, vb, c, *_: (b, h, c))
+
     def v_block(self):  # a [n, C, BV] block of chunk c, value columns of V-block vb
         return pl.BlockSpec((1, self.n, self.C, self.BV), lambda b, h, vb, c, *_: (b, h, c, vb))
 
@@ -402,22 +462,22 @@ class _Forward:
 
     def sequential(self):
         return pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"), vmem_limit_bytes=VMEM_LIMIT
+            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"), vmem_limit_bytes=vmem_limit()
         )
 
 
 def _forward(q, k, v, g, beta, h0t, sched, groups: int, cfg: Config, save_states: bool, keep: tuple[str, ...]):
     """Head-major padded inputs: q, k [B, H, L, Kp]; v [B, HV, L, Vp]; g [B, HV, L, Kp] (natural log);
-    beta [B, HV, L, 128] (:func:`_lanes`); h0t [B, N, HV, Vp, Kp]; sched (first, last, seq) int32 [NC].
+    beta [B, L, HV]; h0t [B, N, HV, Vp, Kp]; sched (first, last, seq) int32 [NC].
     Returns o [B, L, HV Vp] (token-major), final [B, N, HV, Vp, Kp], S_in [B, HV, NC, Vp, Kp] or None, and
     {name: field} of the fields named in ``keep`` (:func:`_field`; _SAVED, _KEPT or none)."""
     B, HV, L, Vp = v.shape
     Kp = k.shape[-1]
-    kernel = "saving" if save_states or keep else "forward"
+    kernel = "keeping" if "w" in keep else "saving" if save_states or keep else "forward"
     n = 1 if cfg.block_v < Vp else heads_per_step(HV, groups, L // sched[0].shape[0], Kp, Vp, cfg, kernel, B)
     fw = _Forward(B, HV, L, sched[0].shape[0], Kp, Vp, cfg.block_v, groups, dataclasses.replace(cfg, heads=n))
     run = _fused if cfg.pipeline == "fused" else _staged
-    return run(fw, q, k, v, g, beta, h0t, sched, save_states, keep)
+    return run(fw, q, k, v, g, _by_step(beta, n), h0t, sched, save_states, keep)
 
 
 def _fused(fw: _Forward, q, k, v, g, beta, h0t, sched, save_states, keep):
@@ -444,7 +504,7 @@ def _fused(fw: _Forward, q, k, v, g, beta, h0t, sched, save_states, keep):
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=3,
             grid=(fw.B, fw.HV // fw.n, fw.Vp // fw.BV, fw.NC),
-            in_specs=[fw.qk(), fw.qk(), v_spec, fw.spec(fw.Kp), fw.spec(LANE), fw.state()],
+            in_specs=[fw.qk(), fw.qk(), v_spec, fw.spec(fw.Kp), fw.beta(), fw.state()],
             out_specs=[fw.o(), fw.state()] + [fw.s_in()] * save_states + [kept_spec(n) for n in keep],
             scratch_shapes=[pltpu.VMEM((fw.n, fw.BV, fw.Kp), jnp.float32)],
         ),
@@ -469,10 +529,10 @@ def _staged(fw: _Forward, q, k, v, g, beta, h0t, sched, save_states, keep):
         functools.partial(_intra_kernel, tiles_for(fw.cfg), names),
         name="kda_intra",
         grid=(B, HV // n, NC),
-        in_specs=[_qk_spec(n, fw.groups, C, Kp, lambda b, h, c: (b, h, c))] * 2 + [spec3(Vp), spec3(Kp), spec3(LANE)],
+        in_specs=[_qk_spec(n, fw.groups, C, Kp, lambda b, h, c: (b, h, c))] * 2 + [spec3(Vp), spec3(Kp), _beta_spec(n, C, lambda b, h, c: (b, h, c))],
         out_specs=[chunk_spec(n) for n in names],
         out_shape=[fw.shape(n) for n in names],
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",) * 3, vmem_limit_bytes=VMEM_LIMIT),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",) * 3, vmem_limit_bytes=vmem_limit()),
         interpret=fw.interpret,
     )(q, k, v, g, beta)
     f = dict(zip(names, staged))
@@ -504,7 +564,7 @@ def _staged(fw: _Forward, q, k, v, g, beta, h0t, sched, save_states, keep):
         ],
         out_specs=_tokens(C, BV, n, lambda b, h, c, vb: (b, h * (Vp // BV) + vb, c)),
         out_shape=fw.shape("o"),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",) * 4, vmem_limit_bytes=VMEM_LIMIT),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",) * 4, vmem_limit_bytes=vmem_limit()),
         interpret=fw.interpret,
     )(f["Aqk"], f["q_g"], v_new, s_in)
     kept = {**f, "v_new": v_new}
@@ -513,13 +573,13 @@ def _staged(fw: _Forward, q, k, v, g, beta, h0t, sched, save_states, keep):
 
 def _backward(q, k, v, g, beta, sched, S_in, kept, do, dfinal_t, dS_in, groups: int, cfg: Config):
     """Cotangents of the padded inputs of :func:`_forward`, token-major ([B, L, heads, D]; dq, dk
-    summed over each group's value heads), dbeta [B, HV, L, 1]. kept: {name: field} of the forward's (:func:`_forward`);
+    summed over each group's value heads), dbeta [B, L, HV]. kept: {name: field} of the forward's (:func:`_forward`);
     do: [B, L, HV Vp]; dfinal_t: [B, N, HV, Vp, Kp]; dS_in: cotangent of S_in or None."""
     B, HV, L, Vp = v.shape
     H, Kp = k.shape[1], k.shape[-1]
     NC = sched[0].shape[0]
     C = L // NC
-    n = heads_per_step(HV, groups, C, Kp, Vp, cfg, "backward", B)
+    n = heads_per_step(HV, groups, C, Kp, Vp, cfg, "reading" if "w" in kept else "backward", B)
     lockstep = _scaled(LOCKSTEP[cfg.precision], C, Kp, Vp)
     f32 = jnp.float32
 
@@ -527,6 +587,7 @@ def _backward(q, k, v, g, beta, sched, S_in, kept, do, dfinal_t, dS_in, groups: 
         return pl.BlockSpec((1, n, rows, d), lambda b, h, c, *_: (b, h, NC - 1 - c, 0))
 
     tok = lambda d: _tokens(C, d, n, lambda b, h, c, *_: (b, h, NC - 1 - c))
+    by_step = _beta_spec(n, C, lambda b, h, c, *_: (b, h, NC - 1 - c))
 
     qk = _qk_spec(n, groups, C, Kp, lambda b, h, c, *_: (b, h, NC - 1 - c))
     st = pl.BlockSpec((1, 1, n, Vp, Kp), lambda b, h, c, first, last, seq: (b, seq[NC - 1 - c], h, 0, 0))
@@ -539,20 +600,20 @@ def _backward(q, k, v, g, beta, sched, S_in, kept, do, dfinal_t, dS_in, groups: 
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=3,
             grid=(B, HV // n, NC),
-            in_specs=[qk, qk, spec(Vp), spec(Kp), spec(LANE), sin, tok(Vp), st] + [sin] * len(dh) + fields,
-            out_specs=[tok(Kp), tok(Kp), tok(Vp), tok(Kp), spec(1), st],
+            in_specs=[qk, qk, spec(Vp), spec(Kp), by_step, sin, tok(Vp), st] + [sin] * len(dh) + fields,
+            out_specs=[tok(Kp), tok(Kp), tok(Vp), tok(Kp), by_step, st],
             scratch_shapes=[pltpu.VMEM((n, Vp, Kp), f32)],
         ),
         out_shape=[jax.ShapeDtypeStruct((B, L, HV * d), f32) for d in (Kp, Kp, Vp, Kp)]
-        + [jax.ShapeDtypeStruct((B, HV, L, 1), f32), jax.ShapeDtypeStruct(dfinal_t.shape, f32)],
+        + [jax.ShapeDtypeStruct((B, HV // n, L, n), f32), jax.ShapeDtypeStruct(dfinal_t.shape, f32)],
         compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "arbitrary"), vmem_limit_bytes=VMEM_LIMIT
+            dimension_semantics=("parallel", "parallel", "arbitrary"), vmem_limit_bytes=vmem_limit()
         ),
         interpret=_interpret(cfg),
-    )(*sched, q, k, v, g, beta, S_in, do, dfinal_t, *dh, *kept.values())
+    )(*sched, q, k, v, g, _by_step(beta, n), S_in, do, dfinal_t, *dh, *kept.values())
     dq, dk = (x.reshape(B, L, H, groups, Kp).sum(3) for x in (dq, dk))
     dv, dg = dv.reshape(B, L, HV, Vp), dg.reshape(B, L, HV, Kp)
-    return dq, dk, dv, dg, dbeta, dh0t
+    return dq, dk, dv, dg, jnp.moveaxis(dbeta, 1, 2).reshape(B, L, HV), dh0t
 
 
 def _if_empty(empty, x, y):
@@ -561,33 +622,23 @@ def _if_empty(empty, x, y):
     return jnp.where(empty.reshape((1, -1) + (1,) * (x.ndim - 2)), x, y)
 
 
-def _lanes(beta):
-    """Packed beta [B, L, HV] -> head-major [B, HV, L, 128], each slot's value in all 128 lanes
-    (the kernels read column 0 of its [n, C, 128] blocks). The same HBM as [B, HV, L, 1], whose
-    (8, 128) tiles pad the lane to 128, but XLA writes it in one fusion: [B, HV, L, 1] took a
-    layout copy whose inner loop's trips (rows per block) are no compile-time constant, which
-    made scripts/tpu_compile_report.py count the program a lower bound."""
-    return jnp.moveaxis(jnp.broadcast_to(beta[..., None], (*beta.shape, LANE)), 2, 1)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11))
 def _core(q, k, v, g, beta, h0t, sched, empty, groups, cfg, keep, states):
-    o, final, S_in, _ = _forward(q, k, v, g, _lanes(beta), h0t, sched, groups, cfg, save_states=states, keep=())
+    o, final, S_in, _ = _forward(q, k, v, g, beta, h0t, sched, groups, cfg, save_states=states, keep=())
     return o, _if_empty(empty, h0t, final), S_in
 
 
 def _core_fwd(q, k, v, g, beta, h0t, sched, empty, groups, cfg, keep, states):
-    bl = _lanes(beta)
-    o, final, S_in, kept = _forward(q, k, v, g, bl, h0t, sched, groups, cfg, True, _KEPT if keep else _SAVED)
-    return (o, _if_empty(empty, h0t, final), S_in if states else None), (q, k, v, g, bl, sched, empty, S_in, kept)
+    o, final, S_in, kept = _forward(q, k, v, g, beta, h0t, sched, groups, cfg, True, _KEPT if keep else _SAVED)
+    return (o, _if_empty(empty, h0t, final), S_in if states else None), (q, k, v, g, beta, sched, empty, S_in, kept)
 
 
 def _core_bwd(groups, cfg, keep, states, res, cts):
-    q, k, v, g, bl, sched, empty, S_in, kept = res
+    q, k, v, g, beta, sched, empty, S_in, kept = res
     do, dfinal_t, dS_in = cts
-    dq, dk, dv, dg, dbeta, dh0t = _backward(q, k, v, g, bl, sched, S_in, kept, do, dfinal_t, dS_in, groups, cfg)
+    dq, dk, dv, dg, dbeta, dh0t = _backward(q, k, v, g, beta, sched, S_in, kept, do, dfinal_t, dS_in, groups, cfg)
     dq, dk, dv, dg = (jnp.moveaxis(x, 2, 1) for x in (dq, dk, dv, dg))  # a layout change XLA drops (below)
-    return dq, dk, dv, dg, jnp.moveaxis(dbeta, 1, 2)[..., 0], _if_empty(empty, dfinal_t, dh0t), (None, None, None), None
+    return dq, dk, dv, dg, dbeta, _if_empty(empty, dfinal_t, dh0t), (None, None, None), None
 
 
 _core.defvjp(_core_fwd, _core_bwd)
@@ -628,7 +679,7 @@ def chunk_kda_pallas_tpu(
         raise ValueError(f"config.heads: with block_v below V a grid step takes one value head, got {cfg.heads}")
     qh, kh, gh = (head_major(layout, x, Kp) for x in (q, k, g))
     vh = head_major(layout, v, Vp)
-    bh = layout.pack(beta)  # [B, L, HV]: _lanes makes it head-major
+    bh = layout.pack(beta)  # [B, L, HV]: each kernel takes its heads side by side (_by_step)
     h0t = pad_last(jnp.swapaxes(pad_last(h0, Vp), -1, -2), Kp)  # [B, N, HV, Vp, Kp]
     i32 = jnp.int32
     sched = (layout.chunk_first.astype(i32), layout.chunk_last.astype(i32), layout.chunk_seq)

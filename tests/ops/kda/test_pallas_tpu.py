@@ -98,6 +98,13 @@ def test_heads_per_step_fits_groups_and_state_size():
     assert heads(16, 1, 128, 128, 128, bf16, "backward") == 8
     assert heads(16, 1, 128, 128, 128, f32, "backward") == 4
     assert heads(32, 1, 32, 128, 128, bf16, "backward") == 16  # at most HEADS
+    assert pallas_tpu.vmem_limit() == pallas_tpu.VMEM_LIMIT  # no TPU here
+    # with a 56 MiB limit (chips with 64 MiB of VMEM a core or more): 32 saving and backward, but
+    # disable_recompute's forward and backward keep 16 (their kept fields take the room)
+    roomy = functools.partial(heads, vmem=pallas_tpu.ROOMY_LIMIT)
+    assert [roomy(32, 1, 64, 128, 128, bf16, kernel) for kernel in pallas_tpu.KERNELS] == [32, 32, 16, 32, 16]
+    assert [heads(32, 1, 64, 128, 128, bf16, kernel) for kernel in pallas_tpu.KERNELS] == [32, 16, 16, 16, 16]
+    assert roomy(32, 1, 64, 128, 128, f32, "backward") == 16 and roomy(32, 1, 64, 128, 128, f32, "saving") == 8
     assert heads(12, 3, 64, 128, 128, bf16, "forward") == 12  # 3 divides 12
     assert pallas_tpu.heads_per_step(12, 3, 64, 128, 128, bf16, "forward") == 6  # 3 divides 6
     asked = pallas_tpu.Config(heads=4)
