@@ -163,8 +163,8 @@ def _heads(x, n: int):
 
 
 def _split(ref, hs: slice, D: int):
-    """Heads hs of a token-major block [1, C, n * D] as [m, C, D] (lane-aligned columns)."""
-    return jnp.stack([ref[0, :, i * D : (i + 1) * D] for i in range(hs.start, hs.stop)])
+    """Heads hs of a token-major block [1, C, n * D] as [m, C, D] float32 (lane-aligned columns)."""
+    return jnp.stack([ref[0, :, i * D : (i + 1) * D] for i in range(hs.start, hs.stop)]).astype(jnp.float32)
 
 
 def _join(ref, x, first: int = 0):
@@ -412,6 +412,7 @@ class _Forward:
     BV: int
     groups: int  # value heads per q/k head
     cfg: Config  # resolved: cfg.heads the value heads a grid step takes
+    o_dtype: jnp.dtype  # o's, the caller's (the op's output is cast to it)
 
     @property
     def C(self) -> int:
@@ -453,7 +454,7 @@ class _Forward:
         """An output's ShapeDtypeStruct: "o", "s_in" or a field (of NC chunks, or ``chunks``)."""
         f32 = jnp.float32
         if name == "o":
-            return jax.ShapeDtypeStruct((self.B, self.L, self.HV * self.Vp), f32)
+            return jax.ShapeDtypeStruct((self.B, self.L, self.HV * self.Vp), self.o_dtype)
         if name == "s_in":
             return jax.ShapeDtypeStruct((self.B, self.HV, self.NC, self.Vp, self.Kp), f32)
         rows, width = _field(name, self.C, self.Kp, self.Vp)
@@ -466,16 +467,16 @@ class _Forward:
         )
 
 
-def _forward(q, k, v, g, beta, h0t, sched, groups: int, cfg: Config, save_states: bool, keep: tuple[str, ...]):
+def _forward(q, k, v, g, beta, h0t, sched, groups: int, cfg: Config, save_states: bool, keep: tuple[str, ...], o_dtype):
     """Head-major padded inputs: q, k [B, H, L, Kp]; v [B, HV, L, Vp]; g [B, HV, L, Kp] (natural log);
     beta [B, L, HV]; h0t [B, N, HV, Vp, Kp]; sched (first, last, seq) int32 [NC].
-    Returns o [B, L, HV Vp] (token-major), final [B, N, HV, Vp, Kp], S_in [B, HV, NC, Vp, Kp] or None, and
+    Returns o [B, L, HV Vp] (token-major, in o_dtype), final [B, N, HV, Vp, Kp], S_in [B, HV, NC, Vp, Kp] or None, and
     {name: field} of the fields named in ``keep`` (:func:`_field`; _SAVED, _KEPT or none)."""
     B, HV, L, Vp = v.shape
     Kp = k.shape[-1]
     kernel = "keeping" if "w" in keep else "saving" if save_states or keep else "forward"
     n = 1 if cfg.block_v < Vp else heads_per_step(HV, groups, L // sched[0].shape[0], Kp, Vp, cfg, kernel, B)
-    fw = _Forward(B, HV, L, sched[0].shape[0], Kp, Vp, cfg.block_v, groups, dataclasses.replace(cfg, heads=n))
+    fw = _Forward(B, HV, L, sched[0].shape[0], Kp, Vp, cfg.block_v, groups, dataclasses.replace(cfg, heads=n), o_dtype)
     run = _fused if cfg.pipeline == "fused" else _staged
     return run(fw, q, k, v, g, _by_step(beta, n), h0t, sched, save_states, keep)
 
@@ -529,7 +530,8 @@ def _staged(fw: _Forward, q, k, v, g, beta, h0t, sched, save_states, keep):
         functools.partial(_intra_kernel, tiles_for(fw.cfg), names),
         name="kda_intra",
         grid=(B, HV // n, NC),
-        in_specs=[_qk_spec(n, fw.groups, C, Kp, lambda b, h, c: (b, h, c))] * 2 + [spec3(Vp), spec3(Kp), _beta_spec(n, C, lambda b, h, c: (b, h, c))],
+        in_specs=[_qk_spec(n, fw.groups, C, Kp, lambda b, h, c: (b, h, c))] * 2
+        + [spec3(Vp), spec3(Kp), _beta_spec(n, C, lambda b, h, c: (b, h, c))],
         out_specs=[chunk_spec(n) for n in names],
         out_shape=[fw.shape(n) for n in names],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",) * 3, vmem_limit_bytes=vmem_limit()),
@@ -571,10 +573,11 @@ def _staged(fw: _Forward, q, k, v, g, beta, h0t, sched, save_states, keep):
     return o, final, (s_in if save_states else None), {n: kept[n] for n in keep}
 
 
-def _backward(q, k, v, g, beta, sched, S_in, kept, do, dfinal_t, dS_in, groups: int, cfg: Config):
+def _backward(q, k, v, g, beta, sched, S_in, kept, do, dfinal_t, dS_in, groups: int, cfg: Config, dv_dtype):
     """Cotangents of the padded inputs of :func:`_forward`, token-major ([B, L, heads, D]; dq, dk
-    summed over each group's value heads), dbeta [B, L, HV]. kept: {name: field} of the forward's (:func:`_forward`);
-    do: [B, L, HV Vp]; dfinal_t: [B, N, HV, Vp, Kp]; dS_in: cotangent of S_in or None."""
+    summed over each group's value heads; dv in dv_dtype, the others float32), dbeta [B, L, HV].
+    kept: {name: field} of the forward's (:func:`_forward`); do: [B, L, HV Vp]; dfinal_t:
+    [B, N, HV, Vp, Kp]; dS_in: cotangent of S_in or None."""
     B, HV, L, Vp = v.shape
     H, Kp = k.shape[1], k.shape[-1]
     NC = sched[0].shape[0]
@@ -604,7 +607,9 @@ def _backward(q, k, v, g, beta, sched, S_in, kept, do, dfinal_t, dS_in, groups: 
             out_specs=[tok(Kp), tok(Kp), tok(Vp), tok(Kp), by_step, st],
             scratch_shapes=[pltpu.VMEM((n, Vp, Kp), f32)],
         ),
-        out_shape=[jax.ShapeDtypeStruct((B, L, HV * d), f32) for d in (Kp, Kp, Vp, Kp)]
+        out_shape=[
+            jax.ShapeDtypeStruct((B, L, HV * d), t) for d, t in ((Kp, f32), (Kp, f32), (Vp, dv_dtype), (Kp, f32))
+        ]
         + [jax.ShapeDtypeStruct((B, HV // n, L, n), f32), jax.ShapeDtypeStruct(dfinal_t.shape, f32)],
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "arbitrary"), vmem_limit_bytes=vmem_limit()
@@ -622,22 +627,26 @@ def _if_empty(empty, x, y):
     return jnp.where(empty.reshape((1, -1) + (1,) * (x.ndim - 2)), x, y)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11))
-def _core(q, k, v, g, beta, h0t, sched, empty, groups, cfg, keep, states):
-    o, final, S_in, _ = _forward(q, k, v, g, beta, h0t, sched, groups, cfg, save_states=states, keep=())
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11, 12))
+def _core(q, k, v, g, beta, h0t, sched, empty, groups, cfg, keep, states, o_dtype):
+    o, final, S_in, _ = _forward(q, k, v, g, beta, h0t, sched, groups, cfg, states, (), o_dtype)
     return o, _if_empty(empty, h0t, final), S_in
 
 
-def _core_fwd(q, k, v, g, beta, h0t, sched, empty, groups, cfg, keep, states):
-    o, final, S_in, kept = _forward(q, k, v, g, beta, h0t, sched, groups, cfg, True, _KEPT if keep else _SAVED)
+def _core_fwd(q, k, v, g, beta, h0t, sched, empty, groups, cfg, keep, states, o_dtype):
+    o, final, S_in, kept = _forward(q, k, v, g, beta, h0t, sched, groups, cfg, True, _KEPT if keep else _SAVED, o_dtype)
     return (o, _if_empty(empty, h0t, final), S_in if states else None), (q, k, v, g, beta, sched, empty, S_in, kept)
 
 
-def _core_bwd(groups, cfg, keep, states, res, cts):
+def _core_bwd(groups, cfg, keep, states, o_dtype, res, cts):
     q, k, v, g, beta, sched, empty, S_in, kept = res
     do, dfinal_t, dS_in = cts
-    dq, dk, dv, dg, dbeta, dh0t = _backward(q, k, v, g, beta, sched, S_in, kept, do, dfinal_t, dS_in, groups, cfg)
-    dq, dk, dv, dg = (jnp.moveaxis(x, 2, 1) for x in (dq, dk, dv, dg))  # a layout change XLA drops (below)
+    # dv in the caller's dtype (v, unlike q, k, g and beta, reaches the op unchanged): XLA drops the
+    # cast back to float32 against the caller's cast to o_dtype, halving dv's write and relayout
+    dq, dk, dv, dg, dbeta, dh0t = _backward(
+        q, k, v, g, beta, sched, S_in, kept, do, dfinal_t, dS_in, groups, cfg, o_dtype
+    )
+    dq, dk, dv, dg = (jnp.moveaxis(x, 2, 1).astype(jnp.float32) for x in (dq, dk, dv, dg))  # XLA drops (below)
     return dq, dk, dv, dg, dbeta, _if_empty(empty, dfinal_t, dh0t), (None, None, None), None
 
 
@@ -684,7 +693,19 @@ def chunk_kda_pallas_tpu(
     i32 = jnp.int32
     sched = (layout.chunk_first.astype(i32), layout.chunk_last.astype(i32), layout.chunk_seq)
     o, final, S_in = _core(
-        qh, kh, vh, gh, bh, h0t, sched, layout.seq_empty, HV // H, cfg, disable_recompute, intermediate_states
+        qh,
+        kh,
+        vh,
+        gh,
+        bh,
+        h0t,
+        sched,
+        layout.seq_empty,
+        HV // H,
+        cfg,
+        disable_recompute,
+        intermediate_states,
+        jnp.dtype(input_dtype),
     )
     o = layout.unpack(o.reshape(*o.shape[:2], HV, Vp)[..., :V])
     final = jnp.swapaxes(final, -1, -2)[..., :K, :V]
