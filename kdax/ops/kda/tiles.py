@@ -273,13 +273,15 @@ class Tiles:
         decay spans step t: the cotangent of g_t, with no pair's terms cancelling."""
         return self._sum(lambda t, i: _straddle_steps(t, i, s), z)
 
-    def straddles(self, zs: dict) -> jax.Array:
-        """The sum of :meth:`straddle` (z, s) over {s: z} of every dyadic level; with BF16X3 or BF16X2
-        one 0/1 matmul over the concatenated contraction (levels, then parts, then rows), the
-        products of all levels accumulated on the MXU."""
+    def straddles(self, zs: dict, tail: tuple = ()) -> jax.Array:
+        """The sum of :meth:`straddle` (z, s) over {s: z} of every dyadic level, and with ``tail``
+        (a, b) the suffix sums of a (rows i >= t) and the exclusive prefix sums of b (rows i < t);
+        with BF16X3 or BF16X2 one 0/1 matmul over the concatenated contraction (levels and tail,
+        then parts, then rows), the products of all of them accumulated on the MXU."""
         ss, P = list(zs), _PARTS.get(self.sums)
         if not P or ss != dyadic_levels(zs[ss[0]].shape[-2]):
-            return sum(self.straddle(z, s) for s, z in zs.items())
+            out = sum(self.straddle(z, s) for s, z in zs.items())
+            return out + self.suffix_sums(tail[0]) + self.prefix_sums(tail[1], inclusive=False) if tail else out
         C = zs[ss[0]].shape[-2]
         L = C.bit_length() - 1
         t, j = _iota((C, P * C * len(ss)), 0), _iota((C, P * C * len(ss)), 1)
@@ -288,9 +290,15 @@ class Tiles:
         i = _in_block(j, C)
         lower = (t & ((C >> m) - 1)) >= (C >> (m + 1))
         same_half = (t >> (L - 1 - m)) == (i >> (L - 1 - m))
-        ones = _ones_where(same_half & ((lower & (i >= t)) | (~lower & (i < t)))).astype(jnp.bfloat16)
+        mask = same_half & ((lower & (i >= t)) | (~lower & (i < t)))
+        if tail:  # then a's parts (rows i >= t), b's (rows i < t): lane-aligned blocks
+            t, j = _iota((C, 2 * P * C), 0), _iota((C, 2 * P * C), 1)
+            i = _in_block(j, C)
+            mask = jnp.concatenate((mask, ((j < P * C) & (i >= t)) | ((j >= P * C) & (i < t))), axis=1)
+        ones = _ones_where(mask).astype(jnp.bfloat16)
         rhs = lambda *zs: jnp.concatenate([p for z in zs for p in split_bf16(z)[:P]], axis=-2)
-        return _by_head(lambda *zs: _mm(ones, rhs(*zs), ((1,), (0,)), lax.Precision.DEFAULT), *(zs[s] for s in ss))
+        terms = [zs[s] for s in ss] + list(tail)
+        return _by_head(lambda *zs: _mm(ones, rhs(*zs), ((1,), (0,)), lax.Precision.DEFAULT), *terms)
 
     def gate_terms(self, Kg: KeyGrads) -> jax.Array:
         """[C, BK]: the share of dg of the state-side terms, each summed over the steps it decays
@@ -396,13 +404,21 @@ class Tiles:
         (both transposed); do: [C, V]; the rest as :meth:`intra`.
         The formulas are those of docs/kda_xla.md (Backward)."""
         dv_new = self.t_dot(I.Aqk, do) + self.dot_t(I.k_d, dSt)
-        dS_in = self.t_dot(do, I.q_g) + dSt * I.decay - self.t_dot(dv_new, I.w)  # [V, K]
+        if self.stacked:  # [do; -dv_new] against [q_g; w] and against S: one matmul each
+            C = do.shape[-2]
+            D = jnp.concatenate((do, -dv_new), axis=-2)
+            dS_in = self.t_dot(D, jnp.concatenate((I.q_g, I.w), axis=-2)) + dSt * I.decay  # [V, K]
+            DS = self.dot(D, St)
+            s_ds = jnp.sum(St * dSt, axis=-2, keepdims=True)
+            P = StateProducts(DS[..., :C, :], self.dot(v_new, dSt), DS[..., C:, :], s_ds)
+        else:
+            dS_in = self.t_dot(do, I.q_g) + dSt * I.decay - self.t_dot(dv_new, I.w)  # [V, K]
+            P = self.state_products(St, dSt, do, v_new, dv_new)
         Vg = self.grads_values(I.T, I.u, v, do, v_new, dv_new)
-        P = self.state_products(St, dSt, do, v_new, dv_new)
         Kg = self.grads_keys(q, k, beta, I.G, I.R, I.T, I.w, P, Vg.d)
         dKkk, dbeta = self.grads_pairs(beta, I.Kkk, Kg.dAkk_w + Vg.dAkk_u, Vg.dbeta + Kg.dbeta)
-        dq_p, dk_p, dg_p = self.grads_levels(q, k, I.g, Vg.dAqk, dKkk)
-        dg = self.gate_terms(Kg) + dg_p
+        dq_p, dk_p, dg_p = self.grads_levels(q, k, I.g, Vg.dAqk, dKkk, (Kg.dG_start, Kg.dG_rest))
+        dg = dg_p + Kg.dG_end
         return Grads(Kg.dq + dq_p, Kg.dk + dk_p, beta * Vg.dbv, dg, dbeta, dS_in)
 
     def grads_values(self, T, u, v, do, v_new, dv_new) -> ValueGrads:
@@ -450,14 +466,15 @@ class Tiles:
         dAkk = jnp.where(_iota((C, C), 0) > _iota((C, C), 1), -dAkk_sum, 0.0)
         return beta * dAkk, dbeta_sum + self.rowsum(dAkk * Kkk)
 
-    def grads_levels(self, q, k, g, dAqk, dKkk):
+    def grads_levels(self, q, k, g, dAqk, dKkk, tail: tuple = ()):
         """Backward of the pairwise factorisation of Aqk and Kkk (:meth:`intra`), level by level,
         given their cotangents dAqk, dKkk [C, C] and the per-step log2 gates g: (dq, dk, dg)
         [C, K] each, dg the pairs' share of the cotangent of g (natural-log units), each pair's
         term summed over the steps its decay spans (:meth:`straddle`). Float32 operands
-        (:attr:`wide`) if ``wide_levels``."""
+        (:attr:`wide`) if ``wide_levels``. tail: (dG_start, dG_rest) of :class:`KeyGrads`, whose sums
+        (:meth:`gate_terms`, less dG_end) dg then includes, in the straddles' matmul when stacked."""
         wide = self.wide if self.wide_levels else self
-        dq = dk_p = dk_x = dg = jnp.zeros_like(k)  # dk_p: through the right factor k e, dk_x: the left
+        dq = dk = dg = jnp.zeros_like(k)
         C, zs = k.shape[-2], {}
         for s, (e, block) in self.levels(g).items():  # dQ, dK: zero outside the level's pairs, so e serves both sides
             dQ, dK = jnp.where(block, dAqk, 0.0), jnp.where(block, dKkk, 0.0)
@@ -465,19 +482,21 @@ class Tiles:
             if self.stacked:  # [dQ; dK] k e, and [dQ; dK]^T [q e; k e] (contraction 2C): two matmuls
                 D = jnp.concatenate((dQ, dK), axis=-2)
                 X = wide.dot(D, k_e)
-                dk_s = wide.t_dot(D, jnp.concatenate((q * e, k_e), axis=-2)) * e
-                dq_s, dkx_s = X[..., :C, :] * e, X[..., C:, :] * e
-                dq, dk_p, dk_x = dq + dq_s, dk_p + dk_s, dk_x + dkx_s
-                zs[s] = q * dq_s + k * (dkx_s + dk_s)
+                dq_s = X[..., :C, :] * e  # rows: lower halves
+                # k's share as the left factor (rows) and as the right (columns), scaled once
+                dk_s = (X[..., C:, :] + wide.t_dot(D, jnp.concatenate((q * e, k_e), axis=-2))) * e
+                dq, dk = dq + dq_s, dk + dk_s
+                zs[s] = q * dq_s + k * dk_s
                 continue
-            dq_s = wide.dot(dQ, k_e) * e  # rows: lower halves
-            dk_s = (wide.t_dot(dQ, q * e) + wide.t_dot(dK, k_e)) * e  # columns: upper halves
-            dkx_s = wide.dot(dK, k_e) * e  # rows
-            dq, dk_p, dk_x = dq + dq_s, dk_p + dk_s, dk_x + dkx_s
-            dg = dg + self.gate.straddle(q * dq_s + k * (dkx_s + dk_s), s)
+            dq_s = wide.dot(dQ, k_e) * e
+            dk_s = (wide.t_dot(dQ, q * e) + wide.t_dot(dK, k_e) + wide.dot(dK, k_e)) * e
+            dq, dk = dq + dq_s, dk + dk_s
+            dg = dg + self.gate.straddle(q * dq_s + k * dk_s, s)
         if zs:
-            dg = dg + self.gate.straddles(zs)
-        return dq, dk_p + dk_x, dg
+            dg = dg + self.gate.straddles(zs, tail)
+        elif tail:
+            dg = dg + self.gate.suffix_sums(tail[0]) + self.gate.prefix_sums(tail[1], inclusive=False)
+        return dq, dk, dg
 
 
 # ----------------------------------------------------------------------------- wrapper layout
