@@ -103,6 +103,10 @@ def _by_head(fn, *xs):
     return jnp.stack([fn(*(x[h] if x.ndim == 3 else x for x in xs)) for h in range(n)])
 
 
+def _plus(acc, x):  # acc + x, or x where there is no acc yet (None): a sum of zeros is a tile operation
+    return x if acc is None else acc + x
+
+
 def last_row(x):
     """[..., C, D] -> [..., 1, D], the last row, by a masked sum (no dynamic index inside a kernel)."""
     C = x.shape[-2]
@@ -417,9 +421,10 @@ class Tiles:
         Vg = self.grads_values(I.T, I.u, v, do, v_new, dv_new)
         Kg = self.grads_keys(q, k, beta, I.G, I.R, I.T, I.w, P, Vg.d)
         dKkk, dbeta = self.grads_pairs(beta, I.Kkk, Kg.dAkk_w + Vg.dAkk_u, Vg.dbeta + Kg.dbeta)
-        dq_p, dk_p, dg_p = self.grads_levels(q, k, I.g, Vg.dAqk, dKkk, (Kg.dG_start, Kg.dG_rest))
-        dg = dg_p + Kg.dG_end
-        return Grads(Kg.dq + dq_p, Kg.dk + dk_p, beta * Vg.dbv, dg, dbeta, dS_in)
+        dq, dk, dg = self.grads_levels(
+            q, k, I.g, Vg.dAqk, dKkk, (Kg.dG_start, Kg.dG_rest), acc=(Kg.dq, Kg.dk, Kg.dG_end)
+        )
+        return Grads(dq, dk, beta * Vg.dbv, dg, dbeta, dS_in)
 
     def grads_values(self, T, u, v, do, v_new, dv_new) -> ValueGrads:
         """The backward's terms of a block of value columns. u, v, do, v_new, dv_new: [C, BV]
@@ -466,15 +471,16 @@ class Tiles:
         dAkk = jnp.where(_iota((C, C), 0) > _iota((C, C), 1), -dAkk_sum, 0.0)
         return beta * dAkk, dbeta_sum + self.rowsum(dAkk * Kkk)
 
-    def grads_levels(self, q, k, g, dAqk, dKkk, tail: tuple = ()):
+    def grads_levels(self, q, k, g, dAqk, dKkk, tail: tuple = (), acc: tuple | None = None):
         """Backward of the pairwise factorisation of Aqk and Kkk (:meth:`intra`), level by level,
         given their cotangents dAqk, dKkk [C, C] and the per-step log2 gates g: (dq, dk, dg)
         [C, K] each, dg the pairs' share of the cotangent of g (natural-log units), each pair's
         term summed over the steps its decay spans (:meth:`straddle`). Float32 operands
         (:attr:`wide`) if ``wide_levels``. tail: (dG_start, dG_rest) of :class:`KeyGrads`, whose sums
-        (:meth:`gate_terms`, less dG_end) dg then includes, in the straddles' matmul when stacked."""
+        (:meth:`gate_terms`, less dG_end) dg then includes, in the straddles' matmul when stacked.
+        acc: (dq, dk, dg) the results start from (None: none; dg may be a [1, K] row)."""
         wide = self.wide if self.wide_levels else self
-        dq = dk = dg = jnp.zeros_like(k)
+        dq, dk, dg = acc or (None, None, None)  # None: the first term, no addition of zeros
         C, zs = k.shape[-2], {}
         for s, (e, block) in self.levels(g).items():  # dQ, dK: zero outside the level's pairs, so e serves both sides
             dQ, dK = jnp.where(block, dAqk, 0.0), jnp.where(block, dKkk, 0.0)
@@ -485,17 +491,17 @@ class Tiles:
                 dq_s = X[..., :C, :] * e  # rows: lower halves
                 # k's share as the left factor (rows) and as the right (columns), scaled once
                 dk_s = (X[..., C:, :] + wide.t_dot(D, jnp.concatenate((q * e, k_e), axis=-2))) * e
-                dq, dk = dq + dq_s, dk + dk_s
+                dq, dk = _plus(dq, dq_s), _plus(dk, dk_s)
                 zs[s] = q * dq_s + k * dk_s
                 continue
             dq_s = wide.dot(dQ, k_e) * e
             dk_s = (wide.t_dot(dQ, q * e) + wide.t_dot(dK, k_e) + wide.dot(dK, k_e)) * e
-            dq, dk = dq + dq_s, dk + dk_s
-            dg = dg + self.gate.straddle(q * dq_s + k * dk_s, s)
+            dq, dk = _plus(dq, dq_s), _plus(dk, dk_s)
+            dg = _plus(dg, self.gate.straddle(q * dq_s + k * dk_s, s))
         if zs:
-            dg = dg + self.gate.straddles(zs, tail)
+            dg = _plus(dg, self.gate.straddles(zs, tail))
         elif tail:
-            dg = dg + self.gate.suffix_sums(tail[0]) + self.gate.prefix_sums(tail[1], inclusive=False)
+            dg = _plus(dg, self.gate.suffix_sums(tail[0]) + self.gate.prefix_sums(tail[1], inclusive=False))
         return dq, dk, dg
 
 
