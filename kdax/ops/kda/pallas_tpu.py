@@ -174,13 +174,24 @@ def _join(ref, x, first: int = 0):
         ref[0, :, (first + i) * D : (first + i + 1) * D] = x[i].astype(ref.dtype)
 
 
+def _first_head(n: int, HV: int):
+    """The value head a grid step's n heads start at (axis 1 of every chunk grid: blocks of n)."""
+    return 0 if n == HV else pl.program_id(1) * n
+
+
 def _chunk_inputs(q_ref, k_ref, v_ref, g_ref, b_ref, hs=ALL):
     """The (q, k, v, g in log2 units, beta) [m, C, D] of the step's value heads hs from their
-    [1, heads, C, D] blocks (beta [m, C, 1]: the heads' columns of its [1, 1, C, n] block)."""
+    [1, heads, C, D] blocks (beta [m, C, 1]: the heads' columns of the [1, 1, C, HV] block of
+    every head's, :func:`_beta_spec`)."""
     n = v_ref.shape[1]
     q, k = _heads(q_ref[0], n)[hs], _heads(k_ref[0], n)[hs]
     b = b_ref[0, 0]
-    beta = jnp.stack([b[:, i : i + 1] for i in range(n)[hs]])
+    head0 = _first_head(n, b.shape[-1])
+    if isinstance(head0, int):
+        beta = jnp.stack([b[:, i : i + 1] for i in range(n)[hs]])
+    else:  # a column at a traced lane: its one nonzero kept by a mask, summed over the lanes (exact)
+        lanes = lax.broadcasted_iota(jnp.int32, b.shape, 1)
+        beta = jnp.stack([jnp.sum(jnp.where(lanes == head0 + i, b, 0.0), -1, keepdims=True) for i in range(n)[hs]])
     return q, k, v_ref[0, hs], g_ref[0, hs] * LOG2E, beta
 
 
@@ -247,7 +258,7 @@ def _bwd_kernel(
 
     n_heads = v_ref.shape[1]
     lanes = lax.broadcasted_iota(jnp.int32, db_ref.shape[2:], 1)
-    dbeta = jnp.zeros(db_ref.shape[2:], jnp.float32)
+    dbeta, head0 = jnp.zeros(db_ref.shape[2:], jnp.float32), _first_head(n_heads, db_ref.shape[-1])
     for hs in _lockstep(n_heads, lockstep):
         q, k, v, g, beta = _chunk_inputs(q_ref, k_ref, v_ref, g_ref, b_ref, hs)
         S = s_ref[0, hs, 0]
@@ -262,8 +273,8 @@ def _bwd_kernel(
         r = tiles.grads(q, k, v, beta, I, v_new, S, _split(do_ref, hs, v.shape[-1]), dSt[hs])
         for ref, x in zip((dq_ref, dk_ref, dv_ref, dg_ref), (r.dq, r.dk, r.dv, r.dg)):
             _join(ref, x, hs.start)
-        for i, x in zip(range(n_heads)[hs], r.dbeta):  # column i of the [C, n] dbeta block
-            dbeta = jnp.where(lanes == i, x, dbeta)
+        for i, x in zip(range(n_heads)[hs], r.dbeta):  # the head's column of the [C, HV] dbeta block
+            dbeta = jnp.where(lanes == head0 + i, x, dbeta)
         dS_in = r.dS_in if dh_ref is None else r.dS_in + dh_ref[0, hs, 0]
         dSt[hs] = dS_in
 
@@ -299,21 +310,18 @@ def _qk_spec(n: int, groups: int, C: int, Kp: int, where):
     return pl.BlockSpec((1, max(n // groups, 1), C, Kp), index)
 
 
-def _by_step(x, n: int):
-    """[B, L, HV] -> [B, HV / n, L, n]: the n value heads of each grid step side by side (beta, dbeta;
-    ``(8, 128)`` tiles of [B, HV, L, 1] would pad each value to a lane tile)."""
-    B, L, HV = x.shape
-    return jnp.moveaxis(x.reshape(B, L, HV // n, n), 2, 1)
-
-
-def _beta_spec(n: int, C: int, where):
-    """The [1, 1, C, n] block of beta or dbeta (:func:`_by_step`); where: grid indices -> (b, head block, chunk)."""
+def _beta_spec(HV: int, C: int, where):
+    """A [1, 1, C, HV] block of beta, [B, 1, L, HV] (every step reads all heads' betas, the tokens'
+    row as it comes), or of dbeta, [B, HV / n, L, HV] (a step writes its heads' columns, zeros
+    elsewhere; summed over axis 1 in XLA). A block of n columns would need a transpose in XLA
+    to [B, HV / n, L, n], a copy for float32 whose loops the compile report cannot bound.
+    where: grid indices -> (b, block, chunk)."""
 
     def index(*grid):
         b, h, c = where(*grid)
         return (b, h, c, 0)
 
-    return pl.BlockSpec((1, 1, C, n), index)
+    return pl.BlockSpec((1, 1, C, HV), index)
 
 
 def _tokens(C: int, width: int, n: int, where):
@@ -429,8 +437,8 @@ class _Forward:
     def spec(self, width):  # a [n, C, width] block of chunk c, all columns
         return pl.BlockSpec((1, self.n, self.C, width), lambda b, h, vb, c, *_: (b, h, c, 0))
 
-    def beta(self):  # beta [C, n] (:func:`_by_step`) of chunk c
-        return _beta_spec(self.n, self.C, lambda b, h, vb, c, *_: (b, h, c))
+    def beta(self):  # every head's beta [C, HV] of chunk c (:func:`_beta_spec`)
+        return _beta_spec(self.HV, self.C, lambda b, h, vb, c, *_: (b, 0, c))
 
     def v_block(self):  # a [n, C, BV] block of chunk c, value columns of V-block vb
         return pl.BlockSpec((1, self.n, self.C, self.BV), lambda b, h, vb, c, *_: (b, h, c, vb))
@@ -478,7 +486,7 @@ def _forward(q, k, v, g, beta, h0t, sched, groups: int, cfg: Config, save_states
     n = 1 if cfg.block_v < Vp else heads_per_step(HV, groups, L // sched[0].shape[0], Kp, Vp, cfg, kernel, B)
     fw = _Forward(B, HV, L, sched[0].shape[0], Kp, Vp, cfg.block_v, groups, dataclasses.replace(cfg, heads=n), o_dtype)
     run = _fused if cfg.pipeline == "fused" else _staged
-    return run(fw, q, k, v, g, _by_step(beta, n), h0t, sched, save_states, keep)
+    return run(fw, q, k, v, g, beta[:, None], h0t, sched, save_states, keep)
 
 
 def _fused(fw: _Forward, q, k, v, g, beta, h0t, sched, save_states, keep):
@@ -531,7 +539,7 @@ def _staged(fw: _Forward, q, k, v, g, beta, h0t, sched, save_states, keep):
         name="kda_intra",
         grid=(B, HV // n, NC),
         in_specs=[_qk_spec(n, fw.groups, C, Kp, lambda b, h, c: (b, h, c))] * 2
-        + [spec3(Vp), spec3(Kp), _beta_spec(n, C, lambda b, h, c: (b, h, c))],
+        + [spec3(Vp), spec3(Kp), _beta_spec(HV, C, lambda b, h, c: (b, 0, c))],
         out_specs=[chunk_spec(n) for n in names],
         out_shape=[fw.shape(n) for n in names],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",) * 3, vmem_limit_bytes=vmem_limit()),
@@ -590,7 +598,8 @@ def _backward(q, k, v, g, beta, sched, S_in, kept, do, dfinal_t, dS_in, groups: 
         return pl.BlockSpec((1, n, rows, d), lambda b, h, c, *_: (b, h, NC - 1 - c, 0))
 
     tok = lambda d: _tokens(C, d, n, lambda b, h, c, *_: (b, h, NC - 1 - c))
-    by_step = _beta_spec(n, C, lambda b, h, c, *_: (b, h, NC - 1 - c))
+    beta_in = _beta_spec(HV, C, lambda b, h, c, *_: (b, 0, NC - 1 - c))
+    dbeta_out = _beta_spec(HV, C, lambda b, h, c, *_: (b, h, NC - 1 - c))
 
     qk = _qk_spec(n, groups, C, Kp, lambda b, h, c, *_: (b, h, NC - 1 - c))
     st = pl.BlockSpec((1, 1, n, Vp, Kp), lambda b, h, c, first, last, seq: (b, seq[NC - 1 - c], h, 0, 0))
@@ -603,22 +612,22 @@ def _backward(q, k, v, g, beta, sched, S_in, kept, do, dfinal_t, dS_in, groups: 
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=3,
             grid=(B, HV // n, NC),
-            in_specs=[qk, qk, spec(Vp), spec(Kp), by_step, sin, tok(Vp), st] + [sin] * len(dh) + fields,
-            out_specs=[tok(Kp), tok(Kp), tok(Vp), tok(Kp), by_step, st],
+            in_specs=[qk, qk, spec(Vp), spec(Kp), beta_in, sin, tok(Vp), st] + [sin] * len(dh) + fields,
+            out_specs=[tok(Kp), tok(Kp), tok(Vp), tok(Kp), dbeta_out, st],
             scratch_shapes=[pltpu.VMEM((n, Vp, Kp), f32)],
         ),
         out_shape=[
             jax.ShapeDtypeStruct((B, L, HV * d), t) for d, t in ((Kp, f32), (Kp, f32), (Vp, dv_dtype), (Kp, f32))
         ]
-        + [jax.ShapeDtypeStruct((B, HV // n, L, n), f32), jax.ShapeDtypeStruct(dfinal_t.shape, f32)],
+        + [jax.ShapeDtypeStruct((B, HV // n, L, HV), f32), jax.ShapeDtypeStruct(dfinal_t.shape, f32)],
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "arbitrary"), vmem_limit_bytes=vmem_limit()
         ),
         interpret=_interpret(cfg),
-    )(*sched, q, k, v, g, _by_step(beta, n), S_in, do, dfinal_t, *dh, *kept.values())
+    )(*sched, q, k, v, g, beta[:, None], S_in, do, dfinal_t, *dh, *kept.values())
     dq, dk = (x.reshape(B, L, H, groups, Kp).sum(3) for x in (dq, dk))
     dv, dg = dv.reshape(B, L, HV, Vp), dg.reshape(B, L, HV, Kp)
-    return dq, dk, dv, dg, jnp.moveaxis(dbeta, 1, 2).reshape(B, L, HV), dh0t
+    return dq, dk, dv, dg, dbeta.sum(1), dh0t
 
 
 def _if_empty(empty, x, y):
@@ -688,7 +697,7 @@ def chunk_kda_pallas_tpu(
         raise ValueError(f"config.heads: with block_v below V a grid step takes one value head, got {cfg.heads}")
     qh, kh, gh = (head_major(layout, x, Kp) for x in (q, k, g))
     vh = head_major(layout, v, Vp)
-    bh = layout.pack(beta)  # [B, L, HV]: each kernel takes its heads side by side (_by_step)
+    bh = layout.pack(beta)  # [B, L, HV]: every step reads all heads' (_beta_spec)
     h0t = pad_last(jnp.swapaxes(pad_last(h0, Vp), -1, -2), Kp)  # [B, N, HV, Vp, Kp]
     i32 = jnp.int32
     sched = (layout.chunk_first.astype(i32), layout.chunk_last.astype(i32), layout.chunk_seq)
