@@ -3,6 +3,8 @@ are argparse's one-line errors naming the flag."""
 
 import json
 
+import pytest
+
 from kdax.cli import main
 from tests.tolerances import F32, F64
 
@@ -123,3 +125,25 @@ def test_bench_reference_is_the_float64_scan_to_1e_10():
             (fx, bx), (fn, bn) = _fns("xla", 64), _fns("naive", 64)
             assert rel_rms(fx(*args), fn(*args)) < F64["out"]
             assert max(rel_rms(x, y) for x, y in zip(bx(*args), bn(*args))) < F64["out"]
+
+
+def test_bench_times_tokamax_beside_kdax():
+    """--peers tokamax: tokamax's KDA on the same inputs in its [H, B, T, D] layout, its outputs
+    moved back for the error column (here its token recurrence; on a TPU its Mosaic kernels)."""
+    pytest.importorskip("tokamax")
+    from kdax.bench.kda import run
+
+    shape = {"B": 1, "T": 40, "H": 2, "K": 8, "V": 8}
+    rows = run(**shape, backends=("xla",), repeats=1, progress=False, peers=("tokamax",), tokamax_implementation="xla")
+    assert [(r.backend, r.mode) for r in rows] == [(b, m) for b in ("xla", "tokamax") for m in ("fwd", "fwd+bwd")]
+    assert all(r.rel_err < F32["grad"] for r in rows), rows
+
+
+def test_bench_peer_needs_tokamax(capsys):
+    import importlib.util
+
+    if importlib.util.find_spec("tokamax") is not None:
+        pytest.skip("tokamax is installed")
+    with pytest.raises(SystemExit) as exit:
+        main(["bench", *TINY, "--peers", "tokamax"])
+    assert exit.value.code == 2 and "--peers: tokamax is not installed" in capsys.readouterr().err

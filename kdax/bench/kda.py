@@ -1,14 +1,17 @@
-"""KDA benchmark: every available backend and the naive scan on the same inputs.
+"""KDA benchmark: every available backend and the naive scan on the same inputs, and peers.
 
 Times forward and forward+backward (median over repeats, after a compile-and-warm-up
 call), and the relative RMS error of each against chunk_kda's xla backend in float64 (which the
-tests hold to the float64 token-by-token scan within 1e-10).
+tests hold to the float64 token-by-token scan within 1e-10). Peers (:data:`PEERS`): tokamax's
+KDA (``tokamax.ops.kimi_delta_attention``, Python >= 3.12: ``pip install -e ".[tpu-peers]"``),
+on the same inputs moved to its ``[H, B, T, D]`` layout before the timed calls.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
 import json
 import resource
 
@@ -23,6 +26,7 @@ from kdax.bench.measure import rel_rms, time_calls
 from kdax.ops.common.dispatch import BACKENDS
 
 GRAD_ARGS = ("q", "k", "v", "g", "beta")
+PEERS = ("tokamax",)  # its Pallas Mosaic TPU kernels ("mosaic"; TPU only)
 
 
 @dataclasses.dataclass
@@ -47,17 +51,32 @@ def make_inputs(B, T, H, K, V, dtype, seed=0):
     return [jnp.asarray(x, dtype) for x in (q, k, v, g, beta)]
 
 
+def _loss_and_grad(op):
+    def loss(*a):  # cotangent do = o: as cheap as it gets, and not structured
+        return 0.5 * jnp.sum(jnp.square(op(*a).astype(jnp.float32)))
+
+    return jax.jit(op), jax.jit(jax.grad(loss, argnums=tuple(range(5))))
+
+
 def _fns(backend: str, chunk_size: int):
     if backend == "naive":
         op = lambda *a: kdax.naive_recurrent_kda(*a)[0]
     else:
         op = lambda *a: kdax.chunk_kda(*a, chunk_size=chunk_size, backend=backend)[0]
-    fwd = jax.jit(op)
+    return _loss_and_grad(op)
 
-    def loss(*a):  # cotangent do = o: as cheap as it gets, and not structured
-        return 0.5 * jnp.sum(jnp.square(op(*a).astype(jnp.float32)))
 
-    return fwd, jax.jit(jax.grad(loss, argnums=tuple(range(5))))
+def _peer(name: str, args, implementation: str = "mosaic"):
+    """(fwd, fwd+bwd, its inputs, a map of its outputs to kdax's layout) of peer ``name``: tokamax's
+    KDA with ``implementation`` ("mosaic", its TPU kernels; "xla", its token recurrence)."""
+    try:
+        import tokamax
+    except ImportError as e:
+        raise ValueError(f"peers: {name!r} needs tokamax (Python >= 3.12, pip install 'kdax[tpu-peers]'): {e}") from e
+    op = lambda *a: tokamax.ops.kimi_delta_attention(*a, implementation=implementation)[0]
+    heads_first = [jnp.moveaxis(x, 2, 0) for x in args]  # [B, T, H, ...] -> [H, B, T, ...]
+    back = lambda x: np.moveaxis(np.asarray(x), 0, 2)
+    return *_loss_and_grad(op), heads_first, lambda out: jax.tree.map(back, out)
 
 
 def run(
@@ -72,22 +91,27 @@ def run(
     repeats=5,
     check_error=True,
     progress=True,
+    peers=(),
+    tokamax_implementation="mosaic",
 ) -> list[Row]:
-    """Benchmark the given backends on one shape; returns one Row per backend and mode."""
+    """Benchmark the given backends and peers (:data:`PEERS`) on one shape; returns one Row per
+    backend or peer and mode. ``tokamax_implementation``: tokamax's "mosaic" (TPU) or "xla"."""
     args = make_inputs(B, T, H, K, V, jnp.dtype(dtype))
     shape = f"B={B} T={T} H={H} K={K} V={V} {dtype}"
     ref_o = ref_g = None
-    steps = len(backends) * 2 + (1 if check_error else 0)
+    same = lambda out: jax.tree.map(np.asarray, out)
+    runs = [(b, *_fns(b, chunk_size), args, same) for b in backends]
+    runs += [(p, *_peer(p, args, tokamax_implementation)) for p in peers]
+    steps = len(runs) * 2 + (1 if check_error else 0)
     bar = tqdm(total=steps, desc="kdax bench", disable=not progress, leave=False)
     timings, rows, outputs = {}, [], {}
-    for backend in backends:
-        fwd, bwd = _fns(backend, chunk_size)
+    for backend, fwd, bwd, inputs, to_kdax in runs:
         for mode, f in (("fwd", fwd), ("fwd+bwd", bwd)):
             bar.set_postfix_str(f"{backend} {mode}: compiling, then {repeats} timed calls")
-            med, p25, p75 = time_calls(functools.partial(f, *args), repeats)
+            med, p25, p75 = time_calls(functools.partial(f, *inputs), repeats)
             timings[backend, mode] = med
             if check_error:
-                outputs[backend, mode] = jax.tree.map(np.asarray, f(*args))
+                outputs[backend, mode] = to_kdax(f(*inputs))
             rows.append(Row(shape, backend, mode, med, (p25, p75), None, None))
             bar.update()
     if check_error:  # the chunked form in float64: the float64 scan's gradient would store a state a token
@@ -168,6 +192,7 @@ def register(sub) -> None:
     p.add_argument("--dtype", default="float32", choices=flags.DTYPES, help="input dtype")
     p.add_argument("--chunk-size", type=int, default=64, choices=(16, 32, 64, 128), help="chunk_size of chunk_kda")
     p.add_argument("--backends", type=flags.names(BACKENDS), default=("xla", "naive"), help="backends to time")
+    p.add_argument("--peers", type=flags.names(PEERS), default=(), help="peers to time beside them (module docstring)")
     p.add_argument("--no-error", action="store_true", help="skip the float64 reference")
     flags.output(p, repeats=5)
     m = flags.command(
@@ -178,6 +203,10 @@ def register(sub) -> None:
 
 
 def _table(ns, parser) -> int:
+    if "tokamax" in ns.peers and importlib.util.find_spec("tokamax") is None:
+        parser.error("--peers: tokamax is not installed (Python >= 3.12: pip install -e '.[tpu-peers]')")
+    if "tokamax" in ns.peers and jax.default_backend() != "tpu":
+        parser.error(f"--peers: tokamax's Mosaic kernels need a TPU, this process runs on {jax.default_backend()}")
     shape = {d: getattr(ns, d) for d in DEFAULT_SHAPE}
     rows = run(
         **shape,
@@ -187,6 +216,7 @@ def _table(ns, parser) -> int:
         repeats=ns.repeats,
         check_error=not ns.no_error,
         progress=not ns.json,
+        peers=ns.peers,
     )
     auto, why = kdax.explain_backend(jnp.dtype(ns.dtype), ns.chunk_size)
     lines = []
