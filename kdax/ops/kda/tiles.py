@@ -418,23 +418,35 @@ class Tiles:
         else:
             dS_in = self.t_dot(do, I.q_g) + dSt * I.decay - self.t_dot(dv_new, I.w)  # [V, K]
             P = self.state_products(St, dSt, do, v_new, dv_new)
-        Vg = self.grads_values(I.T, I.u, v, do, v_new, dv_new)
-        Kg = self.grads_keys(q, k, beta, I.G, I.R, I.T, I.w, P, Vg.d)
-        dKkk, dbeta = self.grads_pairs(beta, I.Kkk, Kg.dAkk_w + Vg.dAkk_u, Vg.dbeta + Kg.dbeta)
+        if self.stacked:  # T^T [dw dv_new] and [dbk_g dbv] [w u]^T: one matmul each, K + V wide
+            K = q.shape[-1]
+            TB = self.t_dot(I.T, jnp.concatenate((P.dw, dv_new), axis=-1))
+            Vg = self.grads_values(I.T, None, v, do, v_new, None, dbv=TB[..., K:])
+            Kg = self.grads_keys(q, k, beta, I.G, I.R, I.T, None, P, Vg.d, dbk_g=TB[..., :K])
+            dAkk_sum = self.dot_t(TB, jnp.concatenate((I.w, I.u), axis=-1))
+        else:
+            Vg = self.grads_values(I.T, I.u, v, do, v_new, dv_new)
+            Kg = self.grads_keys(q, k, beta, I.G, I.R, I.T, I.w, P, Vg.d)
+            dAkk_sum = Kg.dAkk_w + Vg.dAkk_u
+        dKkk, dbeta = self.grads_pairs(beta, I.Kkk, dAkk_sum, Vg.dbeta + Kg.dbeta)
         dq, dk, dg = self.grads_levels(
             q, k, I.g, Vg.dAqk, dKkk, (Kg.dG_start, Kg.dG_rest), acc=(Kg.dq, Kg.dk, Kg.dG_end)
         )
         return Grads(dq, dk, beta * Vg.dbv, dg, dbeta, dS_in)
 
-    def grads_values(self, T, u, v, do, v_new, dv_new) -> ValueGrads:
+    def grads_values(self, T, u, v, do, v_new, dv_new, dbv=None) -> ValueGrads:
         """The backward's terms of a block of value columns. u, v, do, v_new, dv_new: [C, BV]
-        (dv_new the cotangent of v_new = u - w S); T as :class:`Intra`."""
+        (dv_new the cotangent of v_new = u - w S); T as :class:`Intra`. dbv: T^T dv_new if taken
+        already (then dAkk_u is the caller's, None here, and u and dv_new are not read)."""
         C = T.shape[-1]
         i, j = _iota((C, C), 0), _iota((C, C), 1)
         dAqk = jnp.where(i >= j, self.dot_t(do, v_new), 0.0)
-        dbv = self.t_dot(T, dv_new)  # (I + Akk)^-T du
+        dAkk_u = None
+        if dbv is None:
+            dbv = self.t_dot(T, dv_new)  # (I + Akk)^-T du
+            dAkk_u = self.dot_t(dbv, u)
         d = self.rowsum(jnp.where(i == j, dAqk, 0.0))  # [C, 1] diagonal of dAqk
-        return ValueGrads(dAqk, self.dot_t(dbv, u), self.rowsum(v * dbv), dbv, d)
+        return ValueGrads(dAqk, dAkk_u, self.rowsum(v * dbv), dbv, d)
 
     def state_products(self, St, dSt, do, v_new, dv_new) -> StateProducts:
         """St, dSt: [BV, BK] blocks of the entering state and of the cotangent of the leaving
@@ -446,13 +458,17 @@ class Tiles:
             jnp.sum(St.astype(jnp.float32) * dSt, axis=-2, keepdims=True),
         )
 
-    def grads_keys(self, q, k, beta, G, R, T, w, P: StateProducts, d) -> KeyGrads:
+    def grads_keys(self, q, k, beta, G, R, T, w, P: StateProducts, d, dbk_g=None) -> KeyGrads:
         """The backward's terms of a block of key columns (every [C, BK] output is column by
         column; the [C, C] and [C, 1] ones are to be summed over blocks). q, k, G, R, w: [C, BK];
         P: :meth:`state_products` summed over every value column; d: [C, 1] from
-        :meth:`grads_values`; the rest as there."""
+        :meth:`grads_values`; the rest as there. dbk_g: T^T dw if taken already (then dAkk_w is
+        the caller's, None here, and T and w are not read)."""
         eG, e_d = jnp.exp2(G), jnp.exp2(R)
-        dbk_g = self.t_dot(T, P.dw)  # (I + Akk)^-T dw
+        dAkk_w = None
+        if dbk_g is None:
+            dbk_g = self.t_dot(T, P.dw)  # (I + Akk)^-T dw
+            dAkk_w = self.dot_t(dbk_g, w)
         dk_g = beta * dbk_g
         return KeyGrads(
             dq=eG * P.dq_g + d * k,
@@ -460,7 +476,7 @@ class Tiles:
             dG_start=q * eG * P.dq_g + k * eG * dk_g,
             dG_rest=k * e_d * P.dk_d,
             dG_end=jnp.exp2(last_row(G)) * P.s_ds,
-            dAkk_w=self.dot_t(dbk_g, w),
+            dAkk_w=dAkk_w,
             dbeta=self.rowsum(k * eG * dbk_g),
         )
 
