@@ -69,10 +69,10 @@ def _fns(backend: str, chunk_size: int):
 def _peer(name: str, args, implementation: str = "mosaic"):
     """(fwd, fwd+bwd, its inputs, a map of its outputs to kdax's layout) of peer ``name``: tokamax's
     KDA with ``implementation`` ("mosaic", its TPU kernels; "xla", its token recurrence)."""
-    try:
-        import tokamax
-    except ImportError as e:
-        raise ValueError(f"peers: {name!r} needs tokamax (Python >= 3.12, pip install 'kdax[tpu-peers]'): {e}") from e
+    if name not in PEERS:
+        raise ValueError(f"peers: expected names from {PEERS}, got {name!r}")
+    import tokamax  # the command checks it is installed (_table)
+
     op = lambda *a: tokamax.ops.kimi_delta_attention(*a, implementation=implementation)[0]
     heads_first = [jnp.moveaxis(x, 2, 0) for x in args]  # [B, T, H, ...] -> [H, B, T, ...]
     back = lambda x: np.moveaxis(np.asarray(x), 0, 2)

@@ -477,7 +477,7 @@ class _Forward:
 
 def _forward(q, k, v, g, beta, h0t, sched, groups: int, cfg: Config, save_states: bool, keep: tuple[str, ...], o_dtype):
     """Head-major padded inputs: q, k [B, H, L, Kp]; v [B, HV, L, Vp]; g [B, HV, L, Kp] (natural log);
-    beta [B, L, HV]; h0t [B, N, HV, Vp, Kp]; sched (first, last, seq) int32 [NC].
+    beta [B, 1, L, HV] (:func:`_beta_spec`); h0t [B, N, HV, Vp, Kp]; sched (first, last, seq) int32 [NC].
     Returns o [B, L, HV Vp] (token-major, in o_dtype), final [B, N, HV, Vp, Kp], S_in [B, HV, NC, Vp, Kp] or None, and
     {name: field} of the fields named in ``keep`` (:func:`_field`; _SAVED, _KEPT or none)."""
     B, HV, L, Vp = v.shape
@@ -486,7 +486,7 @@ def _forward(q, k, v, g, beta, h0t, sched, groups: int, cfg: Config, save_states
     n = 1 if cfg.block_v < Vp else heads_per_step(HV, groups, L // sched[0].shape[0], Kp, Vp, cfg, kernel, B)
     fw = _Forward(B, HV, L, sched[0].shape[0], Kp, Vp, cfg.block_v, groups, dataclasses.replace(cfg, heads=n), o_dtype)
     run = _fused if cfg.pipeline == "fused" else _staged
-    return run(fw, q, k, v, g, beta[:, None], h0t, sched, save_states, keep)
+    return run(fw, q, k, v, g, beta, h0t, sched, save_states, keep)
 
 
 def _fused(fw: _Forward, q, k, v, g, beta, h0t, sched, save_states, keep):
@@ -583,7 +583,7 @@ def _staged(fw: _Forward, q, k, v, g, beta, h0t, sched, save_states, keep):
 
 def _backward(q, k, v, g, beta, sched, S_in, kept, do, dfinal_t, dS_in, groups: int, cfg: Config, dv_dtype):
     """Cotangents of the padded inputs of :func:`_forward`, token-major ([B, L, heads, D]; dq, dk
-    summed over each group's value heads; dv in dv_dtype, the others float32), dbeta [B, L, HV].
+    summed over each group's value heads; dv in dv_dtype, the others float32), dbeta [B, 1, L, HV].
     kept: {name: field} of the forward's (:func:`_forward`); do: [B, L, HV Vp]; dfinal_t:
     [B, N, HV, Vp, Kp]; dS_in: cotangent of S_in or None."""
     B, HV, L, Vp = v.shape
@@ -624,10 +624,10 @@ def _backward(q, k, v, g, beta, sched, S_in, kept, do, dfinal_t, dS_in, groups: 
             dimension_semantics=("parallel", "parallel", "arbitrary"), vmem_limit_bytes=vmem_limit()
         ),
         interpret=_interpret(cfg),
-    )(*sched, q, k, v, g, beta[:, None], S_in, do, dfinal_t, *dh, *kept.values())
+    )(*sched, q, k, v, g, beta, S_in, do, dfinal_t, *dh, *kept.values())
     dq, dk = (x.reshape(B, L, H, groups, Kp).sum(3) for x in (dq, dk))
     dv, dg = dv.reshape(B, L, HV, Vp), dg.reshape(B, L, HV, Kp)
-    return dq, dk, dv, dg, dbeta.sum(1), dh0t
+    return dq, dk, dv, dg, dbeta.sum(1, keepdims=True), dh0t
 
 
 def _if_empty(empty, x, y):
@@ -650,8 +650,8 @@ def _core_fwd(q, k, v, g, beta, h0t, sched, empty, groups, cfg, keep, states, o_
 def _core_bwd(groups, cfg, keep, states, o_dtype, res, cts):
     q, k, v, g, beta, sched, empty, S_in, kept = res
     do, dfinal_t, dS_in = cts
-    # dv in the caller's dtype (v, unlike q, k, g and beta, reaches the op unchanged): XLA drops the
-    # cast back to float32 against the caller's cast to o_dtype, halving dv's write and relayout
+    # dv in the caller's dtype (v, unlike q, k, g and beta, reaches the op unchanged): the kernel
+    # writes, and XLA's relayout reads, half the bytes (static cycles, docs/kda_tpu.md, Precision)
     dq, dk, dv, dg, dbeta, dh0t = _backward(
         q, k, v, g, beta, sched, S_in, kept, do, dfinal_t, dS_in, groups, cfg, o_dtype
     )
@@ -697,7 +697,7 @@ def chunk_kda_pallas_tpu(
         raise ValueError(f"config.heads: with block_v below V a grid step takes one value head, got {cfg.heads}")
     qh, kh, gh = (head_major(layout, x, Kp) for x in (q, k, g))
     vh = head_major(layout, v, Vp)
-    bh = layout.pack(beta)  # [B, L, HV]: every step reads all heads' (_beta_spec)
+    bh = layout.pack(beta)[:, None]  # [B, 1, L, HV]: every step reads all heads' (_beta_spec)
     h0t = pad_last(jnp.swapaxes(pad_last(h0, Vp), -1, -2), Kp)  # [B, N, HV, Vp, Kp]
     i32 = jnp.int32
     sched = (layout.chunk_first.astype(i32), layout.chunk_last.astype(i32), layout.chunk_seq)

@@ -415,16 +415,15 @@ class Tiles:
             DS = self.dot(D, St)
             s_ds = jnp.sum(St * dSt, axis=-2, keepdims=True)
             P = StateProducts(DS[..., :C, :], self.dot(v_new, dSt), DS[..., C:, :], s_ds)
-        else:
-            dS_in = self.t_dot(do, I.q_g) + dSt * I.decay - self.t_dot(dv_new, I.w)  # [V, K]
-            P = self.state_products(St, dSt, do, v_new, dv_new)
-        if self.stacked:  # T^T [dw dv_new] and [dbk_g dbv] [w u]^T: one matmul each, K + V wide
+            # T^T [dw dv_new] and [dbk_g dbv] [w u]^T: one matmul each, K + V wide
             K = q.shape[-1]
             TB = self.t_dot(I.T, jnp.concatenate((P.dw, dv_new), axis=-1))
             Vg = self.grads_values(I.T, None, v, do, v_new, None, dbv=TB[..., K:])
             Kg = self.grads_keys(q, k, beta, I.G, I.R, I.T, None, P, Vg.d, dbk_g=TB[..., :K])
             dAkk_sum = self.dot_t(TB, jnp.concatenate((I.w, I.u), axis=-1))
         else:
+            dS_in = self.t_dot(do, I.q_g) + dSt * I.decay - self.t_dot(dv_new, I.w)  # [V, K]
+            P = self.state_products(St, dSt, do, v_new, dv_new)
             Vg = self.grads_values(I.T, I.u, v, do, v_new, dv_new)
             Kg = self.grads_keys(q, k, beta, I.G, I.R, I.T, I.w, P, Vg.d)
             dAkk_sum = Kg.dAkk_w + Vg.dAkk_u
