@@ -36,7 +36,18 @@ from kdax.ops.common import dispatch
 from kdax.ops.common.arrays import LOG2E, pad_last, round_up
 from kdax.ops.common.varlen import ChunkLayout
 from kdax.ops.kda import decode
-from kdax.ops.kda.tiles import BF16_HIGH, BF16X2, BF16X3, Intra, Tiles, chunk_states, gated, head_major, last_row
+from kdax.ops.kda.tiles import (
+    BF16_HIGH,
+    BF16X2,
+    BF16X3,
+    Intra,
+    Tiles,
+    chunk_states,
+    gated,
+    head_major,
+    last_row,
+    unpair,
+)
 
 LANE = 128
 ALL = slice(None)  # all of a step's heads
@@ -103,8 +114,9 @@ def tiles_for(cfg: Config) -> Tiles:
             stacked=True,
             wide_levels=False,
             gate_sums=BF16X2,
+            paired=True,
         )
-    return Tiles(precision=hi, sums=BF16X3, stacked=True)
+    return Tiles(precision=hi, sums=BF16X3, stacked=True, paired=True)
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -150,9 +162,11 @@ _STAGED = ("Aqk", "w", "u", "q_g", "k_d", "decay")
 
 def _put_fields(refs, names, I: Intra, v_new=None):
     """Write the named fields of I (and v_new) into the [1, n, rows, D] blocks refs; decay
-    [n, 1, K] is broadcast over its block's 8 rows."""
+    [n, 1, K] is broadcast over its block's 8 rows, paired heads' [C, C] tiles written head by head."""
     for ref, name in zip(refs, names):
         x = v_new if name == "v_new" else getattr(I, name)
+        if name in _SAVED and x.shape[0] != ref.shape[1]:  # heads in pairs (Tiles.paired), written head by head
+            x = unpair(x)
         ref[0] = jnp.broadcast_to(x, ref.shape[1:]).astype(ref.dtype)
 
 
@@ -213,7 +227,7 @@ def _fused_kernel(
     if save_states:
         outs[0][0, :, 0] = S
     _put_fields(outs[save_states:], names, I, v_new)
-    _join(o_ref, tiles.dot_t(I.q_g, S) + tiles.dot(I.Aqk, v_new))
+    _join(o_ref, tiles.dot_t(I.q_g, S) + tiles.apply(I.Aqk, v_new))
 
 
 def _intra_kernel(tiles, names, q_ref, k_ref, v_ref, g_ref, b_ref, *out_refs):

@@ -107,6 +107,38 @@ def _plus(acc, x):  # acc + x, or x where there is no acc yet (None): a sum of z
     return x if acc is None else acc + x
 
 
+def _bd(P):
+    """A pair of heads' tiles side by side, ``P = [P_a | P_b]`` ([..., R, 2C]), as the block diagonal
+    [[P_a, 0], [0, P_b]] ([..., 2R, 2C]): ``[X_a | X_b] @ _bd(P)`` is ``[X_a P_a | X_b P_b]`` and
+    ``_bd(P) @ [Y_a; Y_b]`` is ``[P_a Y_a; P_b Y_b]``, both heads' products in one matmul."""
+    left = _iota(P.shape[-2:], 1) < P.shape[-1] // 2
+    return jnp.concatenate((jnp.where(left, P, 0.0), jnp.where(left, 0.0, P)), axis=-2)
+
+
+def _pair_iotas(M):
+    """(row, column) iotas of M's [R, C] tiles, or of [R, 2C] pairs of heads (:attr:`Tiles.paired`):
+    the column within its head's tile (C a power of two)."""
+    R, W = M.shape[-2:]
+    return _iota((R, W), 0), _in_block(_iota((R, W), 1), min(W, R))
+
+
+def _pair_heads(x, width: int):
+    """[n, R, 1] per-head values -> [n / 2, R, width]: head 2p's on the left half of pair p's lanes,
+    head 2p + 1's on the right."""
+    left = _iota((x.shape[-2], width), 1) < width // 2
+    return jnp.stack([jnp.where(left, x[2 * p], x[2 * p + 1]) for p in range(x.shape[0] // 2)])
+
+
+def _is_pairs(M, X) -> bool:  # M holds X's heads in pairs (M [n / 2, ...], X [n, ...])
+    return M.ndim == 3 and X.ndim == 3 and 2 * M.shape[0] == X.shape[0]
+
+
+def unpair(P):
+    """[m, C, 2C] pairs of heads' [C, C] tiles side by side -> [2m, C, C], head by head."""
+    C = P.shape[-1] // 2
+    return jnp.stack([x for p in range(P.shape[0]) for x in (P[p, :, :C], P[p, :, C:])])
+
+
 def last_row(x):
     """[..., C, D] -> [..., 1, D], the last row, by a masked sum (no dynamic index inside a kernel)."""
     C = x.shape[-2]
@@ -205,7 +237,11 @@ class Tiles:
     its errors, unlike the inverse's, feed no later row). gate_sums: the precision of the 0/1 sums
     of the gate's cotangent (:meth:`straddles`, :meth:`gate_terms`), if not ``sums``: on a TPU with
     bfloat16 inputs :data:`BF16X2`, each term to 16 bits, still summed with no cancellation. Every
-    method also takes stacks of tiles [n, C, D] (several heads at once), tile by tile."""
+    method also takes stacks of tiles [n, C, D] (several heads at once), tile by tile. paired: with
+    an even number of heads and 2C <= 128, :meth:`intra` keeps the [C, C] tiles (Aqk, Kkk, T) of two
+    heads side by side, [n / 2, C, 2C] (TPU: a [64, 64] float32 tile fills half of each vreg's
+    lanes, and a matmul's [64, 64] result half of each result pop); :meth:`apply` takes either form,
+    :func:`unpair` gives the heads'."""
 
     precision: lax.Precision | lax.DotAlgorithmPreset = _HIGHEST
     matmul_reductions: bool = True
@@ -215,6 +251,7 @@ class Tiles:
     stacked: bool = False
     wide_levels: bool = True
     gate_sums: lax.Precision | lax.DotAlgorithmPreset | str | None = None
+    paired: bool = False
 
     @property
     def gate(self) -> Tiles:  # the sums of the gate's cotangent, at gate_sums
@@ -352,32 +389,40 @@ class Tiles:
         masked-out entries only add exact zeros. At :data:`BF16_HIGH` the doubling runs at the bulk
         matmuls' precision and one Newton step T <- T + T (I - M T), M = I + strict_lower(A), its
         residual at BF16_HIGH, squares its error: 2.6e-5 to 6.2e-5 relative where the doubling alone
-        leaves 5e-3 to 8e-3 and BF16_HIGH throughout 1e-5 (cond(M) 34-79), in half the passes."""
-        C = A.shape[-1]
-        i, j = _iota((C, C), 0), _iota((C, C), 1)
+        leaves 5e-3 to 8e-3 and BF16_HIGH throughout 1e-5 (cond(M) 34-79), in half the passes.
+        A may hold two heads' tiles side by side, [..., C, 2C] (:attr:`paired`): each right factor
+        then enters as its block diagonal (:func:`_bd`), both heads' products in one matmul."""
+        C = A.shape[-2]
+        i, j = _pair_iotas(A)
+        right = (lambda X: X) if A.shape[-1] == C else _bd
         wide = self.wide
         T = _ones_where(i == j) - jnp.where(_lower_left(i, j, 2), A, 0.0)  # h = 1: T = I, so T A_1 T = A_1
         s = 4
         step = self if wide.precision == BF16_HIGH else wide
         while s <= C:
-            T = T - step.dot(T, step.dot(jnp.where(_lower_left(i, j, s), A, 0.0), T))
+            T = T - step.dot(T, right(step.dot(jnp.where(_lower_left(i, j, s), A, 0.0), right(T))))
             s *= 2
         if wide.precision != BF16_HIGH:
             return T
-        R = (_ones_where(i == j) - T) - wide.dot(jnp.where(i > j, A, 0.0), T)  # I - M T
-        return T + self.dot(T, R)
+        R = (_ones_where(i == j) - T) - wide.dot(jnp.where(i > j, A, 0.0), right(T))  # I - M T
+        return T + self.dot(T, right(R))
 
     def intra(self, q, k, v, g, beta) -> Intra:
         """q, k: [C, K]; v: [C, V]; g: [C, K] per-step log2 gate; beta: [C, 1] (all float32)."""
         G = self.cumsum(g)  # [C, K]
         R = self.suffix_sums(g, inclusive=False)  # the steps after each row
         Aqk, Kkk = self.pairs(q, k, g)
-        return self.from_products(q, k, v, g, beta, G, R, Aqk, Kkk, self.unit_lower_inverse(beta * Kkk))
+        bKkk = (_pair_heads(beta, Kkk.shape[-1]) if _is_pairs(Kkk, beta) else beta) * Kkk
+        return self.from_products(q, k, v, g, beta, G, R, Aqk, Kkk, self.unit_lower_inverse(bKkk))
 
     def from_products(self, q, k, v, g, beta, G, R, Aqk, Kkk, T) -> Intra:
         """The :class:`Intra` of a chunk from its matmul products that take levels or an inverse (G, R,
-        Aqk, Kkk, T): the gated q and k, the decay, and w, u (two matmuls)."""
+        Aqk, Kkk, T): the gated q and k, the decay, and w, u (two matmuls, or stacked one of K + V columns)."""
         q_g, k_g, k_d, decay = gated(q, k, G, R, last_row(G))
+        if self.stacked:
+            K = k.shape[-1]
+            WU = self.apply(T, jnp.concatenate((beta * k_g, beta * v), axis=-1))
+            return Intra(g, G, R, Aqk, Kkk, T, WU[..., :K], WU[..., K:], q_g, k_d, decay)
         return Intra(g, G, R, Aqk, Kkk, T, self.dot(T, beta * k_g), self.dot(T, beta * v), q_g, k_d, decay)
 
     def pairs(self, q, k, g):
@@ -386,6 +431,8 @@ class Tiles:
         matmul per dyadic level (:meth:`level`). Sums over the key columns: blocks of columns
         may be summed."""
         C = k.shape[-2]
+        if self._pairs_heads(k):
+            return self._paired_pairs(q, k, g)
         Aqk = self.diag(q, k)
         Kkk = jnp.zeros(k.shape[:-1] + (C,), jnp.float32)
         for e, block in self.levels(g).values():
@@ -398,6 +445,49 @@ class Tiles:
             Aqk = Aqk + jnp.where(block, self.dot_t(q * e, k_e), 0.0)
             Kkk = Kkk + jnp.where(block, self.dot_t(k_e, k_e), 0.0)
         return Aqk, Kkk
+
+    def _pairs_heads(self, x) -> bool:  # whether :meth:`intra` pairs the heads of the stack x [n, C, D]
+        return self.paired and x.ndim == 3 and x.shape[0] % 2 == 0 and 2 * x.shape[-2] <= 128
+
+    def pair_products(self, X, Y):
+        """[n / 2, R, 2C]: per pair of heads (2p, 2p + 1) ``[X_a Y_a^T | X_b Y_b^T]`` (X [n, R, D], Y
+        [n, C, D]) at the bulk precision: ``[X_a | X_b]`` against the block diagonal of Y_a and Y_b,
+        one matmul of contraction 2D whose result pops fill the lanes that a [R, C] result would
+        leave half empty (:attr:`paired`)."""
+        n, C, D = Y.shape
+        zero = jnp.zeros((C, D), jnp.float32)
+        out = []
+        for p in range(n // 2):
+            a, b = 2 * p, 2 * p + 1
+            rhs = jnp.concatenate((jnp.concatenate((Y[a], zero), -1), jnp.concatenate((zero, Y[b]), -1)))
+            out.append(self._bulk(jnp.concatenate((X[a], X[b]), -1), rhs, ((1,), (1,))))
+        return jnp.stack(out)
+
+    def _paired_pairs(self, q, k, g):
+        """:meth:`pairs` of stacks [n, C, K] as pairs of heads (:meth:`pair_products`): per level and
+        pair one matmul of ``[q_a e; k_a e | q_b e; k_b e]`` against the block diagonal of the k e."""
+        n, C, _ = k.shape
+        d = _pair_heads(self.rowsum(q * k), 2 * C)
+        i, j = _pair_iotas(d)
+        Aqk, Kkk = jnp.where(i == j, d, 0.0), None
+        for s, (e, _) in self.levels(g).items():
+            block = _lower_left(i, j, s)
+            k_e = k * e
+            P = self.pair_products(jnp.concatenate((q * e, k_e), axis=-2), k_e)
+            Aqk = Aqk + jnp.where(block, P[..., :C, :], 0.0)
+            Kkk = _plus(Kkk, jnp.where(block, P[..., C:, :], 0.0))
+        return Aqk, Kkk
+
+    def apply(self, M, X):
+        """Head by head ``M @ X`` at the bulk precision: M [n, C, C], or its heads in pairs
+        [n / 2, C, 2C] (:meth:`intra`; each pair's product one matmul of its block diagonal,
+        :func:`_bd`); X [n, C, D]."""
+        if not _is_pairs(M, X):
+            return self.dot(M, X)
+        XX = jnp.stack([jnp.concatenate((X[2 * p], X[2 * p + 1])) for p in range(M.shape[0])])
+        Y = self.dot(_bd(M), XX)
+        h = Y.shape[-2] // 2
+        return jnp.stack([y for p in range(M.shape[0]) for y in (Y[p, :h], Y[p, h:])])
 
     def v_new(self, I: Intra, St):  # [C, V] u - w S, St [V, K] the entering state (transposed)
         return I.u - self.dot_t(I.w, St)

@@ -1,5 +1,6 @@
 """Pallas TPU kernels, in the TPU interpreter on CPU, and their lowering for TPU."""
 
+import dataclasses
 import functools
 
 import jax
@@ -13,6 +14,7 @@ from kdax.bench.measure import rel_rms
 from kdax.ops.common import tpu_costs
 from kdax.ops.common.arrays import LOG2E
 from kdax.ops.kda import pallas_tpu, xla
+from kdax.ops.kda.tiles import unpair
 from tests.ops.kda.cases import CASE, Case, assert_close_to_reference, slow_if
 from tests.tolerances import F32
 
@@ -41,6 +43,7 @@ def test_chunk_intra_matches_xla():
     f32 = functools.partial(jnp.asarray, dtype=jnp.float32)
     tiles = pallas_tpu.tiles_for(pallas_tpu.Config(precision="highest"))
     got = jax.jit(tiles.intra)(f32(q), f32(k), f32(v), f32(g * LOG2E), f32(beta[..., None]))
+    got = got._replace(Aqk=unpair(got.Aqk))  # the two heads' [C, C] tiles side by side (Tiles.paired)
     for h in range(2):
         ref = xla._intra(*(jnp.asarray(x[h]) for x in (q, k, v, g, beta)))
         for name in ("Aqk", "w", "u", "q_g", "k_d"):
@@ -50,6 +53,28 @@ def test_chunk_intra_matches_xla():
         # rounding; below float32's range it flushes to 0
         bound = ((C - 1) * np.abs(g[h] * LOG2E).sum(0) + 4) * 2.0**-24 * np.log(2)
         assert np.all(np.abs(np.asarray(got.decay[h, 0], np.float64) - ref.decay) <= bound * ref.decay + 1e-30), h
+
+
+@pytest.mark.parametrize("precision", ["highest", "bf16"])
+def test_paired_heads_match_unpaired(precision):
+    """Tiles.paired (two heads' [C, C] tiles side by side, each product's right factor a block
+    diagonal) computes the same Aqk, Kkk, T, w and u as head by head: the same products of the same
+    operands, in one matmul for both heads, so equal to float32 rounding."""
+    rng = np.random.default_rng(1)
+    n, C, K, V = 4, 64, 128, 128
+    q, k = rng.standard_normal((2, n, C, K))
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    args = [rng.standard_normal((n, C, V)), rng.uniform(-3.0, -0.01, (n, C, K)), rng.uniform(0, 1, (n, C, 1))]
+    args = [jnp.asarray(x, jnp.float32) for x in (q, k, *args)]
+    tiles = pallas_tpu.tiles_for(pallas_tpu.Config(precision=precision))
+    assert tiles.paired
+    got = jax.jit(tiles.intra)(*args)
+    want = jax.jit(dataclasses.replace(tiles, paired=False).intra)(*args)
+    assert got.T.shape == (n // 2, C, 2 * C)
+    for name in ("Aqk", "Kkk", "T", "w", "u"):
+        x, y = getattr(got, name), getattr(want, name)
+        x = unpair(x) if name in ("Aqk", "Kkk", "T") else x
+        assert rel_rms(x, y) < 1e-6, name
 
 
 @pytest.mark.parametrize("corr", [0.5, 0.9])
