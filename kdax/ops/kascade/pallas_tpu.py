@@ -112,11 +112,14 @@ class _Blocks:
     [2 * S], idx_vmem [2, 1, S]) block i's rows are its selection: with ``resident`` x is the
     whole head in VMEM and the rows are vector loads (the indices copied a block ahead; index -1
     reads the last row), else one DMA each from HBM (index -1 reads row 0). ``dtype``: what the blocks are cast to (the queries').
+    ``packed``: k holds bfloat16 K and V rows as one uint32 row each (:func:`_pack_kv`; v and vbuf
+    None), unpacked in VMEM.
     """
 
-    def __init__(self, k, v, src, kbuf, vbuf, sems, n, sel=None, pick=None, dtype=None, resident=False):
+    def __init__(self, k, v, src, kbuf, vbuf, sems, n, sel=None, pick=None, dtype=None, resident=False, packed=False):
         self.k, self.v, self.src, self.kbuf, self.vbuf, self.sems, self.n = k, v, src, kbuf, vbuf, sems, n
         self.sel, self.pick, self.dtype, self.resident = sel, pick or (lambda x: x), dtype, resident
+        self.packed = packed
         self.S = _slot_ints(n)
 
     def _pairs(self):
@@ -199,8 +202,11 @@ class _Blocks:
                 self.start(i + 1, 1 - slot)
 
             self.wait(slot)
-            vb = None if self.v is None else self.read(self.vbuf, slot)
-            return step(state, i, self.keys(i, slot), self.read(self.kbuf, slot), vb)
+            if self.packed:
+                kb, vb = _unpack_kv(self.kbuf[slot])
+            else:
+                kb, vb = self.read(self.kbuf, slot), None if self.v is None else self.read(self.vbuf, slot)
+            return step(state, i, self.keys(i, slot), kb, vb)
 
         return lax.fori_loop(0, count, body, state)
 
@@ -211,10 +217,11 @@ def _slot_ints(n: int) -> int:
     return round_up(n, 128)
 
 
-def _scratch(row, dtype, sparse):
-    """Two slots of K and V blocks, ``row`` the shape of a block ([n, D] or [n, G, D]), the DMA
-    semaphores, and with ``sparse`` two slots of a block's indices in SMEM and VMEM."""
-    shapes = [pltpu.VMEM((2, *row), dtype), pltpu.VMEM((2, *row), dtype), pltpu.SemaphoreType.DMA((4, 2))]
+def _scratch(row, dtype, sparse, values=True):
+    """Two slots of K and V blocks (K alone without ``values``), ``row`` the shape of a block ([n, D]
+    or [n, G, D]), the DMA semaphores, and with ``sparse`` two slots of a block's indices in SMEM and
+    VMEM."""
+    shapes = [pltpu.VMEM((2, *row), dtype)] * (1 + values) + [pltpu.SemaphoreType.DMA((4, 2))]
     if sparse:
         S = _slot_ints(row[0])
         shapes += [pltpu.SMEM((2 * S,), jnp.int32), pltpu.VMEM((2, 1, S), jnp.int32)]
@@ -230,9 +237,26 @@ def _index_rows(indices, n: int, blocks: int):
 
 
 def _gathered(dtype):
-    """The dtype the sparse kernels gather K and V rows in: float32 for narrower inputs, whose
-    single rows Mosaic cannot copy (a bf16 row is half of a packed sublane); cast back in VMEM."""
+    """The dtype the sparse kernels gather K and V rows in: bfloat16 K and V as one uint32 row
+    (:func:`_pack_kv`), float32 for other narrower inputs; Mosaic cannot copy a single row of a
+    16-bit array (a bf16 row is half of a packed sublane)."""
+    if jnp.dtype(dtype) == jnp.bfloat16:
+        return jnp.uint32
     return jnp.float32 if jnp.dtype(dtype).itemsize < 4 else dtype
+
+
+def _pack_kv(k, v):
+    """bfloat16 K and V [..., D] as one uint32 array [..., D]: k's 16 bits high, v's low, so that one
+    row copy gathers both (half the row copies, or DMAs, of float32 K and V, half the VMEM)."""
+    bits = lambda x: lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32)
+    return (bits(k) << 16) | bits(v)
+
+
+def _unpack_kv(x):
+    """uint32 rows of :func:`_pack_kv` -> (k, v) bfloat16: a bfloat16 is a float32's high 16 bits, so
+    each is its word with the other half zeroed, as a float32, cast (exactly)."""
+    as_bf16 = lambda bits: lax.bitcast_convert_type(bits, jnp.float32).astype(jnp.bfloat16)
+    return as_bf16(x & jnp.uint32(0xFFFF0000)), as_bf16(x << 16)
 
 
 def _cache_rows(dtype, G: int):
@@ -260,17 +284,18 @@ def _cache_reads(b, g, pick, key0=0):
 # ----------------------------------------------------------------------------- prefill kernels
 
 
-def _attend_kernel(
-    lengths_ref, nblk_ref, q_ref, k_ref, v_ref, kd_ref, vd_ref, *rest, tile, R, Rp, bk, sparse, resident, scale2, prec
-):
+def _attend_kernel(lengths_ref, nblk_ref, q_ref, *refs, tile, R, Rp, bk, sparse, resident, packed, scale2, prec):
     """Grid (B, G, NT). q, o [tile * Rp, D]; k, v [B, G, Tp, D] in HBM, or with ``resident`` the
-    head's [Tp, D] in VMEM (float32 with ``sparse`` and narrower inputs: :func:`_gathered`); kd,
-    vd [tile, D] the tile's own keys; lse [rows, 1]; with ``sparse`` idx [B, G, NT, blocks, S] in
-    HBM (:func:`_index_rows`)."""
+    head's [Tp, D] in VMEM (with ``sparse`` and narrower inputs as :func:`_gathered`; with
+    ``packed`` one uint32 array of both, :func:`_pack_kv`, and no v); kd, vd [tile, D] the tile's
+    own keys; lse [rows, 1]; with ``sparse`` idx [B, G, NT, blocks, S] in HBM (:func:`_index_rows`)."""
+    (k_ref, v_ref), refs = ((refs[0], None), refs[1:]) if packed else (refs[:2], refs[2:])
+    kd_ref, vd_ref, *rest = refs  # the scratch: kbuf, then vbuf unless packed
     if sparse:
-        idx_hbm, o_ref, lse_ref, kbuf, vbuf, sems, idx_smem, idx_vmem = rest
+        idx_hbm, o_ref, lse_ref, kbuf, *vbuf, sems, idx_smem, idx_vmem = rest
     else:
-        o_ref, lse_ref, kbuf, vbuf, sems = rest
+        o_ref, lse_ref, kbuf, *vbuf, sems = rest
+    vbuf = vbuf[0] if vbuf else None
     b, g, t = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     rows = tile * Rp
     start = t * tile
@@ -285,7 +310,7 @@ def _attend_kernel(
     if sparse:
         sel = (lambda i: idx_hbm.at[b, g, t, pl.ds(i, 1)], idx_smem, idx_vmem)
     src = (lambda x, j, n: x.at[pl.ds(j, n)]) if resident else (lambda x, j, n: x.at[b, g, pl.ds(j, n)])
-    reads = _Blocks(k_ref, v_ref, src, kbuf, vbuf, sems, bk, sel, dtype=q.dtype, resident=resident)
+    reads = _Blocks(k_ref, v_ref, src, kbuf, vbuf, sems, bk, sel, dtype=q.dtype, resident=resident, packed=packed)
     count = nblk_ref[0, 0] if sparse else bl.cdiv(start, bk)
     state = reads.scan(
         count,
@@ -326,12 +351,14 @@ def _attend(qp, kp, vp, lengths, indices, plan: bl.Plan, *, cfg):
     hbm = pl.BlockSpec(memory_space=pl.ANY)
     nblk = jnp.zeros((B, G, NT), jnp.int32)
     rows_in = _gathered(qp.dtype) if sparse else qp.dtype
-    resident_bytes = 2 * kp.shape[2] * D * jnp.dtype(rows_in).itemsize
+    packed = rows_in == jnp.uint32
+    gathered = [_pack_kv(kp, vp)] if packed else [kp.astype(rows_in), vp.astype(rows_in)]
+    resident_bytes = len(gathered) * kp.shape[2] * D * jnp.dtype(rows_in).itemsize
     resident = sparse and resident_bytes <= cfg.resident_bytes
     # a resident head: one [Tp, D] block per (b, g), fetched once (its index is the same for every tile)
     head = pl.BlockSpec((None, None, kp.shape[2], D), lambda b, g, t, *_: (b, g, 0, 0), pipeline_mode=pl.Buffered(1))
     kv = head if resident else hbm
-    args, in_specs = [qp, kp.astype(rows_in), vp.astype(rows_in), kp, vp], [qspec, kv, kv, own, own]
+    args, in_specs = [qp, *gathered, kp, vp], [qspec, *[kv] * len(gathered), own, own]
     if sparse:
         nblk = bl.selection_blocks(indices, bk)
         args.append(_index_rows(indices, bk, -(-max(indices.shape[-1], 1) // bk)))
@@ -344,6 +371,7 @@ def _attend(qp, kp, vp, lengths, indices, plan: bl.Plan, *, cfg):
         bk=bk,
         sparse=sparse,
         resident=resident,
+        packed=packed,
         scale2=plan.scale2,
         prec=bl.precision(qp.dtype),
     )
@@ -357,7 +385,7 @@ def _attend(qp, kp, vp, lengths, indices, plan: bl.Plan, *, cfg):
             grid=(B, G, NT),
             in_specs=[nblk_spec, *in_specs],
             out_specs=[qspec, pl.BlockSpec((None, None, rows, 1), lambda b, g, t, *_: (b, g, t, 0))],
-            scratch_shapes=_scratch((bk, D), rows_in, sparse),
+            scratch_shapes=_scratch((bk, D), rows_in, sparse, values=not packed),
         ),
         out_shape=[jax.ShapeDtypeStruct(qp.shape, qp.dtype), jax.ShapeDtypeStruct((*qp.shape[:3], 1), jnp.float32)],
         compiler_params=pltpu.CompilerParams(

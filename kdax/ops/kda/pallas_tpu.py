@@ -116,7 +116,18 @@ def tiles_for(cfg: Config) -> Tiles:
             gate_sums=BF16X2,
             paired=True,
         )
-    return Tiles(precision=hi, sums=BF16X3, stacked=True, paired=True)
+    return Tiles(precision=hi, sums=BF16X3, stacked=True, paired=mxu_width() == 128)
+
+
+def mxu_width() -> int:
+    """The MXU's width on the chip the kernels are built for (128 on v5e and older, 256 on v6e and
+    TPU7x), 128 where no TPU is known (the interpreter). Heads in pairs (``Tiles.paired``) pay under
+    "highest" on a 128-wide MXU (v5e float32 forward 6.48 -> 5.58 M static cycles), not on a 256-wide
+    one (TPU7x 7.58 -> 8.14 M; bf16 gains on both, docs/kda_tpu.md)."""
+    try:
+        return pltpu.get_tpu_info().mxu_column_size
+    except ValueError:
+        return 128
 
 
 # ----------------------------------------------------------------------------- kernels

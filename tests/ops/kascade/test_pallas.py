@@ -154,6 +154,20 @@ def test_tpu_sparse_gathers_from_vmem_and_by_dma(dtype):
         assert rel_rms(o, want) <= bar, cfg
 
 
+def test_tpu_packed_rows_round_trip():
+    """The TPU sparse pass gathers bfloat16 K and V as one uint32 row (k's bits high, v's low) and
+    unpacks them in VMEM: every value comes back bit for bit (signed zeros and infinities too)."""
+    r = np.random.default_rng(0)
+    special = np.array([0.0, -0.0, np.inf, -np.inf, 1e30, -1e-30, 3.0e38])
+    k, v = (jnp.asarray(np.concatenate([special, r.standard_normal(121) * 10.0]), jnp.bfloat16) for _ in range(2))
+    v = v[::-1]
+    packed = pallas_tpu._pack_kv(k, v)
+    assert packed.dtype == jnp.uint32
+    bits = lambda x: np.asarray(jax.lax.bitcast_convert_type(x, jnp.uint16))
+    for got, want in zip(jax.jit(pallas_tpu._unpack_kv)(packed), (k, v)):
+        np.testing.assert_array_equal(bits(got), bits(want))
+
+
 def test_banded_selection_equals_the_whole_rectangle():
     """The kernels' top-k in bands of tiles (over the keys before each band's last tile) selects
     what one top-k over the whole [NT, T] rectangle does, ties included, for NT not a multiple
