@@ -204,9 +204,9 @@ class _Blocks:
             self.wait(slot)
             if self.packed:
                 kb, vb = _unpack_kv(self.kbuf[slot])
-            else:
-                kb, vb = self.read(self.kbuf, slot), None if self.v is None else self.read(self.vbuf, slot)
-            return step(state, i, self.keys(i, slot), kb, vb)
+                return step(state, i, self.keys(i, slot), kb, vb)
+            vb = None if self.v is None else self.read(self.vbuf, slot)
+            return step(state, i, self.keys(i, slot), self.read(self.kbuf, slot), vb)
 
         return lax.fori_loop(0, count, body, state)
 
@@ -221,7 +221,7 @@ def _scratch(row, dtype, sparse, values=True):
     """Two slots of K and V blocks (K alone without ``values``), ``row`` the shape of a block ([n, D]
     or [n, G, D]), the DMA semaphores, and with ``sparse`` two slots of a block's indices in SMEM and
     VMEM."""
-    shapes = [pltpu.VMEM((2, *row), dtype)] * (1 + values) + [pltpu.SemaphoreType.DMA((4, 2))]
+    shapes = [pltpu.VMEM((2, *row), dtype) for _ in range(1 + values)] + [pltpu.SemaphoreType.DMA((4, 2))]
     if sparse:
         S = _slot_ints(row[0])
         shapes += [pltpu.SMEM((2 * S,), jnp.int32), pltpu.VMEM((2, 1, S), jnp.int32)]
