@@ -635,10 +635,11 @@ def kascade_trips(T: int, topk_percent: float = 10, min_k: int = 128, tile_size:
     cfg = pallas_tpu.Config()
     starts = np.arange(-(-T // tile_size)) * tile_size
     ceil = lambda n, d: float(np.mean(-(-n // d)))
+    budgets = budget(starts, percent_tenths(topk_percent), min_k)
     return {
         "kascade_attend": ceil(starts, cfg.block_dense),
         "kascade_scores": ceil(starts, cfg.block_scores),
-        "kascade_attend_sparse": ceil(budget(starts, percent_tenths(topk_percent), min_k), cfg.block_k),
+        "kascade_attend_sparse": ceil(budgets, cfg.block_k or pallas_tpu.sparse_block(int(budgets.max()))),
     }
 
 

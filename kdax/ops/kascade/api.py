@@ -59,22 +59,26 @@ _ROLES = {
 }
 
 
-def _core(op: str, backend: str):
+def _core(op: str, backend: str, auto: bool = False):
     """The backend's core of ``op``, run per shard of the batch and head axes (where the inputs' types
-    shard them): ``core(q, k, v, lengths[, indices], **options)``."""
+    shard them): ``core(q, k, v, lengths[, indices], **options)``. ``auto``: the backend is "auto"'s
+    choice, so a derivative of forward-only kernels is taken through xla's core rather than refused."""
     core = _CORES[op][("xla", "pallas_tpu", "pallas_gpu").index(backend)]
     if backend != "xla":
-        core = functools.partial(_forward_only, core, f"kascade_{op} ({backend})")
+        core = functools.partial(_forward_only, core, f"kascade_{op} ({backend})", _CORES[op][0] if auto else None)
     roles, outs = _ROLES[op]
     return lambda *arrays, **options: per_shard(functools.partial(core, **options), arrays, roles, outs)
 
 
-def _forward_only(core, name, *args, **static):
-    """``core(*args, **static)``, refusing differentiation with a clear error (the kernels have no backward)."""
+def _forward_only(core, name, xla_core, *args, **static):
+    """``core(*args, **static)``; differentiated, ``xla_core``'s value and derivative (the same op,
+    portable), or with ``xla_core`` None a clear error (the kernels have no backward)."""
     run = jax.custom_jvp(lambda *a: core(*a, **static))
 
     @run.defjvp
     def _(primals, tangents):
+        if xla_core is not None:
+            return jax.jvp(lambda *a: xla_core(*a, **(static | {"cfg": xla.Config()})), primals, tangents)
         raise NotImplementedError(f"{name}: the Pallas kernels are forward-only; differentiate with backend='xla'")
 
     return run(*args)
@@ -102,6 +106,7 @@ class Options:
     backend: str
     config: Config | None
     scale: float
+    auto: bool = False  # backend is "auto"'s choice (:func:`_core`)
     tile_size: int = 32
     tenths: int = 100
     min_k: int = 0
@@ -127,13 +132,13 @@ def _compiled(op: str, o: Options, q, k, v, lengths, indices=None, head_map=None
         return reference.naive_kascade_reuse_decode(q, k, v, lengths, indices, head_map=head_map, scale=o.scale)
     options = {"scale": o.scale, "cfg": o.config} | ({} if decode else {"tile_size": o.tile_size})
     if not anchor:
-        return _core(op, o.backend)(q, k, v, lengths, _remapped(indices, head_map), **options)
+        return _core(op, o.backend, o.auto)(q, k, v, lengths, _remapped(indices, head_map), **options)
     if decode:
         k_max = decode_k_max(k.shape[1], o.tenths, o.min_k)
     else:
         k_max = prefill_k_max(q.shape[1], o.tile_size, o.tenths, o.min_k)
     options |= {"tenths": o.tenths, "min_k": o.min_k, "k_max": k_max, "dense_output": o.dense_output}
-    return _core(op, o.backend)(q, k, v, lengths, **options)
+    return _core(op, o.backend, o.auto)(q, k, v, lengths, **options)
 
 
 def kascade_anchor(
@@ -167,8 +172,9 @@ def kascade_anchor(
         lengths: [B] ints (an array or a list), valid tokens of right-padded rows (None: all T;
             traced ones, unchecked, are clipped to [0, T]); outputs past them are 0
             and tiles starting at or past them select nothing.
-        backend: "auto", "xla", "pallas_tpu", "pallas_gpu" (forward-only kernels) or "naive" (the
-            dense reference); :func:`kdax.explain_backend` says what "auto" picks.
+        backend: "auto", "xla", "pallas_tpu", "pallas_gpu" (forward-only kernels: asked for by name
+            they refuse a derivative; picked by "auto", xla's is taken) or "naive" (the dense
+            reference); :func:`kdax.explain_backend` says what "auto" picks.
         config: the backend's config (:class:`kdax.ops.kascade.xla.Config`,
             :class:`kdax.ops.kascade.pallas_tpu.Config`, :class:`kdax.ops.kascade.pallas_gpu.Config`),
             None for its default.
@@ -185,9 +191,10 @@ def kascade_anchor(
     _check_common(backend, dense_output, q.dtype)
     tenths, _ = check_call(q, k, v, lengths, topk_percent=topk_percent, min_k=min_k, tile_size=tile_size, scale=scale)
     B, T = q.shape[:2]
+    auto = backend == "auto"
     backend, config = _OPS["kascade_anchor"].resolve(backend, q.dtype, config)
     budget = {"tenths": tenths, "min_k": int(min_k), "dense_output": bool(dense_output)}
-    o = Options(backend, config, _scale(q, scale), tile_size=tile_size, **budget)
+    o = Options(backend, config, _scale(q, scale), auto, tile_size=tile_size, **budget)
     return _compiled("anchor", o, q, k, v, row_lengths(lengths, B, T))
 
 
@@ -228,8 +235,9 @@ def kascade_reuse(
     _check_common(backend, dtype=q.dtype)
     _, head_map = check_call(q, k, v, lengths, indices=indices, head_map=head_map, tile_size=tile_size, scale=scale)
     B, T, _, _ = q.shape
+    auto = backend == "auto"
     backend, config = _OPS["kascade_reuse"].resolve(backend, q.dtype, config)
-    o = Options(backend, config, _scale(q, scale), tile_size=tile_size)
+    o = Options(backend, config, _scale(q, scale), auto, tile_size=tile_size)
     return _compiled("reuse", o, q, k, v, row_lengths(lengths, B, T), jnp.asarray(indices, jnp.int32), head_map)
 
 
@@ -270,8 +278,11 @@ def kascade_anchor_decode(
     tenths, _ = check_call(
         q, k_cache, v_cache, lengths, decode=True, topk_percent=topk_percent, min_k=min_k, scale=scale
     )
+    auto = backend == "auto"
     backend, config = _OPS["kascade_anchor_decode"].resolve(backend, q.dtype, config)
-    o = Options(backend, config, _scale(q, scale), tenths=tenths, min_k=int(min_k), dense_output=bool(dense_output))
+    o = Options(
+        backend, config, _scale(q, scale), auto, tenths=tenths, min_k=int(min_k), dense_output=bool(dense_output)
+    )
     return _compiled("anchor_decode", o, q, k_cache, v_cache, row_lengths(lengths, q.shape[0], k_cache.shape[1]))
 
 
@@ -303,9 +314,10 @@ def kascade_reuse_decode(
     """
     _check_common(backend, dtype=q.dtype)
     _, head_map = check_call(q, k_cache, v_cache, lengths, decode=True, indices=indices, head_map=head_map, scale=scale)
+    auto = backend == "auto"
     backend, config = _OPS["kascade_reuse_decode"].resolve(backend, q.dtype, config)
     lengths = row_lengths(lengths, q.shape[0], k_cache.shape[1])
-    o = Options(backend, config, _scale(q, scale))
+    o = Options(backend, config, _scale(q, scale), auto)
     return _compiled("reuse_decode", o, q, k_cache, v_cache, lengths, jnp.asarray(indices, jnp.int32), head_map)
 
 

@@ -302,6 +302,12 @@ def _f32(*xs):  # the kernels' configs are checked for inputs the kernels take (
             "config.block_dense: expected a multiple of 8",
         ),
         (
+            lambda q, k, v: kdax.kascade_anchor(
+                *_f32(q, k, v), backend="pallas_tpu", config=pallas_tpu.Config(block_k=12)
+            ),
+            "config.block_k: expected None or a multiple of 8",
+        ),
+        (
             lambda q, k, v: kdax.kascade_reuse(
                 *_f32(q, k, v),
                 jnp.zeros((2, 2, 4, 4), jnp.int32),

@@ -154,6 +154,13 @@ def test_tpu_sparse_gathers_from_vmem_and_by_dma(dtype):
         assert rel_rms(o, want) <= bar, cfg
 
 
+def test_tpu_sparse_block_follows_the_selection_width():
+    """The TPU sparse pass's default keys a step: a third of the widest tile's selection, in
+    multiples of 128 from 128 to 512 (docs/kascade_tpu.md, Cost per layer)."""
+    got = [pallas_tpu.sparse_block(k) for k in (1, 409, 767, 768, 1638, 1 << 20)]
+    assert got == [128, 128, 128, 256, 512, 512]
+
+
 def test_tpu_packed_rows_round_trip():
     """The TPU sparse pass gathers bfloat16 K and V as one uint32 row (k's bits high, v's low) and
     unpacks them in VMEM: every value comes back bit for bit (signed zeros and infinities too)."""
@@ -245,3 +252,28 @@ def test_compile_budget(dtype):
     )
     assert all(b <= {"bfloat16": 128, "float32": 512}[dtype] for b in spill.values()), spill
     assert run.returncode == 0, run.stdout[-2000:]
+
+
+def test_auto_differentiates_forward_only_kernels_through_xla(monkeypatch):
+    """Where "auto" picks the TPU kernels (forward-only), a derivative is xla's (the same op); asked
+    for by name, the kernels refuse one."""
+    from kdax.ops.common import dispatch, tpu_costs
+
+    monkeypatch.setattr(tpu_costs, "refuse", lambda *a, **k: None)  # the kernels pay, whatever the table says
+    case = CASES[0]
+    (q, k, v), _ = inputs(case, jnp.float32)
+    lengths, opts = _lengths(case), dict(OPTIONS, tile_size=case.tile_size)
+    idx, _ = kdax.kascade_anchor(q, k, v, **opts, lengths=lengths, backend="xla")
+    loss = lambda backend: (
+        lambda q, k, v: jnp.sum(
+            kdax.kascade_reuse(q, k, v, idx, tile_size=case.tile_size, lengths=lengths, backend=backend) ** 2
+        )
+    )
+    want = jax.grad(loss("xla"), argnums=(0, 1, 2))(q, k, v)
+    with dispatch.building_for("tpu"):
+        assert kdax.explain_backend(jnp.float32, op="kascade_reuse")[0] == "pallas_tpu"
+        got = jax.grad(loss("auto"), argnums=(0, 1, 2))(q, k, v)
+        with pytest.raises(NotImplementedError, match="forward-only"):
+            jax.grad(loss("pallas_tpu"), argnums=(0, 1, 2))(q, k, v)
+    for x, y in zip(got, want):
+        np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-6)
