@@ -119,7 +119,8 @@ def _pair_iotas(M):
     """(row, column) iotas of M's [R, C] tiles, or of [R, 2C] pairs of heads (:attr:`Tiles.paired`):
     the column within its head's tile (C a power of two)."""
     R, W = M.shape[-2:]
-    return _iota((R, W), 0), _in_block(_iota((R, W), 1), min(W, R))
+    j = _iota((R, W), 1)
+    return _iota((R, W), 0), j if W == R else _in_block(j, R)
 
 
 def _pair_heads(x, width: int):
