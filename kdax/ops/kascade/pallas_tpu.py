@@ -89,6 +89,9 @@ class Config:
         return dataclasses.replace(self, interpret=interpret)
 
 
+SPARSE_BLOCK_MAX = 4 * LANE  # the most keys a step :func:`sparse_block` gives
+
+
 def sparse_block(k_max: int) -> int:
     """The sparse prefill pass's keys a step by default, for selections of up to ``k_max`` keys a tile:
     k_max / 3 rounded down to a multiple of 128, from 128 to 512. A step's fixed work (the softmax's
@@ -96,7 +99,7 @@ def sparse_block(k_max: int) -> int:
     static cycles of the reuse layer (v5e, bf16, B = 1, H = 32, G = 8, D = 128, 10% of the keys)
     at T = 16384 (k_max 1638) 20.11, 18.69 and 17.45 M for 128, 256 and 512 keys a step, at T = 4096
     (k_max 409) 1.95, 2.10 and 2.39 M."""
-    return min(4 * LANE, max(LANE, k_max // 3 // LANE * LANE))
+    return min(SPARSE_BLOCK_MAX, max(LANE, k_max // 3 // LANE * LANE))
 
 
 def _call(kernel, **kwargs):
@@ -452,7 +455,7 @@ def _plan(q, k, tile_size, scale, cfg) -> bl.Plan:
         scale,
         Rp=q.shape[2] // k.shape[2],
         Dp=q.shape[3],
-        block=max(cfg.block_k or sparse_block(1 << 30), cfg.block_dense, cfg.block_scores),
+        block=max(cfg.block_k or SPARSE_BLOCK_MAX, cfg.block_dense, cfg.block_scores),
     )
 
 

@@ -176,7 +176,7 @@ def _put_fields(refs, names, I: Intra, v_new=None):
     [n, 1, K] is broadcast over its block's 8 rows, paired heads' [C, C] tiles written head by head."""
     for ref, name in zip(refs, names):
         x = v_new if name == "v_new" else getattr(I, name)
-        if name in _SAVED and x.shape[0] != ref.shape[1]:  # heads in pairs (Tiles.paired), written head by head
+        if name in _SAVED and x.shape[0] != ref.shape[1]:  # heads in pairs (Tiles.paired)
             x = unpair(x)
         ref[0] = jnp.broadcast_to(x, ref.shape[1:]).astype(ref.dtype)
 
