@@ -588,18 +588,17 @@ class Tiles:
         wide = self.wide if self.wide_levels else self
         dq, dk, dg = acc or (None, None, None)  # None: the first term, no addition of zeros
         C, zs = k.shape[-2], {}
+        if self.stacked:
+            L, masks = _level_lhs(dAqk, dKkk), _level_lhs_masks(C)
         for s, (e, block) in self.levels(g).items():  # dQ, dK: zero outside the level's pairs, so e serves both sides
-            dQ, dK = jnp.where(block, dAqk, 0.0), jnp.where(block, dKkk, 0.0)
-            k_e = k * e
-            if self.stacked:  # [dQ; dK] k e, and [dQ; dK]^T [q e; k e] (contraction 2C): two matmuls
-                D = jnp.concatenate((dQ, dK), axis=-2)
-                X = wide.dot(D, k_e)
-                dq_s = X[..., :C, :] * e  # rows: lower halves
-                # k's share as the left factor (rows) and as the right (columns), scaled once
-                dk_s = (X[..., C:, :] + wide.t_dot(D, jnp.concatenate((q * e, k_e), axis=-2))) * e
+            if self.stacked:  # [dq_s; dk_s] / e = L_s [k e; q e]: one matmul of contraction 2C a level
+                X = wide.dot(jnp.where(masks[s], L, 0.0), jnp.concatenate((k * e, q * e), axis=-2))
+                dq_s, dk_s = X[..., :C, :] * e, X[..., C:, :] * e
                 dq, dk = _plus(dq, dq_s), _plus(dk, dk_s)
                 zs[s] = q * dq_s + k * dk_s
                 continue
+            dQ, dK = jnp.where(block, dAqk, 0.0), jnp.where(block, dKkk, 0.0)
+            k_e = k * e
             dq_s = wide.dot(dQ, k_e) * e
             dk_s = (wide.t_dot(dQ, q * e) + wide.t_dot(dK, k_e) + wide.dot(dK, k_e)) * e
             dq, dk = _plus(dq, dq_s), _plus(dk, dk_s)
@@ -609,6 +608,27 @@ class Tiles:
         elif tail:
             dg = _plus(dg, self.gate.suffix_sums(tail[0]) + self.gate.prefix_sums(tail[1], inclusive=False))
         return dq, dk, dg
+
+
+def _level_lhs(dAqk, dKkk):
+    """[..., 2C, 2C] ``[[dAqk, 0], [dKkk + dKkk^T, dAqk^T]]`` from dAqk, dKkk [..., C, C]: masked to
+    a level's pairs (lower row i, upper column j: :func:`_level_lhs_masks`), its product with
+    ``[k e; q e]`` is ``[dQ k e; dK k e + dQ^T q e + dK^T k e]``, the level's shares of dq and dk
+    before the row factor e (a row's shares as left and as right factor have disjoint supports)."""
+    dAqk_t, dKkk_t = jnp.swapaxes(dAqk, -1, -2), jnp.swapaxes(dKkk, -1, -2)
+    top = jnp.concatenate((dAqk, jnp.zeros_like(dAqk)), axis=-1)
+    return jnp.concatenate((top, jnp.concatenate((dKkk + dKkk_t, dAqk_t), axis=-1)), axis=-2)
+
+
+def _level_lhs_masks(C: int) -> dict:
+    """{s: [2C, 2C] mask of :func:`_level_lhs`'s entries that level s takes}: in each [C, C] block the
+    level's pairs (:func:`_lower_left`) and their transposes. The blocks' other entries those would
+    add are zeros of ``L`` (the upper right block, dAqk above its diagonal, dAqk^T below)."""
+    i, j = _in_block(_iota((2 * C, 2 * C), 0), C), _in_block(_iota((2 * C, 2 * C), 1), C)
+    return {
+        s: (_block(i, s) == _block(j, s)) & ((_in_block(i, s) < s // 2) != (_in_block(j, s) < s // 2))
+        for s in dyadic_levels(C)
+    }
 
 
 # ----------------------------------------------------------------------------- wrapper layout
