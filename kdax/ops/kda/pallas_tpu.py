@@ -114,6 +114,7 @@ def tiles_for(cfg: Config) -> Tiles:
             stacked=True,
             wide_levels=False,
             gate_sums=BF16X2,
+            level_sums=BF16X2,
             paired=True,
         )
     return Tiles(precision=hi, sums=BF16X3, stacked=True, paired=mxu_width() == 128)

@@ -237,7 +237,11 @@ class Tiles:
     (:meth:`grads_levels`) at :attr:`wide` precision, as the inverse (False: as the bulk matmuls;
     its errors, unlike the inverse's, feed no later row). gate_sums: the precision of the 0/1 sums
     of the gate's cotangent (:meth:`straddles`, :meth:`gate_terms`), if not ``sums``: on a TPU with
-    bfloat16 inputs :data:`BF16X2`, each term to 16 bits, still summed with no cancellation. Every
+    bfloat16 inputs :data:`BF16X2`, each term to 16 bits, still summed with no cancellation.
+    level_sums: the precision of the levels' exponents' 0/1 sums (:meth:`levels`), if not ``sums``: on
+    a TPU with bfloat16 inputs :data:`BF16X2`, each step's gate to 16 bits, a factor 2^x then within
+    |x| 2^-17 ln 2 of exact, below the bfloat16 rounding (2^-9) of the products it scales while the
+    factor is a normal float32 (|x| < 126). Every
     method also takes stacks of tiles [n, C, D] (several heads at once), tile by tile. paired: with
     an even number of heads and 2C <= 128, :meth:`intra` keeps the [C, C] tiles (Aqk, Kkk, T) of two
     heads side by side, [n / 2, C, 2C] (TPU: a [64, 64] float32 tile fills half of each vreg's
@@ -252,11 +256,16 @@ class Tiles:
     stacked: bool = False
     wide_levels: bool = True
     gate_sums: lax.Precision | lax.DotAlgorithmPreset | str | None = None
+    level_sums: lax.Precision | lax.DotAlgorithmPreset | str | None = None
     paired: bool = False
 
     @property
     def gate(self) -> Tiles:  # the sums of the gate's cotangent, at gate_sums
         return self if self.gate_sums is None else dataclasses.replace(self, sums=self.gate_sums, gate_sums=None)
+
+    @property
+    def _levels_sums(self) -> Tiles:  # the levels' exponents' sums, at level_sums
+        return self if self.level_sums is None else dataclasses.replace(self, sums=self.level_sums, level_sums=None)
 
     def _sum(self, mask, x):  # (0/1 matrix of mask(i, j), [C, C] iotas) @ x at the precision of ``sums``
         C, dims, P = x.shape[-2], ((1,), (0,)), _PARTS.get(self.sums)
@@ -296,15 +305,17 @@ class Tiles:
 
     def levels(self, g: jax.Array) -> dict:
         """{s: :meth:`level` (g, s)} for every dyadic level; stacked, every level's exponents from one
-        0/1 matmul, the levels' masks stacked by rows against g's parts pushed once."""
-        C = g.shape[-2]
-        if not (self.stacked and self.sums == BF16X3):
-            return {s: self.level(g, s) for s in dyadic_levels(C)}
+        0/1 matmul, the levels' masks stacked by rows against g's parts pushed once; at ``level_sums``."""
+        C, t = g.shape[-2], self._levels_sums
+        P = _PARTS.get(t.sums)
+        if not (self.stacked and P):
+            return {s: t.level(g, s) for s in dyadic_levels(C)}
         i, j = _iota((C, C), 0), _iota((C, C), 1)
-        ii, jj = _iota((C, 3 * C), 0), _in_block(_iota((C, 3 * C), 1), C)
+        ii, jj = _iota((C, P * C), 0), _in_block(_iota((C, P * C), 1), C)
         ss = dyadic_levels(C)
         ones = jnp.concatenate([_ones_where(_level_steps(ii, jj, s)).astype(jnp.bfloat16) for s in ss], axis=0)
-        exponents = lambda g: _mm(ones, jnp.concatenate(split_bf16(g), axis=-2), ((1,), (0,)), lax.Precision.DEFAULT)
+        parts = lambda g: jnp.concatenate(split_bf16(g)[:P], axis=-2)
+        exponents = lambda g: _mm(ones, parts(g), ((1,), (0,)), lax.Precision.DEFAULT)
         E = jnp.exp2(_by_head(exponents, g))
         return {s: (E[..., m * C : (m + 1) * C, :], _lower_left(i, j, s)) for m, s in enumerate(ss)}
 
