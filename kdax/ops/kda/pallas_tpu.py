@@ -109,12 +109,10 @@ def tiles_for(cfg: Config) -> Tiles:
         return Tiles(
             precision=lax.Precision.DEFAULT,
             operands=jnp.bfloat16,
-            sums=BF16X3,
+            sums=BF16X2,
             wide_precision=BF16_HIGH,
             stacked=True,
             wide_levels=False,
-            gate_sums=BF16X2,
-            level_sums=BF16X2,
             paired=True,
         )
     return Tiles(precision=hi, sums=BF16X3, stacked=True, paired=mxu_width() == 128)

@@ -26,7 +26,7 @@ from kdax.ops.common.varlen import ChunkLayout
 _HIGHEST = lax.Precision.HIGHEST
 TF32X2 = "tf32x2"  # Tiles.sums: two TF32 products, of the 0/1 matrix with x's TF32 value and with the rest
 BF16X3 = "bf16x3"  # Tiles.sums: three bfloat16 products, of the 0/1 matrix with x split into three bfloat16 parts
-BF16X2 = "bf16x2"  # Tiles.gate_sums: two of them, of x's first two bfloat16 parts (16 of float32's 24 bits)
+BF16X2 = "bf16x2"  # Tiles.sums: two of them, of x's first two bfloat16 parts (16 of float32's 24 bits)
 _PARTS = {BF16X3: 3, BF16X2: 2}
 BF16_HIGH = "bf16_high"  # a matmul precision: both operands as two bfloat16 parts, three products (TPU's HIGH)
 
@@ -230,18 +230,15 @@ class Tiles:
     float32's 24 bits; TF32_TF32_F32_X3 adds a third product that is zero (the 0/1 matrix's
     low part) and the registers its operands take; on a TPU :data:`BF16X3`: the summed operand
     split into three bfloat16 parts (:func:`split_bf16`), three single-pass products, exact
-    products and float32 sums at half the passes of HIGHEST. stacked: products that share a factor
+    products and float32 sums at half the passes of HIGHEST; with bfloat16 inputs :data:`BF16X2`,
+    two parts: each summed step to 16 bits, still with no cancellation, a factor 2^x then within
+    |x| 2^-17 ln 2 of exact, below the bfloat16 rounding (2^-9) of the products it scales while it is
+    a normal float32 (|x| < 126). stacked: products that share a factor
     run as one matmul over row-stacked operands (a level's q e and k e against k e; the levels'
     backward's dQ and dK), one MXU weight load and fewer products to add (TPU; the GPU kernels keep
     them apart, for registers). wide_levels: the pairwise factorisation's backward
     (:meth:`grads_levels`) at :attr:`wide` precision, as the inverse (False: as the bulk matmuls;
-    its errors, unlike the inverse's, feed no later row). gate_sums: the precision of the 0/1 sums
-    of the gate's cotangent (:meth:`straddles`, :meth:`gate_terms`), if not ``sums``: on a TPU with
-    bfloat16 inputs :data:`BF16X2`, each term to 16 bits, still summed with no cancellation.
-    level_sums: the precision of the levels' exponents' 0/1 sums (:meth:`levels`), if not ``sums``: on
-    a TPU with bfloat16 inputs :data:`BF16X2`, each step's gate to 16 bits, a factor 2^x then within
-    |x| 2^-17 ln 2 of exact, below the bfloat16 rounding (2^-9) of the products it scales while the
-    factor is a normal float32 (|x| < 126). Every
+    its errors, unlike the inverse's, feed no later row). Every
     method also takes stacks of tiles [n, C, D] (several heads at once), tile by tile. paired: with
     an even number of heads and 2C <= 128, :meth:`intra` keeps the [C, C] tiles (Aqk, Kkk, T) of two
     heads side by side, [n / 2, C, 2C] (TPU: a [64, 64] float32 tile fills half of each vreg's
@@ -255,17 +252,7 @@ class Tiles:
     wide_precision: lax.Precision | lax.DotAlgorithmPreset | None = None
     stacked: bool = False
     wide_levels: bool = True
-    gate_sums: lax.Precision | lax.DotAlgorithmPreset | str | None = None
-    level_sums: lax.Precision | lax.DotAlgorithmPreset | str | None = None
     paired: bool = False
-
-    @property
-    def gate(self) -> Tiles:  # the sums of the gate's cotangent, at gate_sums
-        return self if self.gate_sums is None else dataclasses.replace(self, sums=self.gate_sums, gate_sums=None)
-
-    @property
-    def _levels_sums(self) -> Tiles:  # the levels' exponents' sums, at level_sums
-        return self if self.level_sums is None else dataclasses.replace(self, sums=self.level_sums, level_sums=None)
 
     def _sum(self, mask, x):  # (0/1 matrix of mask(i, j), [C, C] iotas) @ x at the precision of ``sums``
         C, dims, P = x.shape[-2], ((1,), (0,)), _PARTS.get(self.sums)
@@ -305,11 +292,10 @@ class Tiles:
 
     def levels(self, g: jax.Array) -> dict:
         """{s: :meth:`level` (g, s)} for every dyadic level; stacked, every level's exponents from one
-        0/1 matmul, the levels' masks stacked by rows against g's parts pushed once; at ``level_sums``."""
-        C, t = g.shape[-2], self._levels_sums
-        P = _PARTS.get(t.sums)
+        0/1 matmul, the levels' masks stacked by rows against g's parts pushed once."""
+        C, P = g.shape[-2], _PARTS.get(self.sums)
         if not (self.stacked and P):
-            return {s: t.level(g, s) for s in dyadic_levels(C)}
+            return {s: self.level(g, s) for s in dyadic_levels(C)}
         i, j = _iota((C, C), 0), _iota((C, C), 1)
         ii, jj = _iota((C, P * C), 0), _in_block(_iota((C, P * C), 1), C)
         ss = dyadic_levels(C)
@@ -358,8 +344,7 @@ class Tiles:
         by: q 2^G and k 2^G over steps 0..i, k 2^(G_C - G) over i+1..C-1, 2^G_C over every step.
         The second as the inclusive cumsum less the row (its terms grow down the chunk, so the
         rounding is of the row's size), which spares a GPU kernel a second 0/1 matrix."""
-        t = self.gate
-        return t.suffix_sums(Kg.dG_start) + (t.cumsum(Kg.dG_rest) - Kg.dG_rest) + Kg.dG_end
+        return self.suffix_sums(Kg.dG_start) + (self.cumsum(Kg.dG_rest) - Kg.dG_rest) + Kg.dG_end
 
     @property
     def wide(self) -> Tiles:  # the matmuls with float32 operands, at wide_precision (if set)
@@ -613,11 +598,11 @@ class Tiles:
             dq_s = wide.dot(dQ, k_e) * e
             dk_s = (wide.t_dot(dQ, q * e) + wide.t_dot(dK, k_e) + wide.dot(dK, k_e)) * e
             dq, dk = _plus(dq, dq_s), _plus(dk, dk_s)
-            dg = _plus(dg, self.gate.straddle(q * dq_s + k * dk_s, s))
+            dg = _plus(dg, self.straddle(q * dq_s + k * dk_s, s))
         if zs:
-            dg = _plus(dg, self.gate.straddles(zs, tail))
+            dg = _plus(dg, self.straddles(zs, tail))
         elif tail:
-            dg = _plus(dg, self.gate.suffix_sums(tail[0]) + self.gate.prefix_sums(tail[1], inclusive=False))
+            dg = _plus(dg, self.suffix_sums(tail[0]) + self.prefix_sums(tail[1], inclusive=False))
         return dq, dk, dg
 
 
