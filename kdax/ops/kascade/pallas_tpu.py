@@ -126,8 +126,9 @@ class _Blocks:
     [n, D] (:func:`_cache_rows`). Without ``sel`` block i is rows i * n onward, one DMA. With
     ``sel`` (idx_hbm(i) the [1, S] row of block i's indices, :func:`_index_rows`; idx_smem
     [2 * S], idx_vmem [2, 1, S]) block i's rows are its selection: with ``resident`` x is the
-    whole head in VMEM and the rows are vector loads (the indices copied a block ahead; index -1
-    reads the last row), else one DMA each from HBM (index -1 reads row 0). ``dtype``: what the blocks are cast to (the queries').
+    whole head in VMEM and the rows are vector loads (the indices copied a block ahead; no index
+    may be -1: the caller pads with the head's last row), else one DMA each from HBM (index -1
+    reads row 0). ``dtype``: what the blocks are cast to (the queries').
     ``packed``: k holds bfloat16 K and V rows as one uint32 row each (:func:`_pack_kv`; v and vbuf
     None), unpacked in VMEM.
     """
@@ -179,14 +180,13 @@ class _Blocks:
             return
         for c in self._index_copies(0, slot):
             c.wait()
-        idx_smem, last, base = self.sel[1], self.k.shape[0] - 1, slot * self.S
+        idx_smem, base = self.sel[1], slot * self.S
 
-        def gather(step, carry):  # rows r0 .. r0 + 7: their SMEM offsets immediates from one address
+        def gather(step, carry):  # rows r0 .. r0 + 7 (padding indices are the head's last row: _attend)
             r0 = step * 8
-            at = base + r0
-            for r in range(8):  # index -1 reads the last row: an unsigned min, one scalar op
-                u = lax.bitcast_convert_type(idx_smem[at + r], jnp.uint32)
-                j = lax.bitcast_convert_type(jnp.minimum(u, jnp.uint32(last)), jnp.int32)
+            ids = idx_smem.at[pl.ds(base + r0, 8)]  # one address, the rows' offsets from it
+            for r in range(8):
+                j = ids[r]
                 for x, buf in self._pairs():
                     buf[slot, pl.ds(r0 + r, 1)] = self.src(x, j, 1)[...]
             return carry
@@ -330,7 +330,7 @@ def _attend_kernel(lengths_ref, nblk_ref, q_ref, *refs, tile, R, Rp, bk, sparse,
     count = nblk_ref[0, 0] if sparse else bl.cdiv(start, bk)
     state = reads.scan(
         count,
-        lambda s, i, keys, kb, vb: attend(s, (keys >= 0) & (keys < start), kb, vb),
+        lambda s, i, keys, kb, vb: attend(s, keys < start, kb, vb),
         bl.start_softmax(rows, q.shape[1]),
     )
     keys = start + lax.broadcasted_iota(jnp.int32, (1, tile), 1)
@@ -378,7 +378,10 @@ def _attend(qp, kp, vp, lengths, indices, plan: bl.Plan, *, cfg):
     args, in_specs = [qp, *gathered, kp, vp], [qspec, *[kv] * len(gathered), own, own]
     if sparse:
         nblk = bl.selection_blocks(indices, bk)
-        args.append(_index_rows(indices, bk, -(-max(indices.shape[-1], 1) // bk)))
+        idx = _index_rows(indices, bk, -(-max(indices.shape[-1], 1) // bk))
+        # padding (-1) as the head's last row: never before a tile, so masked as the tile's later keys
+        # are, and a resident gather reads it with no clamp (a scalar op a row)
+        args.append(jnp.where(idx < 0, kp.shape[2] - 1, idx))
         in_specs.append(hbm)
     kernel = functools.partial(
         _attend_kernel,
