@@ -290,20 +290,28 @@ class Tiles:
         i, j = _iota((C, C), 0), _iota((C, C), 1)
         return jnp.exp2(self._sum(lambda i, j: _level_steps(i, j, s), g)), _lower_left(i, j, s)
 
-    def levels(self, g: jax.Array) -> dict:
+    def levels(self, g: jax.Array, with_sums: bool = False):
         """{s: :meth:`level` (g, s)} for every dyadic level; stacked, every level's exponents from one
-        0/1 matmul, the levels' masks stacked by rows against g's parts pushed once."""
+        0/1 matmul, the levels' masks stacked by rows against g's parts pushed once. with_sums: (G,
+        R, levels), G the prefix sums of g and R its exclusive suffix sums, stacked in the same
+        matmul (the forward, which uses them at once; the backward needs G and R long before the
+        levels, and holding them cost TPU7x more than the matmul saved)."""
         C, P = g.shape[-2], _PARTS.get(self.sums)
         if not (self.stacked and P):
-            return {s: self.level(g, s) for s in dyadic_levels(C)}
+            sums = (self.cumsum(g), self.suffix_sums(g, inclusive=False)) if with_sums else ()
+            levels = {s: self.level(g, s) for s in dyadic_levels(C)}
+            return (*sums, levels) if with_sums else levels
         i, j = _iota((C, C), 0), _iota((C, C), 1)
         ii, jj = _iota((C, P * C), 0), _in_block(_iota((C, P * C), 1), C)
         ss = dyadic_levels(C)
-        ones = jnp.concatenate([_ones_where(_level_steps(ii, jj, s)).astype(jnp.bfloat16) for s in ss], axis=0)
+        masks = [_level_steps(ii, jj, s) for s in ss] + ([jj <= ii, jj > ii] if with_sums else [])
+        ones = jnp.concatenate([_ones_where(m).astype(jnp.bfloat16) for m in masks], axis=0)
         parts = lambda g: jnp.concatenate(split_bf16(g)[:P], axis=-2)
-        exponents = lambda g: _mm(ones, parts(g), ((1,), (0,)), lax.Precision.DEFAULT)
-        E = jnp.exp2(_by_head(exponents, g))
-        return {s: (E[..., m * C : (m + 1) * C, :], _lower_left(i, j, s)) for m, s in enumerate(ss)}
+        X = _by_head(lambda g: _mm(ones, parts(g), ((1,), (0,)), lax.Precision.DEFAULT), g)
+        L = len(ss) * C
+        E = jnp.exp2(X[..., :L, :])
+        levels = {s: (E[..., m * C : (m + 1) * C, :], _lower_left(i, j, s)) for m, s in enumerate(ss)}
+        return (X[..., L : L + C, :], X[..., L + C :, :], levels) if with_sums else levels
 
     def straddle(self, z: jax.Array, s: int) -> jax.Array:
         """[C, D]: in each s-block, row t of the lower half sums z's rows i >= t of that half, row t
@@ -406,9 +414,8 @@ class Tiles:
 
     def intra(self, q, k, v, g, beta) -> Intra:
         """q, k: [C, K]; v: [C, V]; g: [C, K] per-step log2 gate; beta: [C, 1] (all float32)."""
-        G = self.cumsum(g)  # [C, K]
-        R = self.suffix_sums(g, inclusive=False)  # the steps after each row
-        Aqk, Kkk = self.pairs(q, k, g)
+        G, R, levels = self.levels(g, with_sums=True)  # G [C, K] prefix sums, R the steps after each row
+        Aqk, Kkk = self.pairs(q, k, g, levels)
         bKkk = (_pair_heads(beta, Kkk.shape[-1]) if _is_pairs(Kkk, beta) else beta) * Kkk
         return self.from_products(q, k, v, g, beta, G, R, Aqk, Kkk, self.unit_lower_inverse(bKkk))
 
@@ -422,17 +429,17 @@ class Tiles:
             return Intra(g, G, R, Aqk, Kkk, T, WU[..., :K], WU[..., K:], q_g, k_d, decay)
         return Intra(g, G, R, Aqk, Kkk, T, self.dot(T, beta * k_g), self.dot(T, beta * v), q_g, k_d, decay)
 
-    def pairs(self, q, k, g):
+    def pairs(self, q, k, g, levels: dict | None = None):
         """(Aqk, Kkk) [C, C]: Aqk[i, j] = sum_d q_id k_jd 2^(G_id - G_jd) (j <= i) and Kkk likewise
         (j < i), G the prefix sums of the per-step log2 gates g [C, K]; one masked [C, K] x [K, C]
-        matmul per dyadic level (:meth:`level`). Sums over the key columns: blocks of columns
-        may be summed."""
+        matmul per dyadic level (:meth:`level`; ``levels`` if taken already). Sums over the key
+        columns: blocks of columns may be summed."""
         C = k.shape[-2]
         if self._pairs_heads(k):
-            return self._paired_pairs(q, k, g)
+            return self._paired_pairs(q, k, self.levels(g) if levels is None else levels)
         Aqk = self.diag(q, k)
         Kkk = jnp.zeros(k.shape[:-1] + (C,), jnp.float32)
-        for e, block in self.levels(g).values():
+        for e, block in (self.levels(g) if levels is None else levels).values():
             k_e = k * e
             if self.stacked:  # [q e; k e] (k e)^T: one matmul of 2C rows
                 P = self.dot_t(jnp.concatenate((q * e, k_e), axis=-2), k_e)
@@ -460,14 +467,14 @@ class Tiles:
             out.append(self._bulk(jnp.concatenate((X[a], X[b]), -1), rhs, ((1,), (1,))))
         return jnp.stack(out)
 
-    def _paired_pairs(self, q, k, g):
+    def _paired_pairs(self, q, k, levels: dict):
         """:meth:`pairs` of stacks [n, C, K] as pairs of heads (:meth:`pair_products`): per level and
         pair one matmul of ``[q_a e; k_a e | q_b e; k_b e]`` against the block diagonal of the k e."""
         n, C, _ = k.shape
         d = _pair_heads(self.rowsum(q * k), 2 * C)
         i, j = _pair_iotas(d)
         Aqk, Kkk = jnp.where(i == j, d, 0.0), None
-        for s, (e, _) in self.levels(g).items():
+        for s, (e, _) in levels.items():
             block = _lower_left(i, j, s)
             k_e = k * e
             P = self.pair_products(jnp.concatenate((q * e, k_e), axis=-2), k_e)
