@@ -77,6 +77,25 @@ def test_paired_heads_match_unpaired(precision):
         assert rel_rms(x, y) < 1e-6, name
 
 
+def test_stacked_levels_backward_matches_per_product():
+    """Tiles.grads_levels stacked (each level's dq and dk shares as one matmul of the masked
+    [[dAqk, 0], [dKkk + dKkk^T, dAqk^T]] against [k e; q e]) gives the dq, dk and dg of the four
+    separate products a level, to float32 rounding."""
+    rng = np.random.default_rng(2)
+    n, C, K = 2, 64, 128
+    q, k = (jnp.asarray(x, jnp.float32) for x in rng.standard_normal((2, n, C, K)))
+    g = jnp.asarray(rng.uniform(-3.0, -0.01, (n, C, K)), jnp.float32)
+    lower = np.tril(np.ones((C, C)))
+    dAqk = jnp.asarray(rng.standard_normal((n, C, C)) * lower, jnp.float32)
+    dKkk = jnp.asarray(rng.standard_normal((n, C, C)) * np.tril(lower, -1), jnp.float32)
+    tiles = pallas_tpu.tiles_for(pallas_tpu.Config(precision="highest"))
+    assert tiles.stacked
+    got = jax.jit(tiles.grads_levels)(q, k, g, dAqk, dKkk)
+    want = jax.jit(dataclasses.replace(tiles, stacked=False).grads_levels)(q, k, g, dAqk, dKkk)
+    for name, x, y in zip(("dq", "dk", "dg"), got, want):
+        assert rel_rms(x, y) < 1e-5, name
+
+
 @pytest.mark.parametrize("corr", [0.5, 0.9])
 def test_bf16_inverse_newton_step(corr):
     """Precision "bf16" inverts I + beta Kkk by the doubling at one bfloat16 pass and one Newton
