@@ -129,8 +129,9 @@ def _check(model, pool: Pool, batch: Batch) -> None:
         raise ValueError(f"batch.pages: expected [N={N}, M] ints, got shape {jnp.shape(batch.pages)}")
 
 
-def _view(pages, table):
-    """Each row's cache as a layer takes it: [N, M * page_size, ...] from pages [P, page_size, ...]."""
+def page_view(pages, table):
+    """Each row's cache as a layer takes it: [N, M * page_size, ...] from pages [P, page_size, ...]
+    and the rows' page tables [N, M] (-1: no page; its entries read as zeros)."""
     P, size = pages.shape[:2]
     rows = jnp.take(pages, jnp.where(table < 0, P, table), axis=0, mode="fill", fill_value=0)
     return rows.reshape(table.shape[0], table.shape[1] * size, *pages.shape[2:])
@@ -161,7 +162,7 @@ def _compiled(graphdef, state, pool: Pool, batch: Batch, verify: bool, ctx):
                 start = lambda p: pool_slots.write(p, batch.slots, pool_slots.read(p, batch.sources))
                 caches.append(jax.tree.map(start, c))
             else:
-                caches.append(c if is_kda(b) else tuple(_view(p, batch.pages) for p in c))
+                caches.append(c if is_kda(b) else tuple(page_view(p, batch.pages) for p in c))
         t = jnp.arange(C, dtype=jnp.int32)
         if one_row:  # slots per token, the source last: the ops read it in place (no copy into the slot)
             live = (t < batch.counts[:, None]) & (batch.slots >= 0)[:, None]

@@ -1,0 +1,218 @@
+"""One engine step of a kdax hybrid on a serving engine's flat batch (docs/serving.md, "vLLM").
+
+An engine such as vLLM hands a model every scheduled token of every request in one flat row:
+prompt chunks, decode tokens and draft tokens to verify, request r's tokens at
+``query_start_loc[r]:query_start_loc[r + 1]``, padding after the last request. It keeps the
+caches: per MLA layer pages of ``page_size`` token entries addressed by each request's page
+table, per KDA layer a pool of state slots. :func:`forward` runs the model on such a batch with
+kdax's own ops, which run on every backend (CPU included):
+
+- KDA layers: one packed call over all requests (``cu_seqlens`` from ``query_start_loc``),
+  each request starting from its read slot (zeros for a request with nothing computed yet)
+  and its final state written to its write slot. With ``num_spec`` draft tokens the layers run
+  the recurrent form and keep the state after each of a request's last ``num_spec + 1``
+  tokens in its slots ``write .. write + num_spec``, each tagged with the tokens it has seen;
+  the next step starts from the slot whose tag equals its computed tokens, so a verify step
+  that accepted a of its drafts continues from the state after them (the engine reports no
+  acceptance counts to models; the tags recover them).
+- MLA layers: the new tokens' latents and rope keys are written into their pages first, then
+  each token attends over its request's pages up to its position (the absorbed form).
+
+The engine's state layout (:func:`kda_state_shapes`) of one KDA slot: the q, k and v
+convolution windows side by side [conv_size, H*K + H*K + HV*V] in the model's dtype, the
+recurrent state [HV, K, V] float32, and the tag [1] int32.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from kdax.models.kda import KDAForCausalLM, Segments, is_kda
+from kdax.nn.kda import KDACache, KimiDeltaAttention
+from kdax.ops.kda import slots as pool_slots
+from kdax.serving.step import page_view
+
+
+class StateSlots(NamedTuple):
+    """Where the requests of one KDA layer keep their states.
+
+    Attributes:
+        write: [R] int32, each request's slot (it owns ``write .. write + num_spec``).
+        read: [R] int32, the slot each request starts from (prefix caching: the state of its
+            cached prefix), or None: the one of its own slots whose tag equals its computed
+            tokens.
+    """
+
+    write: jax.Array
+    read: jax.Array | None = None
+
+
+class StepBatch(NamedTuple):
+    """The engine's batch of one step.
+
+    Attributes:
+        tokens: [T] int32, the requests' new tokens back to back, padding after.
+        positions: [T] int32, each token's position in its request.
+        query_start_loc: [R + 1] int32, request r's tokens at ``[query_start_loc[r],
+            query_start_loc[r + 1])``; padding requests repeat the last offset.
+        seq_lens: [R] int32, each request's tokens after this step (computed + new).
+        layers: per layer, the request's page tables [R, M] int32 (MLA layers; -1: no page),
+            or a :class:`StateSlots` (KDA layers).
+    """
+
+    tokens: jax.Array
+    positions: jax.Array
+    query_start_loc: jax.Array
+    seq_lens: jax.Array
+    layers: tuple
+
+
+def kda_state_shapes(layer: KimiDeltaAttention) -> tuple[tuple[int, ...], ...]:
+    """The shapes of one slot of ``layer``'s state in the engine: (convolution windows
+    [conv_size, H*K + H*K + HV*V], recurrent state [HV, K, V], tag [1]).
+
+    Raises:
+        ValueError: the layer has no short convolutions (every Hugging Face family has them).
+    """
+    if not layer.use_short_conv:
+        raise ValueError("layer: expected a KimiDeltaAttention with short convolutions (use_short_conv=True)")
+    width = sum(c.hidden_size for c in (layer.q_conv1d, layer.k_conv1d, layer.v_conv1d))
+    return (layer.conv_size, width), (layer.num_v_heads, layer.head_k_dim, layer.head_v_dim), (1,)
+
+
+def init_caches(model: KDAForCausalLM, num_slots: int, num_pages: int, page_size: int, width: int | None = None):
+    """Zeroed caches in the engine's layout, as the engine allocates them (tests and tools).
+
+    Args:
+        model: a Kimi Linear or Ling model (KDA and MLA layers).
+        num_slots: the state slots of each KDA layer.
+        num_pages: the pages of each MLA layer.
+        page_size: the tokens of a page.
+        width: the entries' width of an MLA page (default kv_lora_rank + qk_rope_head_dim).
+
+    Returns:
+        A list, per layer: (conv, recurrent, tag) arrays [num_slots, ...] (KDA) or pages
+        [num_pages, page_size, width] in the model's dtype (MLA).
+    """
+    caches = []
+    for b in model.model.layers:
+        if is_kda(b):
+            shapes = kda_state_shapes(b.attn)
+            dtypes = (model.dtype, jnp.float32, jnp.int32)
+            caches.append(tuple(jnp.zeros((num_slots, *s), d) for s, d in zip(shapes, dtypes)))
+        else:
+            w = width or b.attn.kv_lora_rank + b.attn.qk_rope_head_dim
+            caches.append(jnp.zeros((num_pages, page_size, w), model.dtype))
+    return caches
+
+
+def forward(model: KDAForCausalLM, caches, batch: StepBatch, *, num_spec: int = 0):
+    """Run the model on one engine step.
+
+    Args:
+        model: a Kimi Linear or Ling model (:mod:`kdax.models.hybrids`).
+        caches: per layer, the engine's cache (see :func:`init_caches`).
+        batch: the :class:`StepBatch`.
+        num_spec: the draft tokens a request may verify in a step (0: none).
+
+    Returns:
+        (hidden [T, hidden_size] after the final norm, the updated caches as a list).
+    """
+    T = batch.tokens.shape[0]
+    R = batch.seq_lens.shape[0]
+    qsl = batch.query_start_loc.astype(jnp.int32)
+    lengths = qsl[1:] - qsl[:-1]
+    computed = batch.seq_lens.astype(jnp.int32) - lengths
+    t = jnp.arange(T, dtype=jnp.int32)
+    request = jnp.clip(jnp.searchsorted(qsl[1:], t, side="right"), 0, R - 1).astype(jnp.int32)
+    live = t < qsl[R]
+    cu = jnp.concatenate([qsl, jnp.array([T], jnp.int32)])  # R requests, then the padding as one more
+    positions = batch.positions.astype(jnp.int32)
+    x = model.model.embeddings(batch.tokens[None])
+    new = []
+    for b, cache, layer in zip(model.model.layers, caches, batch.layers):
+        if is_kda(b):
+            x, cache = _kda_block(b, x, cache, layer, cu, lengths, computed, num_spec)
+        else:
+            x, cache = _mla_block(b, x, cache, layer, positions, request, live)
+        new.append(cache)
+    return model.model.norm(x)[0], new
+
+
+def _read_slots(tags, slots: StateSlots, computed, num_spec: int):
+    """[R] the slot each request starts from, -1 for none (a fresh request starts from zeros)."""
+    if slots.read is not None:
+        read = slots.read
+    elif num_spec == 0:
+        read = slots.write
+    else:
+        own = slots.write[:, None] + jnp.arange(num_spec + 1, dtype=jnp.int32)  # [R, num_spec + 1]
+        match = jnp.take(tags[:, 0], own, mode="fill", fill_value=-1) == computed[:, None]
+        read = jnp.where(match.any(1), jnp.take_along_axis(own, jnp.argmax(match, 1)[:, None], 1)[:, 0], -1)
+    return jnp.where(computed > 0, read, -1)
+
+
+def _kda_block(b, x, cache, slots: StateSlots, cu, lengths, computed, num_spec: int):
+    """A KDA block over the packed requests; returns (x, the layer's (conv, recurrent, tag) pool)."""
+    conv, recurrent, tags = cache
+    R = lengths.shape[0]
+    widths = [c.hidden_size for c in (b.attn.q_conv1d, b.attn.k_conv1d, b.attn.v_conv1d)]
+    read = _read_slots(tags, slots, computed, num_spec)
+    start = pool_slots.read(recurrent, read), pool_slots.read(conv, read)  # [R, ...]: zeros where read < 0
+    live = lengths > 0
+    if num_spec == 0:  # the chunked form: one state per request, written to its slot
+        idx = jnp.concatenate([jnp.arange(R, dtype=jnp.int32), jnp.array([-1], jnp.int32)])
+        mode, kept = "chunk", 1
+        local = start
+    else:  # the recurrent form: the states after the last num_spec + 1 tokens, in local slots
+        kept = num_spec + 1
+        T = x.shape[1]
+        tail = lengths - jnp.minimum(lengths, kept)  # the first kept token
+        t = jnp.arange(T, dtype=jnp.int32)
+        i = t[None] - tail[:, None]  # [R, T], the kept token's index
+        base = jnp.arange(R, dtype=jnp.int32)[:, None] * (kept + 1)
+        idx = jnp.where((i >= 0) & (t[None] < lengths[:, None]), base + i, -1)
+        idx = idx.at[:, 0].set(jnp.where(tail > 0, base[:, 0] + kept, idx[:, 0]))  # column 0: where it starts
+        idx = jnp.concatenate([idx, jnp.full((1, T), -1, jnp.int32)])  # the padding sequence
+        mode = "fused_recurrent"
+        first = jnp.where(idx[:R, 0] >= 0, idx[:R, 0], R * (kept + 1))
+        local = tuple(jnp.zeros((R * (kept + 1), *s.shape[1:]), s.dtype).at[first].set(s, mode="drop") for s in start)
+    conv_parts = jnp.split(local[1], [widths[0], widths[0] + widths[1]], axis=2)
+    pool = KDACache(local[0], tuple(jnp.swapaxes(c, 1, 2) for c in conv_parts))  # kdax's [N, D, conv_size]
+    x, out, _ = b(x, Segments(cu, None, None, kda_slots=idx), pool, True, mode)
+    states = out.recurrent, jnp.concatenate([jnp.swapaxes(c, 1, 2) for c in out.conv], axis=2)
+    if num_spec == 0:
+        dst = jnp.where(live, slots.write, -1)
+        recurrent, conv = (pool_slots.write(p, dst, s) for p, s in zip((recurrent, conv), states))
+        tags = pool_slots.write(tags, dst, (computed + lengths)[:, None])
+        return x, (conv, recurrent, tags)
+    j = jnp.arange(kept, dtype=jnp.int32)
+    m = jnp.minimum(lengths, kept)  # the states this step keeps
+    dst = jnp.where(live[:, None], slots.write[:, None] + j, -1).reshape(-1)  # [R * kept]
+    src = (jnp.arange(R, dtype=jnp.int32)[:, None] * (kept + 1) + j).reshape(-1)
+    keep = (j[None] < m[:, None]).reshape(-1)
+    recurrent, conv = (pool_slots.write(p, jnp.where(keep, dst, -1), s[src]) for p, s in zip((recurrent, conv), states))
+    tag = jnp.where(j[None] < m[:, None], (computed + lengths - m)[:, None] + j + 1, -1)  # others: dead
+    tags = pool_slots.write(tags, dst, tag.reshape(-1, 1))
+    return x, (conv, recurrent, tags)
+
+
+def _mla_block(b, x, pages, table, positions, request, live):
+    """An MLA block: the new entries into their pages, then each token over its request's pages."""
+    P, size, _ = pages.shape
+    T, D = x.shape[1:]
+    attn = b.attn
+    r, dr = attn.kv_lora_rank, attn.qk_rope_head_dim
+    _, _, latent, k_rope = attn.latents(b.attn_norm(x), positions[None])
+    entry = jnp.concatenate([latent, k_rope], -1)[0, :, 0]  # [T, r + dr]
+    rows = jnp.take(table, request, axis=0)  # [T, M]: each token's request's pages
+    page = jnp.take_along_axis(rows, jnp.clip(positions // size, 0, rows.shape[1] - 1)[:, None], 1)[:, 0]
+    page = jnp.where(live & (page >= 0), page, P)  # P: dropped
+    pages = pages.at[page, positions % size, : r + dr].set(entry.astype(pages.dtype), mode="drop")
+    view = page_view(pages, rows)[:, :, None]  # [T, M * size, 1, width]
+    seg = Segments(None, positions[:, None], None)
+    y, _, _ = b(x.reshape(T, 1, D), seg, (view[..., :r], view[..., r : r + dr]))
+    return y.reshape(1, T, D), pages

@@ -1,0 +1,223 @@
+"""kdax.integrations.vllm_tpu.step on batches laid out as vLLM's TPU engine lays them out (flat
+ragged tokens, query_start_loc, seq_lens, page tables, state slots), built by hand here: ragged
+prompt and decode mixes with chunked prefill and padding, verify steps with partial acceptance
+(the rolled-back drafts), and align-mode prefix caching (read slots apart from write slots). Each
+gives the tokens of kdax's generate() on the same tiny transformers checkpoint."""
+
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from kdax.integrations.vllm_tpu.step import StateSlots, StepBatch, forward, init_caches, kda_state_shapes
+from kdax.models import from_pretrained, generate
+from kdax.models.kda import is_kda
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "..", "fixtures", "hf")
+PAGE = 4  # tokens a page (and, in align mode, a state block)
+R, T, M = 4, 24, 12  # requests, tokens and pages a request at most, of a step
+
+
+@pytest.fixture(scope="module", params=["kimi_a", pytest.param("ling_a", marks=pytest.mark.slow)])
+def model(request):
+    return from_pretrained(os.path.join(FIXTURES, request.param), backend="xla")
+
+
+def _prompts(seed, lengths, vocab=128):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, vocab, n).tolist() for n in lengths]
+
+
+def _greedy(model, prompt, new):
+    out = generate(model, jnp.asarray([prompt], jnp.int32), new)
+    return np.asarray(out)[0, len(prompt) :].tolist()
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4))
+def _step(graphdef, state, caches, batch, num_spec):
+    model = nnx.merge(graphdef, state)
+    hidden, caches = forward(model, caches, batch, num_spec=num_spec)
+    return model._logits(hidden), caches
+
+
+class Engine:
+    """vLLM's side, reduced: requests with their pages and slots, flat steps of at most T tokens
+    (decode and verify rows first, then prompt chunks of at most ``chunk`` tokens), greedy
+    sampling and verification.
+
+    Non-align mode: request i owns state slots 1 + i * (num_spec + 1) onwards (slot 0 is the
+    null slot idle requests point at). Align mode: a request's state slots are a table over its
+    state blocks of PAGE tokens, like its pages; it reads the slot of the block holding its last
+    computed token and writes the block holding its last new token; prompts are cut at block
+    boundaries.
+    """
+
+    def __init__(self, model, *, num_spec=0, align=False, chunk=7, drafts=None):
+        self.model, self.num_spec, self.align, self.chunk, self.drafts = model, num_spec, align, chunk, drafts
+        self.graphdef, self.state = nnx.split(model)
+        self.caches = init_caches(model, 64, 96, PAGE, width=None)
+        self.free_pages, self.free_slots = list(range(96)), list(range(1, 64))
+        self.requests = []
+        self.verified = 0  # draft tokens accepted
+        self.rejected = 0
+
+    def add(self, prompt, new, *, shared=None):
+        """A request; ``shared``: an earlier request whose first full blocks it reuses (a prefix hit)."""
+        r = {"tokens": list(prompt), "prompt": len(prompt), "new": new, "computed": 0, "pages": [], "slots": []}
+        if shared is not None:
+            same = 0
+            while same < min(len(prompt), shared["computed"]) and prompt[same] == shared["tokens"][same]:
+                same += 1
+            blocks = same // PAGE
+            if blocks * PAGE == len(prompt):
+                blocks -= 1  # keep a token to compute
+            r["pages"] = shared["pages"][:blocks]
+            r["slots"] = shared["slots"][:blocks]
+            r["computed"] = blocks * PAGE
+        elif not self.align:
+            r["base"] = 1 + len(self.requests) * (self.num_spec + 1)
+        self.requests.append(r)
+        return r
+
+    def _grow(self, r, length):
+        while len(r["pages"]) * PAGE < length:
+            r["pages"].append(self.free_pages.pop(0))
+            r["slots"].append(self.free_slots.pop(0))
+
+    def _schedule(self):
+        rows, budget = [], T
+        active = [r for r in self.requests if len(r["tokens"]) - r["prompt"] < r["new"]]
+        decoding = [r for r in active if r["computed"] >= r["prompt"]]
+        prefilling = [r for r in active if r["computed"] < r["prompt"]]
+        for r in decoding[:R]:
+            new = [r["tokens"][r["computed"]]] if r["computed"] < len(r["tokens"]) else []
+            drafts = self.drafts(r, self.num_spec) if self.drafts else []
+            rows.append((r, new + drafts, len(drafts)))
+            budget -= len(new + drafts)
+        for r in prefilling[: R - len(rows)]:
+            n = min(self.chunk, r["prompt"] - r["computed"], budget)
+            if self.align and r["computed"] + n < r["prompt"]:
+                n = (r["computed"] + n) // PAGE * PAGE - r["computed"]
+            if n > 0:
+                rows.append((r, r["tokens"][r["computed"] : r["computed"] + n], 0))
+                budget -= n
+        return rows
+
+    def step(self):
+        rows = self._schedule()
+        if not rows:
+            return False
+        tokens, positions, qsl = np.zeros(T, np.int32), np.full(T, 7, np.int32), [0]  # stale padding positions
+        seq_lens, tables = np.zeros(R, np.int32), np.full((R, M), -1, np.int32)
+        write, read = np.zeros(R, np.int32), np.zeros(R, np.int32)
+        for i, (r, new, _) in enumerate(rows):
+            a, n = qsl[-1], len(new)
+            tokens[a : a + n] = new
+            positions[a : a + n] = r["computed"] + np.arange(n)
+            qsl.append(a + n)
+            seq_lens[i] = r["computed"] + n
+            self._grow(r, seq_lens[i])
+            tables[i, : len(r["pages"])] = r["pages"]
+            if self.align:
+                write[i] = r["slots"][(seq_lens[i] - 1) // PAGE]
+                read[i] = r["slots"][max(r["computed"] - 1, 0) // PAGE]
+            else:
+                write[i] = r["base"]
+        qsl += [qsl[-1]] * (R + 1 - len(qsl))  # padding requests repeat the last offset
+        kda = StateSlots(jnp.asarray(write), jnp.asarray(read) if self.align else None)
+        layers = tuple(kda if is_kda(b) else jnp.asarray(tables) for b in self.model.model.layers)
+        batch = StepBatch(*map(jnp.asarray, (tokens, positions, np.asarray(qsl, np.int32), seq_lens)), layers)
+        logits, self.caches = _step(self.graphdef, self.state, self.caches, batch, self.num_spec)
+        picks = np.asarray(jnp.argmax(logits, -1))
+        for i, (r, new, k) in enumerate(rows):
+            end = qsl[i + 1]
+            r["computed"] += len(new)
+            if r["computed"] < r["prompt"]:
+                continue
+            if k:  # verify: accept drafts while they equal the model's pick
+                drafts, guess = new[-k:], picks[end - k - 1 : end]
+                a = 0
+                while a < k and drafts[a] == guess[a]:
+                    a += 1
+                self.verified, self.rejected = self.verified + a, self.rejected + k - a
+                del r["tokens"][len(r["tokens"]) - k + a :]  # the rejected drafts
+                r["computed"] -= k - a
+                r["tokens"].append(int(guess[a]))
+            else:
+                r["tokens"].append(int(picks[end - 1]))
+        return True
+
+    def run(self):
+        while self.step():
+            pass
+        return [r["tokens"][r["prompt"] : r["prompt"] + r["new"]] for r in self.requests]
+
+
+def _oracle(reference_by_prompt):
+    """Drafts from the reference continuation with every third one altered: some verify steps
+    accept every draft, some part, some none."""
+
+    def draft(r, k):
+        ref = reference_by_prompt[tuple(r["tokens"][: r["prompt"]])]
+        done = len(r["tokens"]) - r["prompt"]
+        guess = ref[done : done + k]
+        guess = [(t + 1) % 128 if (done + i) % 3 == 2 else t for i, t in enumerate(guess)]
+        r["tokens"].extend(guess)
+        return guess
+
+    return draft
+
+
+LENGTHS, NEW = (11, 1, 17, 6, 3), (6, 8, 4, 9, 5)
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    return [_greedy(model, p, n) for p, n in zip(_prompts(0, LENGTHS), NEW)]
+
+
+def test_state_layout_is_the_engines(model):
+    kda = next(b.attn for b in model.model.layers if is_kda(b))
+    conv, state, tag = kda_state_shapes(kda)
+    c = model.config
+    assert conv == (c.linear_conv_kernel_dim, 3 * c.linear_num_heads * c.linear_head_dim)
+    assert state == (c.linear_num_heads, c.linear_head_dim, c.linear_head_dim) and tag == (1,)
+
+
+def test_ragged_prompts_and_decodes_give_the_tokens_of_generate(model, reference):
+    """Five requests, prompts of 1 to 17 tokens cut into chunks of 7 beside other requests'
+    decode tokens, four at a time, stale positions and padding requests in every step."""
+    e = Engine(model)
+    for p, n in zip(_prompts(0, LENGTHS), NEW):
+        e.add(p, n)
+    assert e.run() == reference
+
+
+def test_verify_steps_with_partial_acceptance_give_the_tokens_of_generate(model, reference):
+    """Three drafts a step, right, partly right and wrong: the rolled-back states continue as
+    plain decoding does (the next step starts from the state after the last accepted token)."""
+    ref = {tuple(p): r for p, r in zip(_prompts(0, LENGTHS), reference)}
+    e = Engine(model, num_spec=3, drafts=_oracle(ref))
+    for p, n in zip(_prompts(0, LENGTHS), NEW):
+        e.add(p, n)
+    assert e.run() == reference
+    assert e.verified > 0 and e.rejected > 0
+
+
+def test_align_mode_prefix_hits_give_the_tokens_of_generate(model):
+    """Align-mode prefix caching: a request that shares the first 9 tokens of an earlier one
+    starts from the state checkpointed at the block boundary (8 tokens) in the earlier request's
+    slot, writes its own, and shares the pages."""
+    first, second = _prompts(1, (13, 6))
+    second = first[:9] + second
+    e = Engine(model, align=True, chunk=6)
+    a = e.add(first, 5)
+    e.run()
+    b = e.add(second, 5, shared=a)
+    assert b["computed"] == 8 and b["slots"][1] == a["slots"][1]
+    out = e.run()
+    assert out == [_greedy(model, first, 5), _greedy(model, second, 5)]
