@@ -242,7 +242,7 @@ def _with_state_specs(vllm_config, specs: dict, kinds: tuple[bool, ...]):
 
 def enable_cpu() -> None:
     """Let tpu-inference run on CPU devices (tests and trying the plugin out): a nominal memory
-    limit a device (``KDAX_VLLM_CPU_MEMORY`` bytes, default 4 GiB), none of the TPU compiler
+    limit a device (``KDAX_VLLM_CPU_MEMORY`` bytes, default 1 GiB), none of the TPU compiler
     options of its step and sampling functions, and synchronous CPU dispatch (with JAX's
     asynchronous CPU dispatch the engine's tokens were wrong from the fourth step in one run of
     two: it reuses host buffers between steps, which CPU arrays may alias). Called by
@@ -261,7 +261,7 @@ def enable_cpu() -> None:
     if "tpu_inference.layers.jax.sample.sampling" in sys.modules:
         raise RuntimeError("KDAX_VLLM_CPU: expected it to take effect before tpu-inference loads its sampler")
     jax.config.update("jax_cpu_enable_async_dispatch", False)
-    utils.get_device_hbm_limit = lambda: int(os.environ.get("KDAX_VLLM_CPU_MEMORY", 4 << 30))
+    utils.get_device_hbm_limit = lambda: int(os.environ.get("KDAX_VLLM_CPU_MEMORY", 1 << 30))
     compiler_options.get_step_fn_compiler_options = dict
     compiler_options.get_sampling_compiler_options = dict
     loader = sys.modules.get("tpu_inference.models.common.model_loader")

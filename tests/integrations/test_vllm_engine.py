@@ -1,0 +1,163 @@
+"""vLLM's TPU engine (tpu-inference 0.32.0) serving the tiny Kimi Linear checkpoint through
+kdax's plugin on CPU devices: greedy tokens equal to kdax's generate(), with an n-gram drafter,
+with align-mode prefix caching, under tensor parallel 2, and through ``vllm serve``'s OpenAI
+completions endpoint; and the cache specs the plugin gives the engine.
+
+They need vllm-tpu (Python 3.12) and take 3 to 4 minutes, so they carry the ``vllm`` marker and
+run by hand (README, "Serve with vLLM")::
+
+    python -m pytest -m vllm tests/integrations/test_vllm_engine.py
+"""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+pytest.importorskip("tpu_inference")
+pytestmark = pytest.mark.vllm
+
+from kdax.models import from_pretrained, generate  # noqa: E402
+
+CHECKPOINT = os.path.join(os.path.dirname(__file__), "..", "fixtures", "hf", "kimi_a")
+WORKER = os.path.join(os.path.dirname(__file__), "vllm_engine_worker.py")
+PROMPTS = [[5, 9, 17, 33, 3, 40], [7] * 11, [100, 3]]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return from_pretrained(CHECKPOINT, backend="xla")
+
+
+def _greedy(model, prompt, n):
+    return np.asarray(generate(model, jnp.asarray([prompt], jnp.int32), n))[0, len(prompt) :].tolist()
+
+
+def _engine(scenario, prompts, max_tokens):
+    run = subprocess.run(
+        [sys.executable, WORKER, CHECKPOINT, scenario],
+        input=json.dumps({"prompts": prompts, "max_tokens": max_tokens}),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    lines = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
+    assert run.returncode == 0 and lines, run.stderr[-4000:]
+    return json.loads(lines[-1][len("RESULT ") :])
+
+
+def test_greedy_tokens_equal_generate(model):
+    """Three requests prefilled together (6, 11 and 2 tokens), then decoded together."""
+    out = _engine("greedy", PROMPTS, 6)
+    assert out["tokens"] == [_greedy(model, p, 6) for p in PROMPTS]
+    assert [n for _, n, _ in out["steps"][0]] == [6, 11, 2]
+
+
+def _verified(steps):
+    """(drafts verified, drafts accepted) over the steps: a request's step of 1 + k tokens after
+    its prefill verifies k drafts; its next step starts after the accepted ones."""
+    last, verified, accepted = {}, 0, 0
+    for step in steps:
+        for computed, n, slot in step:
+            if slot in last and last[slot][1] > 1 and last[slot][0] > 0:
+                verified += last[slot][1] - 1
+                accepted += computed - last[slot][0] - 1
+            last[slot] = (computed, n)
+    return verified, accepted
+
+
+def test_ngram_drafts_give_the_tokens_of_generate(model):
+    """An n-gram drafter proposing up to 3 tokens: the tokens are those of greedy decoding, and
+    the verify steps accept some drafts and reject others. The prompts are greedy continuations
+    cut where the drafter's first proposal is right in its first token and wrong after (found
+    by running vLLM's n-gram matcher over them), so a step continues from the second of its
+    request's four state slots."""
+    chains = np.asarray(generate(model, jnp.asarray(np.random.default_rng(2).integers(3, 128, (16, 6))), 50))
+    prompts = [chains[1, :38].tolist(), chains[13, :24].tolist()]
+    out = _engine("spec", prompts, 12)
+    assert out["tokens"] == [_greedy(model, p, 12) for p in prompts]
+    verified, accepted = _verified(out["steps"])
+    assert 0 < accepted < verified
+
+
+def test_align_mode_prefix_hit_gives_the_tokens_of_generate(model):
+    """Prefix caching in align mode: a second request sharing 35 tokens with a finished first
+    one starts from the state checkpointed at its second 16-token block (32 tokens computed)."""
+    rng = np.random.default_rng(3)
+    first = rng.integers(3, 128, 40).tolist()
+    second = first[:35] + rng.integers(3, 128, 7).tolist()
+    out = _engine("align", [first, second], 6)
+    assert out["tokens"] == [_greedy(model, first, 6), _greedy(model, second, 6)]
+    starts = [computed for step in out["steps"] for computed, n, _ in step if n > 1]
+    assert starts == [0, 32, 32]  # the first prompt in two steps of 32 and 8, the second from its hit
+
+
+def test_tensor_parallel_2_gives_the_tokens_of_generate(model):
+    """Two fake CPU devices on the model axis: KDA states and pages sharded as the engine shards them."""
+    out = _engine("tp2", PROMPTS, 6)
+    assert out["tokens"] == [_greedy(model, p, 6) for p in PROMPTS]
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_vllm_serve_answers_an_openai_completions_request(model, tmp_path):
+    """``vllm serve`` on the checkpoint with a word-level tokenizer ("t0" .. "t127"): a
+    /v1/completions request's text is the greedy continuation of generate()."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from transformers import PreTrainedTokenizerFast
+
+    directory = tmp_path / "kimi"
+    shutil.copytree(CHECKPOINT, directory)
+    vocab = {f"t{i}": i for i in range(128)}
+    words = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="t0"))
+    words.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    words.decoder = tokenizers.decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
+    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="t0", eos_token="t2").save_pretrained(directory)
+    port = _free_port()
+    env = dict(os.environ, JAX_PLATFORMS="cpu", KDAX_VLLM_CPU="1", SKIP_JAX_PRECOMPILE="1", NEW_MODEL_DESIGN="1")
+    sharding = {"sharding": {"sharding_strategy": {"device_indexes": [0], "enable_dp_attention": True}}}
+    args = ["--port", str(port), "--max-model-len", "64", "--max-num-seqs", "4", "--max-num-batched-tokens", "32"]
+    args += ["--block-size", "16", "--num-gpu-blocks-override", "64", "--dtype", "float32"]
+    args += ["--no-enable-prefix-caching", "--additional-config", json.dumps(sharding)]
+    server = subprocess.Popen(
+        [os.path.join(os.path.dirname(sys.executable), "vllm"), "serve", str(directory), *args],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 300
+        while True:
+            assert server.poll() is None, server.stderr.read()[-4000:]
+            try:
+                urllib.request.urlopen(f"{url}/health", timeout=5)
+                break
+            except OSError:
+                assert time.time() < deadline, "vllm serve did not come up in 300 s"
+                time.sleep(2)
+        prompt = [5, 9, 17, 33, 3, 40]
+        body = {"model": str(directory), "prompt": " ".join(f"t{i}" for i in prompt), "max_tokens": 6}
+        body["temperature"] = 0
+        request = urllib.request.Request(
+            f"{url}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
+        reply = json.loads(urllib.request.urlopen(request, timeout=300).read())
+        words = reply["choices"][0]["text"].split()
+        assert words == [f"t{i}" for i in _greedy(model, prompt, 6)]
+    finally:
+        server.terminate()
+        server.wait(timeout=60)

@@ -1,0 +1,84 @@
+"""One vLLM engine run on CPU devices through kdax's plugin, in its own process (run by
+tests/integrations/test_vllm_engine.py): ``python vllm_engine_worker.py CHECKPOINT SCENARIO``
+prints one JSON line: the generated tokens of each prompt, and each step's (computed, new
+tokens, state slot) of each scheduled request (the model's call records them)."""
+
+import json
+import os
+import sys
+
+os.environ.update(
+    JAX_PLATFORMS="cpu",
+    KDAX_VLLM_CPU="1",
+    SKIP_JAX_PRECOMPILE="1",
+    NEW_MODEL_DESIGN="1",
+    VLLM_ENABLE_V1_MULTIPROCESSING="0",
+)
+if sys.argv[2] == "tp2":
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from kdax.integrations.vllm_tpu import engine  # noqa: E402
+
+STEPS = []
+_call = engine.KdaxForCausalLM.__call__
+
+
+def _recording_call(self, kv_caches, input_ids, attention_metadata, *args, **kwargs):
+    md = attention_metadata["layer.0"] if isinstance(attention_metadata, dict) else attention_metadata
+
+    def record(qsl, seq_lens, slots):
+        lengths = np.diff(np.asarray(qsl))[: len(seq_lens)]
+        rows = zip(np.asarray(seq_lens), lengths, np.asarray(slots))
+        STEPS.append([(int(s - n), int(n), int(slot)) for s, n, slot in rows if n > 0])
+
+    slots = md.mamba_state_indices if md.mamba_state_indices is not None else -md.seq_lens  # none in align mode
+    jax.debug.callback(record, md.query_start_loc, md.seq_lens, slots)
+    return _call(self, kv_caches, input_ids, attention_metadata, *args, **kwargs)
+
+
+engine.KdaxForCausalLM.__call__ = _recording_call
+
+from vllm import LLM, SamplingParams  # noqa: E402
+
+
+def main(checkpoint: str, scenario: str, prompts: list[list[int]], max_tokens: int) -> None:
+    options = {"enable_prefix_caching": False}
+    sharding = {"device_indexes": [0], "enable_dp_attention": True}
+    if scenario == "spec":
+        options["speculative_config"] = {
+            "method": "ngram",
+            "num_speculative_tokens": 3,
+            "prompt_lookup_max": 3,
+            "prompt_lookup_min": 1,
+        }
+    elif scenario == "align":
+        options = {"enable_prefix_caching": True, "mamba_cache_mode": "align"}
+    elif scenario == "tp2":
+        options["tensor_parallel_size"] = 2
+        del sharding["device_indexes"]
+    llm = LLM(
+        model=checkpoint,
+        skip_tokenizer_init=True,
+        max_model_len=96,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        block_size=16,
+        num_gpu_blocks_override=64,
+        dtype="float32",
+        additional_config={"sharding": {"sharding_strategy": sharding}},
+        **options,
+    )
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, detokenize=False)
+    if scenario == "align":  # one after the other: the second finds the first's blocks cached
+        out = [llm.generate([{"prompt_token_ids": p}], params)[0] for p in prompts]
+    else:
+        out = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    print("RESULT " + json.dumps({"tokens": [list(o.outputs[0].token_ids) for o in out], "steps": STEPS}), flush=True)
+
+
+if __name__ == "__main__":
+    request = json.loads(sys.stdin.read())
+    main(sys.argv[1], sys.argv[2], request["prompts"], request["max_tokens"])
