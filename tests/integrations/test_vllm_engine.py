@@ -1,5 +1,5 @@
-"""vLLM's TPU engine (tpu-inference 0.32.0) serving the tiny Kimi Linear checkpoint through
-kdax's plugin on CPU devices: greedy tokens equal to kdax's generate(), with an n-gram drafter,
+"""vLLM's TPU engine (tpu-inference 0.32.0) serving the tiny Kimi Linear checkpoint (and Ling's,
+greedy) through kdax's plugin on CPU devices: greedy tokens equal to kdax's generate(), with an n-gram drafter,
 with align-mode prefix caching, under tensor parallel 2, and through ``vllm serve``'s OpenAI
 completions endpoint; and the cache specs the plugin gives the engine.
 
@@ -41,9 +41,9 @@ def _greedy(model, prompt, n):
     return np.asarray(generate(model, jnp.asarray([prompt], jnp.int32), n))[0, len(prompt) :].tolist()
 
 
-def _engine(scenario, prompts, max_tokens):
+def _engine(scenario, prompts, max_tokens, checkpoint=CHECKPOINT):
     run = subprocess.run(
-        [sys.executable, WORKER, CHECKPOINT, scenario],
+        [sys.executable, WORKER, checkpoint, scenario],
         input=json.dumps({"prompts": prompts, "max_tokens": max_tokens}),
         capture_output=True,
         text=True,
@@ -54,9 +54,14 @@ def _engine(scenario, prompts, max_tokens):
     return json.loads(lines[-1][len("RESULT ") :])
 
 
-def test_greedy_tokens_equal_generate(model):
-    """Three requests prefilled together (6, 11 and 2 tokens), then decoded together."""
-    out = _engine("greedy", PROMPTS, 6)
+@pytest.mark.parametrize("case", ["kimi_a", "ling_a"])
+def test_greedy_tokens_equal_generate(case):
+    """Three requests prefilled together (6, 11 and 2 tokens), then decoded together; Kimi
+    Linear (MLA pages as the engine's MLA layout) and Ling (vLLM takes it for plain attention:
+    the plugin sizes its pages, and reads its config.json where transformers cannot)."""
+    checkpoint = os.path.join(os.path.dirname(CHECKPOINT), case)
+    out = _engine("greedy", PROMPTS, 6, checkpoint)
+    model = from_pretrained(checkpoint, backend="xla")
     assert out["tokens"] == [_greedy(model, p, 6) for p in PROMPTS]
     assert [n for _, n, _ in out["steps"][0]] == [6, 11, 2]
 
@@ -161,3 +166,45 @@ def test_vllm_serve_answers_an_openai_completions_request(model, tmp_path):
     finally:
         server.terminate()
         server.wait(timeout=60)
+
+
+def _config(checkpoint, mode="none", num_spec=0):
+    """The parts of a VllmConfig the plugin's cache specs read."""
+    import types
+
+    import torch
+
+    with open(os.path.join(checkpoint, "config.json")) as f:
+        d = json.load(f)
+    hf = types.SimpleNamespace(**d, to_dict=lambda: dict(d))
+    spec = types.SimpleNamespace(num_speculative_tokens=num_spec) if num_spec else None
+    return types.SimpleNamespace(
+        model_config=types.SimpleNamespace(hf_config=hf, dtype=torch.bfloat16, max_model_len=64),
+        cache_config=types.SimpleNamespace(mamba_block_size=16, mamba_cache_mode=mode, mamba_page_size_padded=None),
+        speculative_config=spec,
+    )
+
+
+@pytest.mark.parametrize("mode,num_spec", [("none", 0), ("none", 3), ("align", 0)])
+def test_cache_specs_give_kda_layers_state_pools_of_one_page_size(mode, num_spec):
+    """Kimi Linear's KDA layers (0 and 2) get MambaSpecs of the convolution windows [4, 96] in
+    the model's dtype, the float32 state [2, 16, 16] and the int32 tag; its MLA layers keep the
+    engine's spec; every spec reports one page size, an MLA page plus a KDA slot (two groups of
+    two layers: one tensor holds a layer of each)."""
+    import torch
+    from vllm.v1.kv_cache_interface import MambaSpec, MLAAttentionSpec
+
+    from kdax.integrations.vllm_tpu.engine import _with_state_specs
+
+    config = _config(CHECKPOINT, mode, num_spec)
+    mla = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=256, dtype=torch.bfloat16)
+    specs, (attn, state) = _with_state_specs(config, {"layer.1": mla, "layer.3": mla}, (True, False, True, False))
+    assert sorted(specs) == [f"layer.{i}" for i in range(4)]
+    kda = specs["layer.0"]
+    assert isinstance(kda, MambaSpec) and specs["layer.2"] == kda
+    assert kda.shapes == ((4, 96), (2, 16, 16), (1,))
+    assert kda.dtypes == (torch.bfloat16, torch.float32, torch.int32)
+    assert kda.mamba_cache_mode == mode and kda.num_speculative_blocks == num_spec and kda.block_size == 16
+    assert attn == 16 * 256 * 2 and state == 4 * 96 * 2 + 2 * 16 * 16 * 4 + 4
+    assert {s.page_size_bytes for s in specs.values()} == {attn + state} == {config.cache_config.mamba_page_size_padded}
+    assert isinstance(specs["layer.1"], MLAAttentionSpec) and specs["layer.1"].head_size == 256

@@ -43,6 +43,7 @@ def register() -> None:
 
     if os.environ.get("KDAX_VLLM_CPU") == "1":
         engine.enable_cpu()
+    engine.register_configs()
     engine.patch_cache_specs()
     for arch in engine.ARCHITECTURES:
         register_model(arch, engine.KdaxForCausalLM)

@@ -184,7 +184,10 @@ def _kda_layer(hf_config):
 def patch_cache_specs() -> None:
     """Make tpu-inference's ``KVCacheManager.get_kv_cache_spec`` give each KDA layer of kdax's
     architectures a ``MambaSpec`` (the state pool of :func:`kda_state_shapes`), every spec padded
-    to one page size as vLLM's hybrid allocator requires. Other models keep the engine's specs."""
+    to one page size as vLLM's hybrid allocator requires. The MLA layers keep the engine's MLA
+    specs (Kimi Linear), or, where vLLM takes the family for plain attention (Ling), get pages
+    of one head as wide as a latent and rope key (the engine would size them by the config's
+    key-value heads). Other models keep the engine's specs."""
     from tpu_inference.runner.kv_cache_manager import KVCacheManager
 
     original = KVCacheManager.get_kv_cache_spec
@@ -198,6 +201,17 @@ def patch_cache_specs() -> None:
         if getattr(hf, "architectures", [None])[0] not in ARCHITECTURES:
             return specs
         kinds = _layer_kinds(hf)
+        if not self.use_mla:  # a family vLLM does not know as MLA (Ling): pages of the latents
+            from tpu_inference import utils
+            from tpu_inference.layers.common.sharding import ShardingAxisName
+
+            heads = utils.get_padded_num_heads(
+                1, utils.get_mesh_shape_product(self.runner.mesh, ShardingAxisName.ATTN_HEAD)
+            )
+            width = utils.get_padded_head_dim(hf.kv_lora_rank + hf.qk_rope_head_dim)
+            for i, kda in enumerate(kinds):
+                if not kda:
+                    specs[f"layer.{i}"] = self._create_attention_spec(self.runner.cache_config.block_size, heads, width)
         specs, sizes = _with_state_specs(self.runner.vllm_config, specs, kinds)
         # the engine's own sizing of the state pool (one slot a request and draft, align mode's blocks)
         self._maybe_set_compact_mamba_num_blocks_override(*sizes, kinds.count(False), kinds.count(True))
@@ -238,6 +252,22 @@ def _with_state_specs(vllm_config, specs: dict, kinds: tuple[bool, ...]):
         out[n] = dataclasses.replace(s, page_size_padded=page)
     cache.mamba_page_size_padded = page
     return out, (attn_page, state.page_size_bytes)
+
+
+def register_configs() -> None:
+    """Let vLLM read Ling's ``bailing_hybrid`` config.json where the installed transformers does
+    not know it (vllm-tpu 0.32.0 pins transformers < 5.20): a plain ``PretrainedConfig`` of its
+    fields, which is all the engine reads (kdax reads the checkpoint's config itself)."""
+    from transformers import AutoConfig, PretrainedConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if "bailing_hybrid" in CONFIG_MAPPING:
+        return
+
+    class BailingHybridConfig(PretrainedConfig):
+        model_type = "bailing_hybrid"
+
+    AutoConfig.register("bailing_hybrid", BailingHybridConfig)
 
 
 def enable_cpu() -> None:
