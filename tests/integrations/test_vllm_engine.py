@@ -208,3 +208,21 @@ def test_cache_specs_give_kda_layers_state_pools_of_one_page_size(mode, num_spec
     assert attn == 16 * 256 * 2 and state == 4 * 96 * 2 + 2 * 16 * 16 * 4 + 4
     assert {s.page_size_bytes for s in specs.values()} == {attn + state} == {config.cache_config.mamba_page_size_padded}
     assert isinstance(specs["layer.1"], MLAAttentionSpec) and specs["layer.1"].head_size == 256
+
+
+def test_weights_split_over_the_engines_tensor_parallel_axis(model):
+    """kdax's tensor-parallel layout on tpu-inference's 7-axis mesh: projections by heads,
+    experts split, the latent projections and norms replicated."""
+    import jax
+    from tpu_inference.layers.common.sharding import ShardingAxisName
+
+    from kdax.integrations.vllm_tpu.engine import _placements
+
+    names = ("data", "attn_dp", "attn_dp_expert", "expert", "model", "dcp", "pcp")
+    mesh = jax.sharding.AbstractMesh((1, 1, 1, 1, 2, 1, 1), names)
+    specs = {".".join(map(str, p)): s.spec for p, s in _placements(model, mesh).items()}
+    head = ShardingAxisName.ATTN_HEAD
+    assert specs["model.layers.0.attn.q_proj.kernel"] == jax.sharding.PartitionSpec(None, head)
+    assert specs["model.layers.0.attn.o_proj.kernel"] == jax.sharding.PartitionSpec(head, None)
+    assert specs["model.layers.1.mlp.gate_up"] == jax.sharding.PartitionSpec(head, None, None)
+    assert not any(specs["model.layers.1.attn.kv_a_proj_with_mqa.kernel"])

@@ -31,7 +31,7 @@ class KdaxForCausalLM(nnx.Module):
     Args:
         vllm_config: the engine's config (model path and dtype, cache mode, drafts).
         rng_key: unused (the weights come from the checkpoint).
-        mesh: the engine's device mesh; the weights are placed on it replicated.
+        mesh: the engine's device mesh; the weights are split over its tensor-parallel axis.
 
     Raises:
         ValueError: an engine setting the step does not take (data-parallel attention over
@@ -123,11 +123,18 @@ class KdaxForCausalLM(nnx.Module):
         return StateSlots(write.astype(jnp.int32), read.astype(jnp.int32))
 
     def load_weights(self, rng_key=None) -> None:
-        """Read the checkpoint's weights into the model (placed on the mesh, replicated)."""
-        loaded = from_pretrained(self.path, dtype=self.model.dtype)
-        state = nnx.state(loaded)
+        """Read the checkpoint's weights into host memory, then place each on the mesh, split
+        over the engine's tensor-parallel axis (:func:`_placements`)."""
+        mesh = None
         if self.mesh is not None:
-            state = jax.device_put(state, jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
+            shardings = _placements(self.model, self.mesh)
+            mesh = self.mesh
+        with jax.default_device(jax.devices("cpu")[0]):  # host memory, then each tensor to its shards
+            state = nnx.state(from_pretrained(self.path, dtype=self.model.dtype))
+        if mesh is not None:
+            replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+            for path, var in nnx.to_flat_state(state):
+                var.set_value(jax.device_put(var.get_value(), shardings.get(tuple(path), replicated)))
         nnx.update(self.model, state)
 
     def modules(self):
@@ -155,6 +162,24 @@ class KdaxForCausalLM(nnx.Module):
         from vllm.model_executor.layers.mamba.mamba_utils import get_temporal_copy_spec
 
         return (get_temporal_copy_spec,) * 3
+
+
+def _placements(model, mesh) -> dict:
+    """{parameter path: NamedSharding} on the engine's mesh: kdax's tensor-parallel layout
+    (:func:`kdax.models.sharding.partition_specs`: projections by heads, the MLPs' hidden features, the
+    vocabulary; experts split too) over the engine's attention-head axis; the rest replicated."""
+    from tpu_inference.layers.common.sharding import ShardingAxisName
+
+    from kdax.models.sharding import partition_specs
+
+    axis = ShardingAxisName.ATTN_HEAD
+    n = int(np.prod([mesh.shape[a] for a in _axes(axis)]))
+    by_heads, by_experts = (partition_specs(model, jax.sharding.AbstractMesh((n,), (a,))) for a in ("model", "expert"))
+    out = {}
+    for path, spec in by_heads.items():
+        spec = spec if any(spec) else by_experts[path]
+        out[path] = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*(axis if a else None for a in spec)))
+    return out
 
 
 def _axes(name):
