@@ -221,3 +221,18 @@ def test_align_mode_prefix_hits_give_the_tokens_of_generate(model):
     assert b["computed"] == 8 and b["slots"][1] == a["slots"][1]
     out = e.run()
     assert out == [_greedy(model, first, 5), _greedy(model, second, 5)]
+
+
+def test_plugin_refuses_another_tpu_inference_and_leaves_processes_without_it_alone(monkeypatch):
+    import importlib.metadata
+
+    from kdax.integrations import vllm_tpu
+
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", missing)
+    assert vllm_tpu.register() is None  # vLLM on GPU, or no vLLM: nothing to register
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.31.0")
+    with pytest.raises(RuntimeError, match=r"tpu-inference 0\.32\.0.*found 0\.31\.0"):
+        vllm_tpu.register()
