@@ -38,7 +38,8 @@ class KdaxForCausalLM(nnx.Module):
             more than one device group, a transposed MLA cache).
     """
 
-    # tpu-inference builds the model as it is (no abstract model and weight loader of its own)
+    # load_format="dummy": tpu-inference builds the model as it is (random weights); otherwise it
+    # builds it abstractly and calls load_weights
     _self_manages_sharding = True
 
     # vLLM's hybrid-model interface: the engine keeps a state pool for the KDA layers
