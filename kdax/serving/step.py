@@ -137,16 +137,31 @@ def page_view(pages, table):
     return rows.reshape(table.shape[0], table.shape[1] * size, *pages.shape[2:])
 
 
+def write_pages(pages, table, positions, keep, entries):
+    """``pages`` with each row's new entries stored at their positions.
+
+    Args:
+        pages: [P, page_size, ...].
+        table: [N, M] the rows' page tables (-1: no page).
+        positions: [N, C] the entries' positions; keep: [N, C] bool, which to store.
+        entries: [N, C, ...] in the pages' trailing shape.
+
+    Returns:
+        The pages; entries not kept, or whose page is missing, are dropped.
+    """
+    P, size = pages.shape[:2]
+    page = jnp.take_along_axis(table, jnp.clip(positions // size, 0, table.shape[1] - 1), axis=1)
+    page = jnp.where(keep & (page >= 0), page, P)  # P: dropped
+    return pages.at[page, positions % size].set(entries.astype(pages.dtype), mode="drop")
+
+
 def _store(pages, view, batch: Batch):
     """pages with each row's new entries (positions starts + t, t < counts) taken from its view."""
-    P, size = pages.shape[:2]
     N, C = batch.tokens.shape
     pos = batch.starts[:, None] + jnp.arange(C, dtype=jnp.int32)  # [N, C]
     keep = (jnp.arange(C) < batch.counts[:, None]) & (batch.slots >= 0)[:, None]
-    page = jnp.take_along_axis(batch.pages, jnp.clip(pos // size, 0, batch.pages.shape[1] - 1), axis=1)
-    page = jnp.where(keep & (page >= 0), page, P)  # P: dropped
     new = jnp.take_along_axis(view, jnp.clip(pos, 0, view.shape[1] - 1).reshape(N, C, *(1,) * (view.ndim - 2)), 1)
-    return pages.at[page, pos % size].set(new, mode="drop")
+    return write_pages(pages, batch.pages, pos, keep, new)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4, 5), donate_argnums=(2,))

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from kdax.models.kda import KDAForCausalLM, Segments, is_kda
 from kdax.nn.kda import KDACache, KimiDeltaAttention
 from kdax.ops.kda import slots as pool_slots
-from kdax.serving.step import page_view
+from kdax.serving.step import page_view, write_pages
 
 
 class StateSlots(NamedTuple):
@@ -165,8 +165,7 @@ def _kda_block(b, x, cache, slots: StateSlots, cu, lengths, computed, num_spec: 
     live = lengths > 0
     if num_spec == 0:  # the chunked form: one state per request, written to its slot
         idx = jnp.concatenate([jnp.arange(R, dtype=jnp.int32), jnp.array([-1], jnp.int32)])
-        mode, kept = "chunk", 1
-        local = start
+        mode, local = "chunk", start
     else:  # the recurrent form: the states after the last num_spec + 1 tokens, in local slots
         kept = num_spec + 1
         T = x.shape[1]
@@ -187,8 +186,7 @@ def _kda_block(b, x, cache, slots: StateSlots, cu, lengths, computed, num_spec: 
     if num_spec == 0:
         dst = jnp.where(live, slots.write, -1)
         recurrent, conv = (pool_slots.write(p, dst, s) for p, s in zip((recurrent, conv), states))
-        tags = pool_slots.write(tags, dst, (computed + lengths)[:, None])
-        return x, (conv, recurrent, tags)
+        return x, (conv, recurrent, tags)  # the tags are read only with drafts
     j = jnp.arange(kept, dtype=jnp.int32)
     m = jnp.minimum(lengths, kept)  # the states this step keeps
     dst = jnp.where(live[:, None], slots.write[:, None] + j, -1).reshape(-1)  # [R * kept]
@@ -202,16 +200,14 @@ def _kda_block(b, x, cache, slots: StateSlots, cu, lengths, computed, num_spec: 
 
 def _mla_block(b, x, pages, table, positions, request, live):
     """An MLA block: the new entries into their pages, then each token over its request's pages."""
-    P, size, _ = pages.shape
     T, D = x.shape[1:]
     attn = b.attn
     r, dr = attn.kv_lora_rank, attn.qk_rope_head_dim
     _, _, latent, k_rope = attn.latents(b.attn_norm(x), positions[None])
-    entry = jnp.concatenate([latent, k_rope], -1)[0, :, 0]  # [T, r + dr]
+    entry = jnp.concatenate([latent, k_rope], -1)[0]  # [T, 1, r + dr]
+    entry = jnp.pad(entry, ((0, 0), (0, 0), (0, pages.shape[2] - r - dr)))  # to the page's width
     rows = jnp.take(table, request, axis=0)  # [T, M]: each token's request's pages
-    page = jnp.take_along_axis(rows, jnp.clip(positions // size, 0, rows.shape[1] - 1)[:, None], 1)[:, 0]
-    page = jnp.where(live & (page >= 0), page, P)  # P: dropped
-    pages = pages.at[page, positions % size, : r + dr].set(entry.astype(pages.dtype), mode="drop")
+    pages = write_pages(pages, rows, positions[:, None], live[:, None], entry)
     view = page_view(pages, rows)[:, :, None]  # [T, M * size, 1, width]
     seg = Segments(None, positions[:, None], None)
     y, _, _ = b(x.reshape(T, 1, D), seg, (view[..., :r], view[..., r : r + dr]))
