@@ -48,9 +48,6 @@ import time
 
 CHIPS = {"v5e": "v5e:1x1", "v6e": "v6e:1x1", "tpu7x": "tpu7x:1x1x1"}
 KERNEL_PREFIXES = ("kda_", "kascade_")  # every pallas_call kdax names for TPU
-# splash attention's cheapest blocks at the Kascade peer shape (v5e, bf16: 128 (its default) 301.7 M
-# static cycles, 512 59.4 M, 512 queries x 1024 keys 47.0 M, 1024 46.3 M)
-SPLASH_BLOCK = 1024
 
 
 def _args(argv=None):
@@ -89,6 +86,9 @@ _EXIT = re.compile(r"scmp\.\w+\.s32\.totalorder (%s\w+), (\d+) /\* loop exit tes
 _STEP = re.compile(r"(%s\w+) = sadd\.s32 (\d+), %s\w+")  # an induction variable's increment
 _LATCH = re.compile(r"scmp\.(?:lt|ne)\.s32\.totalorder %s\w+, (\d+)(?! /\*)")  # XLA's while loops: i + 1 < N
 _VMEM = re.compile(r"#allocation\d+ \[shape = '[^']*', space=vmem, size = (0x[0-9a-f]+)")
+# a DMA's completion: dma.done.wait [(predicate),] flag, granules (an immediate, or a register: unknown)
+_WAIT = re.compile(r"dma\.done\.wait (?:\([^)]*\), )?[^,]+, (\d+|%s\w+)")
+GRANULE = 32  # bytes of a DMA granule (every chip here; tests/test_tpu_compile_report.py checks it on each)
 
 
 _CALL = re.compile(r"\b(?:inlined_)?call\b[^;{}]*?/\* (?:%([\w.\-]+) = |(<[\w-]+>))")
@@ -103,6 +103,9 @@ class Listing:
     unknown_loops: int
     calls: list  # [(callee name, weight, under a loop of unknown trips)]
     unknown_bodies: list  # per loop of unknown trips, the cycles of one trip (its bundles, weighted)
+    dma_bytes: int = 0  # bytes of the DMAs it waits for, weighted as the cycles are
+    unknown_dmas: int = 0  # waits of a size held in a register (not counted)
+    unknown_body_bytes: list = dataclasses.field(default_factory=list)  # per loop of unknown_bodies, a trip's bytes
 
 
 def static_cycles(text: str) -> Listing:
@@ -117,8 +120,14 @@ def static_cycles(text: str) -> Listing:
     with neither (a data-dependent bound) counts once, which makes the total a lower bound. A
     ``call`` bundle names the program it runs (XLA's top-level program calls each fusion and
     kernel), which :func:`read_dump` adds at the call site's weight.
+
+    Bytes moved: each ``dma.done.wait`` names the granules it waits for, weighted like its bundle.
+    The waits count what a program consumes, where the starts would not: a pipeline's first fetch
+    and its prefetches are both predicated starts in the listing, of which one runs a step, and
+    its wait is one. Local copies (VMEM to SMEM) count too; they are a few granules a step.
     """
     bundles, regions, branches, exits, latches, calls, steps, compares = [], {}, [], [], [], [], {}, {}
+    waits = []  # (addr, granules or None)
     for line in text.splitlines():
         m = _BUNDLE.match(line)
         if not m:
@@ -135,6 +144,7 @@ def static_cycles(text: str) -> Listing:
         steps.update((reg, int(n)) for reg, n in _STEP.findall(line))
         latches += [(addr, int(n)) for n in _LATCH.findall(line)]
         calls += [(addr, a or b) for a, b in _CALL.findall(line)]
+        waits += [(addr, int(n) if n.isdigit() else None) for n in _WAIT.findall(line)]
     trips_of = lambda reg, n: -(-n // max(1, steps.get(reg, 1)))
     loops, conditions = [], {}
     for addr, target, pred in branches:
@@ -167,8 +177,12 @@ def static_cycles(text: str) -> Listing:
 
     total = sum(weight(addr)[0] for addr in bundles)
     called = [(name, *weight(addr)) for addr, name in calls]
-    bodies = [sum(weight(a)[0] for a in bundles if s <= a <= e) for s, e, trips in loops if trips is None]
-    return Listing(total, len(bodies), called, bodies)
+    unknown = [(s, e) for s, e, trips in loops if trips is None]
+    bodies = [sum(weight(a)[0] for a in bundles if s <= a <= e) for s, e in unknown]
+    sized = [(addr, n * GRANULE) for addr, n in waits if n is not None]
+    body_bytes = [sum(weight(a)[0] * b for a, b in sized if s <= a <= e) for s, e in unknown]
+    dma_bytes = sum(weight(a)[0] * b for a, b in sized)
+    return Listing(total, len(bodies), called, bodies, dma_bytes, len(waits) - len(sized), body_bytes)
 
 
 @dataclasses.dataclass
@@ -178,6 +192,9 @@ class Program:
     unknown_loops: int
     unknown_bodies: list  # Listing.unknown_bodies times the calls that run it
     vmem: int  # bytes of VMEM allocations (Mosaic kernels)
+    dma_bytes: int = 0  # Listing.dma_bytes times the calls that run it
+    unknown_dmas: int = 0
+    unknown_body_bytes: list = dataclasses.field(default_factory=list)
 
 
 _HLO_COMPUTATION = re.compile(r"^(?:ENTRY )?%([\w.\-]+) .*\{$")
@@ -264,8 +281,13 @@ def read_dump(files: list[str]) -> list[Program]:
             with open(original[name], errors="replace") as f:
                 vmem = sum(int(s, 16) for s in _VMEM.findall(f.read()))
         bodies = [b * times for b in listing.unknown_bodies]
+        body_bytes = [b * times for b in listing.unknown_body_bytes]
         calls_missing = len(missing) if name == "TLP" else 0
-        out.append(Program(name, listing.cycles * times, listing.unknown_loops + unknown + calls_missing, bodies, vmem))
+        unknown_loops = listing.unknown_loops + unknown + calls_missing
+        dmas = listing.dma_bytes * times
+        out.append(
+            Program(name, listing.cycles * times, unknown_loops, bodies, vmem, dmas, listing.unknown_dmas, body_bytes)
+        )
     return out
 
 
@@ -287,6 +309,8 @@ class Row:
     unknown_loops: int = 0
     seconds: float = 0.0
     modelled: list = dataclasses.field(default_factory=list)  # ["kernel trips"]: see Compiler.compile
+    hbm_bytes: int = 0  # the whole program's DMA bytes (static_cycles), modelled trips and shares included
+    unknown_dmas: int = 0  # DMA waits of unknown size (the bytes a lower bound)
 
 
 class Compiler:
@@ -295,11 +319,16 @@ class Compiler:
     def __init__(self, dump: str):
         self.dump = dump
 
-    def compile(self, case: str, chip: str, fn, args, mesh, *, kdax_ops=True, trips=None) -> Row:
+    def compile(
+        self, case: str, chip: str, fn, args, mesh, *, kdax_ops=True, trips=None, shares=None, options=None
+    ) -> Row:
         """Compile ``fn(*args)`` (kdax's ops built as on a TPU) within the chip's abstract mesh, which
         tells the kernels that ask which TPU they target. ``trips`` {kernel name: mean trips}: the
         kernel's one loop of data-dependent trips counted that many times (the mean the shape
-        implies, :func:`kascade_trips`) instead of once; the row lists it under ``modelled``."""
+        implies, :func:`kascade_trips`) instead of once; the row lists it under ``modelled``.
+        ``shares`` {kernel name: share}: the kernel's cycles and bytes times the share of its grid
+        steps that run (a causal mask's blocks, :func:`causal_share`), also under ``modelled``.
+        ``options``: XLA compiler options (a raised scoped VMEM limit)."""
         import jax
 
         from kdax.ops.common.dispatch import building_for
@@ -308,7 +337,7 @@ class Compiler:
         t0 = time.perf_counter()
         try:
             with building_for("tpu" if kdax_ops else None), jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-                jax.jit(fn).trace(*args).lower().compile()
+                jax.jit(fn).trace(*args).lower().compile(compiler_options=options)
             row = Row(case, chip, True)
         except Exception as e:  # the compiler's message is the result
             row = Row(case, chip, False, error=_first_error(str(e)))
@@ -320,11 +349,18 @@ class Compiler:
                 n = (trips or {}).get(p.name.rsplit(".", 1)[0])
                 if n is not None and len(p.unknown_bodies) == 1:
                     p.cycles += round((n - 1) * p.unknown_bodies[0])
+                    p.dma_bytes += round((n - 1) * p.unknown_body_bytes[0])
                     p.unknown_loops -= 1
                     row.modelled.append(f"{p.name} {n:.1f}")
+                share = (shares or {}).get(p.name.rsplit(".", 1)[0])
+                if share is not None:
+                    p.cycles, p.dma_bytes = round(p.cycles * share), round(p.dma_bytes * share)
+                    row.modelled.append(f"{p.name} x {share:.3f}")
             row.kernels = [(p.name, p.vmem, p.cycles, p.unknown_loops) for p in programs if is_kernel(p.name)]
             row.cycles = sum(p.cycles for p in programs)
             row.unknown_loops = sum(p.unknown_loops for p in programs)
+            row.hbm_bytes = sum(p.dma_bytes for p in programs)
+            row.unknown_dmas = sum(p.unknown_dmas for p in programs)
         for path in new:
             shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
         return row
@@ -540,6 +576,8 @@ class Peer:
     args: list
     kdax_ops: bool = True
     trips: dict | None = None  # Compiler.compile's
+    shares: dict | None = None  # Compiler.compile's
+    options: dict | None = None  # Compiler.compile's
 
     @property
     def name(self) -> str:
@@ -577,48 +615,6 @@ def peer_calls(chip: str, make) -> list[Peer]:
                 q, k, v, g, b, initial_state=h, output_final_state=True, backend=backend
             )
             out.append(Peer("fused_recurrent_kda", dtype, "B=64 T=1 H=32 K=V=128", "fwd", backend, step, dargs))
-    T, H, G, D, L = 16384, 32, 8, 128, 32768  # decode: 16 rows over the cache (float32 K and V: 2 GiB each)
-    for dtype in ("bfloat16", "float32"):
-        dt = jnp.dtype(dtype)
-        q, k, v = make((1, T, H, D), dt), make((1, T, G, D), dt), make((1, T, G, D), dt)
-        qd, kc, vc, n = make((16, H, D), dt), make((16, L, G, D), dt), make((16, L, G, D), dt), make((16,), jnp.int32)
-        prefill, decode = f"B=1 T={T} H={H} G={G} D={D}", f"B=16 L={L} H={H} G={G} D={D}"
-        trips = kascade_trips(T)
-        for backend in ("pallas_tpu", "xla"):
-            anchor = lambda q, k, v, backend=backend: kdax.kascade_anchor(q, k, v, topk_percent=10, backend=backend)
-            idx = jax.eval_shape(anchor, q, k, v)[0]
-            reuse = lambda q, k, v, i, backend=backend: kdax.kascade_reuse(q, k, v, i, backend=backend)
-            ad = lambda q, k, v, n, backend=backend: kdax.kascade_anchor_decode(
-                q, k, v, n, topk_percent=10, backend=backend
-            )
-            didx = jax.eval_shape(ad, qd, kc, vc, n)[0]
-            rd = lambda q, k, v, n, i, backend=backend: kdax.kascade_reuse_decode(q, k, v, n, i, backend=backend)
-            out += [
-                Peer("kascade_anchor", dtype, prefill, "fwd", backend, anchor, [q, k, v], trips=trips),
-                Peer(
-                    "kascade_reuse",
-                    dtype,
-                    prefill,
-                    "fwd",
-                    backend,
-                    reuse,
-                    [q, k, v, make(idx.shape, idx.dtype)],
-                    trips=trips,
-                ),
-                Peer("kascade_anchor_decode", dtype, decode, "fwd", backend, ad, [qd, kc, vc, n]),
-                Peer(
-                    "kascade_reuse_decode",
-                    dtype,
-                    decode,
-                    "fwd",
-                    backend,
-                    rd,
-                    [qd, kc, vc, n, make(didx.shape, idx.dtype)],
-                ),
-            ]
-        out.append(Peer("dense attention", dtype, prefill, "fwd", "splash", _splash(T, H, D), [q, k, v], False))
-        tuned = _splash(T, H, D, SPLASH_BLOCK)
-        out.append(Peer("dense attention", dtype, prefill, "fwd", f"splash {SPLASH_BLOCK}", tuned, [q, k, v], False))
     return out
 
 
@@ -641,6 +637,18 @@ def kascade_trips(T: int, topk_percent: float = 10, min_k: int = 128, tile_size:
         "kascade_scores": ceil(starts, cfg.block_scores),
         "kascade_attend_sparse": ceil(budgets, cfg.block_k or pallas_tpu.sparse_block(int(budgets.max()))),
     }
+
+
+def kascade_decode_trips(L: int, topk_percent: float = 10, min_k: int = 128) -> dict:
+    """The trips of the decode kernels' loops over key blocks for full rows of L keys at the ops'
+    defaults, B * G >= 8 (one split): the scores kernel reads every block of the cache, the attend
+    kernel the blocks of the selection."""
+    from kdax.ops.kascade import pallas_tpu
+    from kdax.ops.kascade.checks import budget, percent_tenths
+
+    cfg = pallas_tpu.Config()
+    k = int(budget(L, percent_tenths(topk_percent), min_k))
+    return {"kascade_decode_scores": -(-L // cfg.block_decode), "kascade_decode_attend": -(-k // (cfg.block_k or 128))}
 
 
 def _tokamax(shape, make, H, B, T, K) -> list[Peer]:
@@ -668,15 +676,116 @@ def _tokamax(shape, make, H, B, T, K) -> list[Peer]:
     ]
 
 
-def _splash(T, H, D, block: int | None = None):
-    """jax's splash attention, causal, the KV heads expanded to the query heads; its default blocks
-    (128), or ``block`` queries and keys a grid step (keys computed 512 at a time)."""
+# ----------------------------------------------------------------------------- Kascade against dense attention
+
+KASCADE_T = (16384, 65536, 131072)  # prefill: B = 1, H = 32, G = 8, D = 128, 10% of the keys
+KASCADE_L = (32768, 131072)  # decode: B = 16 rows over a full cache of L keys
+# splash attention's blocks tried for the dense yardstick: (queries = keys a grid step, keys a compute step)
+SPLASH_BLOCKS = ((512, 512), (1024, 512), (1024, 1024), (2048, 512), (2048, 1024))
+# jax's paged attention for dense decode: (tokens a page, pages a compute block)
+PAGED_BLOCKS = ((128, 8), (256, 4), (512, 2), (512, 4))
+SPLASH_KERNEL, PAGED_KERNEL = "splash_mha_fwd_no_residuals", "paged_attention"
+
+
+def prefill_shape(T: int) -> str:
+    return f"B=1 T={T} H=32 G=8 D=128"
+
+
+def decode_shape(L: int) -> str:
+    return f"B=16 L={L} H=32 G=8 D=128"
+
+
+def kascade_calls(chip: str, make) -> list[Peer]:
+    """Kascade's four ops at the benchmark shapes (:data:`KASCADE_T`, :data:`KASCADE_L`; both
+    dtypes and the xla backend at the first of each) beside dense attention as users run it: jax's
+    splash attention at each of :data:`SPLASH_BLOCKS` with a full mask, counted at the causal
+    share of its grid steps (:func:`causal_share`), and jax's paged attention at each of
+    :data:`PAGED_BLOCKS` and XLA's ``jax.nn.dot_product_attention`` for one token over the cache."""
+    import jax
+    import jax.numpy as jnp
+
+    import kdax
+
+    H, G, D, out = 32, 8, 128, []
+    for T in KASCADE_T:
+        for dtype in ("bfloat16", "float32") if T == KASCADE_T[0] else ("bfloat16",):
+            dt = jnp.dtype(dtype)
+            q, k, v = make((1, T, H, D), dt), make((1, T, G, D), dt), make((1, T, G, D), dt)
+            shape, trips = prefill_shape(T), kascade_trips(T)
+            for backend in ("pallas_tpu", "xla") if T == KASCADE_T[0] else ("pallas_tpu",):
+                anchor = lambda q, k, v, backend=backend: kdax.kascade_anchor(q, k, v, topk_percent=10, backend=backend)
+                idx = jax.eval_shape(anchor, q, k, v)[0]
+                reuse = lambda q, k, v, i, backend=backend: kdax.kascade_reuse(q, k, v, i, backend=backend)
+                out.append(Peer("kascade_anchor", dtype, shape, "fwd", backend, anchor, [q, k, v], trips=trips))
+                idx_arg = make(idx.shape, idx.dtype)
+                out.append(Peer("kascade_reuse", dtype, shape, "fwd", backend, reuse, [q, k, v, idx_arg], trips=trips))
+            for bq, bkc in SPLASH_BLOCKS:
+                share = {SPLASH_KERNEL: causal_share(T, bq, bq)}
+                options = {"xla_tpu_scoped_vmem_limit_kib": 64 << 10} if bq > 1024 else None
+                f = _splash(T, H, D, bq, bkc)
+                backend = f"splash {bq}x{bkc}"
+                out.append(
+                    Peer(
+                        "dense causal attention",
+                        dtype,
+                        shape,
+                        "fwd",
+                        backend,
+                        f,
+                        [q, k, v],
+                        False,
+                        None,
+                        share,
+                        options,
+                    )
+                )
+    for L in KASCADE_L:
+        for dtype in ("bfloat16", "float32") if L == KASCADE_L[0] else ("bfloat16",):
+            dt = jnp.dtype(dtype)
+            B, shape = 16, decode_shape(L)
+            qd, kc, vc, n = make((B, H, D), dt), make((B, L, G, D), dt), make((B, L, G, D), dt), make((B,), jnp.int32)
+            trips = kascade_decode_trips(L)
+            for backend in ("pallas_tpu", "xla") if L == KASCADE_L[0] else ("pallas_tpu",):
+                ad = lambda q, k, v, n, backend=backend: kdax.kascade_anchor_decode(
+                    q, k, v, n, topk_percent=10, backend=backend
+                )
+                didx = jax.eval_shape(ad, qd, kc, vc, n)[0]
+                rd = lambda q, k, v, n, i, backend=backend: kdax.kascade_reuse_decode(q, k, v, n, i, backend=backend)
+                out.append(
+                    Peer("kascade_anchor_decode", dtype, shape, "fwd", backend, ad, [qd, kc, vc, n], trips=trips)
+                )
+                args = [qd, kc, vc, n, make(didx.shape, didx.dtype)]
+                out.append(Peer("kascade_reuse_decode", dtype, shape, "fwd", backend, rd, args, trips=trips))
+            for page, pages in PAGED_BLOCKS:
+                f, args = _paged(make, dt, B, L, H, G, D, page, pages)
+                out.append(Peer("dense decode", dtype, shape, "fwd", f"paged {page}x{pages}", f, args, False))
+            xla_decode = lambda q, k, v, n: jax.nn.dot_product_attention(
+                q[:, None], k, v, key_value_seq_lengths=n, implementation="xla"
+            )[:, 0]
+            out.append(Peer("dense decode", dtype, shape, "fwd", "xla", xla_decode, [qd, kc, vc, n], False))
+    return out
+
+
+def causal_share(T: int, block_q: int, block_kv: int) -> float:
+    """The share of a [T, T] attention's (block_q x block_kv) grid steps that a causal mask keeps:
+    the blocks with a key at or before a query of the block (splash skips the others' bodies and
+    copies, which a static count of its full-mask program cannot see)."""
+    nq, nk = -(-T // block_q), -(-T // block_kv)
+    kept = sum(min(nk, -(-min(T, (i + 1) * block_q) // block_kv)) for i in range(nq))
+    return kept / (nq * nk)
+
+
+def _splash(T, H, D, block_q: int, block_kv_compute: int):
+    """jax's splash attention over [1, T, H, D] queries and [1, T, G, D] keys and values (KV heads
+    expanded to the query heads), ``block_q`` queries and keys a grid step, with a full mask: counted
+    at :func:`causal_share` it is the causal attention's work (a causal mask's program counts the
+    bodies of the skipped steps as run)."""
     import jax.numpy as jnp
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
-    sizes = None if block is None else sk.BlockSizes(block_q=block, block_kv=block, block_kv_compute=512)
-    mask = sm.MultiHeadMask([sm.CausalMask((T, T))] * H)
+    sizes = sk.BlockSizes(block_q=block_q, block_kv=block_q, block_kv_compute=block_kv_compute)
+    mask = sm.MultiHeadMask([sm.FullMask((T, T))] * H)
     kernel = sk.make_splash_mha(mask, head_shards=1, q_seq_shards=1, block_sizes=sizes)
 
     def f(q, k, v):
@@ -686,6 +795,100 @@ def _splash(T, H, D, block: int | None = None):
         return kernel(heads(q) * D**-0.5, kh, vh)
 
     return f
+
+
+def _paged(make, dtype, B, L, H, G, D, page: int, pages: int):
+    """jax's paged attention of one token per row over full caches of L keys in pages of ``page``
+    tokens (its layout, [G, pages, page, D], row b's pages consecutive), ``pages`` a compute block,
+    the sequence in its grid (static steps): (fn, args)."""
+    from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
+
+    n = L // page
+    args = [make((B, H, D), dtype), make((G, B * n, page, D), dtype), make((G, B * n, page, D), dtype)]
+    args += [make((B,), "int32"), make((B, n), "int32")]
+
+    def f(q, k, v, lengths, table):
+        return paged_attention(q, k, v, lengths, table, pages_per_compute_block=pages, inline_seq_dim=False)
+
+    return f, args
+
+
+@dataclasses.dataclass(frozen=True)
+class Rates:
+    """A chip's figures for the roofline, per device (one TensorCore): HBM bytes a second and bf16
+    FLOPs a second (jax's ``pltpu.get_tpu_info_for_chip``), and the seconds of a static cycle: a
+    bf16 [8192]^3 matmul's static cycles taken at the chip's bf16 peak (:func:`chip_rates`)."""
+
+    hbm: float
+    flops: float
+    cycle: float
+
+    def seconds(self, cycles: int, nbytes: int) -> tuple[float, str]:
+        """The roofline: max(static cycles x cycle, bytes / HBM bandwidth), and which bounds it."""
+        compute, memory = cycles * self.cycle, nbytes / self.hbm
+        return max(compute, memory), ("cycles" if compute >= memory else "bytes")
+
+
+CHIP_VERSIONS = {"v5e": "TPU_V5E", "v6e": "TPU_V6E", "tpu7x": "TPU_7X"}
+
+
+def chip_rates(chip: str, compiler: Compiler, make, mesh) -> Rates:
+    """:class:`Rates` of ``chip``, its static cycle calibrated on a compiled bf16 matmul."""
+    import jax.numpy as jnp
+    from jax.experimental.pallas import tpu as pltpu
+
+    info = pltpu.get_tpu_info_for_chip(getattr(pltpu.ChipVersion, CHIP_VERSIONS[chip]), 1)
+    n = 8192
+    x = make((n, n), jnp.bfloat16)
+    row = compiler.compile("matmul", chip, lambda a, b: a @ b, [x, x], mesh, kdax_ops=False)
+    return Rates(
+        info.mem_bw_bytes_per_second, info.bf16_ops_per_second, 2 * n**3 / info.bf16_ops_per_second / row.cycles
+    )
+
+
+def kascade_summary(rows: list[Row], peers: dict[str, Peer], rates: dict[str, Rates]) -> str:
+    """Kascade's ops against dense attention, per chip, dtype and shape: static cycles, HBM bytes and
+    roofline time of each, the dense yardstick the best of its variants by roofline time; prefill
+    compared in static cycles (one anchor and three reuse layers against four dense layers too),
+    decode in HBM bytes."""
+    best, mine = {}, []
+    for r in rows:
+        p = peers.get(r.case)
+        if p is None or not r.ok or not p.op.startswith(("kascade", "dense")):
+            continue
+        t, bound = rates[r.chip].seconds(r.cycles, r.hbm_bytes)
+        key = (r.chip, p.dtype, p.shape)
+        if p.op.startswith("dense"):
+            if key not in best or t < best[key][1]:
+                best[key] = (r, t, bound, p.backend)
+        elif p.backend == "pallas_tpu":
+            mine.append((key, p.op, r, t, bound))
+    out = [
+        "| chip | dtype | shape | op | static cycles | HBM bytes | roofline | vs dense: cycles | vs dense: bytes |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    gb = lambda n: f"{n / 1e9:,.3f} GB"
+    us = lambda t, b: f"{t * 1e6:,.0f} us ({b})"
+    for key in sorted(best):
+        d, td, bd, name = best[key]
+        lb = " (≥)" if d.unknown_loops else ""
+        out.append(
+            f"| {' | '.join(key)} | dense ({name}) | {_m(d.cycles)}{lb} | {gb(d.hbm_bytes)} | {us(td, bd)} | 1 | 1 |"
+        )
+        ops = {}
+        for k2, op, r, t, bound in mine:
+            if k2 == key:
+                ops[op] = r
+                lb = " (≥)" if r.unknown_loops or r.unknown_dmas else ""
+                ratio_c, ratio_b = r.cycles / d.cycles, r.hbm_bytes / max(d.hbm_bytes, 1)
+                out.append(
+                    f"| {' | '.join(key)} | {op} | {_m(r.cycles)}{lb} | {gb(r.hbm_bytes)} | {us(t, bound)} "
+                    f"| {ratio_c:.2f} | {ratio_b:.2f} |"
+                )
+        if "kascade_anchor" in ops and "kascade_reuse" in ops:
+            group = (ops["kascade_anchor"].cycles + 3 * ops["kascade_reuse"].cycles) / (4 * d.cycles)
+            out.append(f"| {' | '.join(key)} | anchor + 3 reuse vs 4 dense | | | | {group:.2f} | |")
+    return "\n".join(out)
 
 
 def costs_table(rows: list[Row], peers: dict[str, Peer]) -> list[dict]:
@@ -714,8 +917,8 @@ def _m(n: int) -> str:
 
 def format_rows(rows: list[Row]) -> str:
     out = [
-        "| case | chip | compiles | kernels: VMEM KiB, static cycles | program static cycles | s |",
-        "|---|---|---|---|---|---|",
+        "| case | chip | compiles | kernels: VMEM KiB, static cycles | program static cycles | HBM bytes | s |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if r.ok:
@@ -723,10 +926,11 @@ def format_rows(rows: list[Row]) -> str:
                 f"{n} {v / 1024:,.0f}, {_m(c)}" + (" (lower bound)" if u else "") for n, v, c, u in r.kernels
             )
             lb = " (lower bound)" if r.unknown_loops else ""
-            lb += f" (mean trips: {', '.join(r.modelled)})" if r.modelled else ""
-            out.append(f"| {r.case} | {r.chip} | yes | {ks or '-'} | {_m(r.cycles)}{lb} | {r.seconds:.1f} |")
+            lb += f" (modelled: {', '.join(r.modelled)})" if r.modelled else ""
+            nbytes = f"{r.hbm_bytes / 1e6:,.1f} MB" + (" (lower bound)" if r.unknown_dmas else "")
+            out.append(f"| {r.case} | {r.chip} | yes | {ks or '-'} | {_m(r.cycles)}{lb} | {nbytes} | {r.seconds:.1f} |")
         else:
-            out.append(f"| {r.case} | {r.chip} | **no**: {r.error.replace('|', '/')} | | | {r.seconds:.1f} |")
+            out.append(f"| {r.case} | {r.chip} | **no**: {r.error.replace('|', '/')} | | | | {r.seconds:.1f} |")
     return "\n".join(out)
 
 
@@ -776,25 +980,35 @@ def main(argv=None) -> int:
 
     print(f"jax {jax.__version__}, libtpu {_version('libtpu')}, chips {', '.join(a.chips)}\n", flush=True)
     print("\n".join(format_rows([]).splitlines()[:2]), flush=True)
-    compiler, rows, peers = Compiler(dump), [], {}
+    compiler, rows, peers, rates = Compiler(dump), [], {}, {}
     only = re.compile(a.only)
     try:
         for chip in a.chips:
             make, mesh = topology_args(chip)
-            todo = [] if a.no_cases else [(n, f, x, True, None) for n, f, x in cases(make)]
+            todo = [] if a.no_cases else [(n, f, x, True, None, None, None) for n, f, x in cases(make)]
             if a.peers:
-                chip_peers = peer_calls(chip, make)
+                chip_peers = peer_calls(chip, make) + kascade_calls(chip, make)
                 peers.update({p.name: p for p in chip_peers})
-                todo += [(p.name, p.fn, p.args, p.kdax_ops, p.trips) for p in chip_peers]
-            for name, fn, args, kdax_ops, trips in todo:
+                todo += [(p.name, p.fn, p.args, p.kdax_ops, p.trips, p.shares, p.options) for p in chip_peers]
+                if any(only.search(p.name) and p.op.startswith(("kascade", "dense")) for p in chip_peers):
+                    rates[chip] = chip_rates(chip, compiler, make, mesh)
+            for name, fn, args, kdax_ops, trips, shares, options in todo:
                 if only.search(name):
-                    row = compiler.compile(name, chip, fn, args, mesh, kdax_ops=kdax_ops, trips=trips)
+                    row = compiler.compile(
+                        name, chip, fn, args, mesh, kdax_ops=kdax_ops, trips=trips, shares=shares, options=options
+                    )
                     rows.append(row)
                     print(format_rows([row]).splitlines()[-1], flush=True)
     finally:
         shutil.rmtree(dump, ignore_errors=True)
     failed = [r for r in rows if not r.ok]
     print(f"\n{len(rows) - len(failed)} of {len(rows)} compiled" + (f"; failed: {len(failed)}" if failed else ""))
+    if rates:
+        for chip, r in rates.items():
+            print(
+                f"{chip}: {r.hbm / 1e12:.2f} TB/s HBM, {r.flops / 1e12:,.0f} TFLOP/s bf16, {r.cycle * 1e9:.3f} ns a static cycle"
+            )
+        print("\n" + kascade_summary(rows, peers, rates))
     if a.json:
         with open(a.json, "w") as f:
             json.dump([dataclasses.asdict(r) for r in rows], f, indent=1)

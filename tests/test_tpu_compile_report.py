@@ -101,3 +101,23 @@ ENTRY %main (p0: f32[8,128], p1: f32[8,128]) -> (bf16[8,128], bf16[8,128]) {
         (tmp_path / name).write_text(text)
     programs = {p.name: (p.cycles, p.unknown_loops) for p in report.read_dump([str(tmp_path / n) for n in files])}
     assert programs == {"TLP": (5, 1), "fusion.1": (2 * 2, 0), "copy.1": (2 * 10, 0)}  # copy.3: a lower bound
+
+
+def test_dma_waits_count_the_bytes_a_loop_moves():
+    """Each dma.done.wait names the granules (32 bytes) it waits for, weighted by the trips of the
+    loops around it; a wait whose size sits in a register is counted apart (the bytes a lower bound)."""
+    text = listing(
+        "%1 = dma.done.wait [#allocation1], 16",  # once: 512 bytes
+        "%s2_s2 = sadd.s32 1, %s9_s2",  # 1: a loop of 4 trips
+        "%3 = dma.done.wait (%p1_p1), %s5_s5, 64 /* pipeline-emitter-dma-wait */",
+        "%p4_p1 = scmp.ge.s32.totalorder %s2_s2, 4 /* loop exit test */ ;; %5 = sbr.rel (!%p4_p1) target bundleno = 1",
+        "%6 = dma.done.wait %s7_s7, %s8_s8",
+    )
+    counted = report.static_cycles(text)
+    assert (counted.dma_bytes, counted.unknown_dmas) == (16 * 32 + 4 * 64 * 32, 1)
+
+
+def test_causal_share_counts_the_blocks_on_and_below_the_diagonal():
+    assert report.causal_share(4096, 1024, 1024) == 10 / 16  # 1 + 2 + 3 + 4 of 16
+    assert report.causal_share(4096, 2048, 1024) == 6 / 8  # query blocks of two key blocks: 2 + 4 of 8
+    assert report.causal_share(1000, 512, 512) == 3 / 4  # a partial last block
