@@ -76,6 +76,7 @@ def _calibrate(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         topk_percent=ns.topk_percent,
         min_k=ns.min_k,
         tile_size=ns.tile_size,
+        pool_size=ns.pool_size,
         objective=ns.objective,
     )
     schedule.save(ns.out)
@@ -167,6 +168,13 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--min-k", type=flags.at_least(0), default=128, help="the least keys a tile keeps")
     c.add_argument(
         "--tile-size", type=int, default=32, choices=(16, 32, 64, 128), help="queries per tile (16, 32, 64 or 128)"
+    )
+    c.add_argument(
+        "--pool-size",
+        type=int,
+        default=1,
+        choices=(1, 16, 32, 64, 128, 256),
+        help="keys per selected unit: 1 selects tokens, more select whole key blocks",
     )
     c.add_argument(
         "--objective",

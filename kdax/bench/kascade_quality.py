@@ -7,7 +7,8 @@ Methods (every full-attention layer but the schedule's first, which stays dense)
   kascade_mass     the schedule calibrated by attention mass (the Kascade paper's objective)
   kascade_no_remap kascade's anchors, each reuse head reading the anchor head of its own index
   sink_window      the first 4 keys and the most recent keys before the tile, the same budget k_t
-  random           k_t keys drawn uniformly from those before the tile (seeded)
+                   (with pools: the first pool and the latest whole pools before the tile's own block)
+  random           k_t keys drawn uniformly from those before the tile (seeded; with pools, whole pools)
   oracle           every layer an anchor: each selects from its own exact attention (the most
                    mass a budget can keep; it costs the anchors' full attention in every layer)
 
@@ -29,7 +30,7 @@ import optax
 
 from kdax.models import KDAForCausalLM
 from kdax.models.kascade import OBJECTIVES, calibrate, sparse_pass
-from kdax.ops.kascade.checks import budget, percent_tenths, prefill_k_max
+from kdax.ops.kascade.checks import percent_tenths, pool_count, prefill_k_max
 from kdax.ops.kascade.schedule import KascadeSchedule
 
 SINKS = 4
@@ -40,27 +41,28 @@ def baseline_indices(kind: str, B: int, G: int, T: int, schedule: KascadeSchedul
     """A content-blind selection with Kascade's budgets: [B, G, NT, k_max] int32, ascending, -1-padded.
 
     Args:
-        kind: "sink_window" (the first ``SINKS`` keys and the latest before the tile) or "random".
+        kind: "sink_window" (the first ``SINKS`` keys, or with pools the first pool, and the latest
+            before the tile's own block) or "random".
         B, G, T: rows, KV heads, tokens.
-        schedule: its topk_percent, min_k and tile_size set the budgets.
+        schedule: its topk_percent, min_k, tile_size and pool_size set the budgets.
         seed: the random selection's seed.
     """
-    tile, tenths = schedule.tile_size, percent_tenths(schedule.topk_percent)
+    tile, P, tenths = schedule.tile_size, schedule.pool_size, percent_tenths(schedule.topk_percent)
     NT = -(-T // tile)
-    k_max = prefill_k_max(T, tile, tenths, schedule.min_k)
+    k_max = prefill_k_max(T, tile, tenths, schedule.min_k, P)
     out = np.full((B, G, NT, k_max), -1, np.int32)
     rng = np.random.default_rng(seed)
     for t in range(NT):
-        start = t * tile
-        k = int(budget(start, tenths, schedule.min_k))
+        first = t * tile // P  # the whole pools before the tile's own block
+        n = int(pool_count(t * tile, tenths, schedule.min_k, P))
         for b in range(B):
             for g in range(G):
                 if kind == "sink_window":
-                    sinks = min(SINKS, k)
-                    keys = np.r_[np.arange(sinks), np.arange(start - (k - sinks), start)]
+                    sinks = min(-(-SINKS // P), n)
+                    pools = np.r_[np.arange(sinks), np.arange(first - (n - sinks), first)]
                 else:
-                    keys = rng.choice(start, k, replace=False) if k else np.zeros(0, int)
-                out[b, g, t, :k] = np.sort(keys)
+                    pools = rng.choice(first, n, replace=False) if n else np.zeros(0, int)
+                out[b, g, t, : n * P] = (np.sort(pools)[:, None] * P + np.arange(P)).ravel()
     return out
 
 
@@ -114,6 +116,7 @@ def evaluate(model: KDAForCausalLM, schedules: dict, ids, topk_percent: float, s
             {
                 "method": method,
                 "topk_percent": topk_percent,
+                "pool_size": sched.pool_size,
                 "perplexity": _perplexity(logits, ids),
                 "recall": [round(r, 4) for r in kept],
             }
@@ -123,12 +126,13 @@ def evaluate(model: KDAForCausalLM, schedules: dict, ids, topk_percent: float, s
 
 def format_table(rows: list[dict], layers: list[int]) -> str:
     """The study as a markdown table."""
-    head = "| budget | method | perplexity | " + " | ".join(f"recall L{layer}" for layer in layers) + " |"
-    lines = [head, "|" + "---|" * (3 + len(layers))]
+    head = "| budget | pool | method | perplexity | " + " | ".join(f"recall L{layer}" for layer in layers) + " |"
+    lines = [head, "|" + "---|" * (4 + len(layers))]
     for r in rows:
-        budget_txt = "-" if r["method"] == "dense" else f"{r['topk_percent']:g}%"
+        dense = r["method"] == "dense"
+        budget_txt, pool_txt = ("-", "-") if dense else (f"{r['topk_percent']:g}%", str(r.get("pool_size", 1)))
         lines.append(
-            f"| {budget_txt} | {r['method']} | {r['perplexity']:.3f} | "
+            f"| {budget_txt} | {pool_txt} | {r['method']} | {r['perplexity']:.3f} | "
             + " | ".join(f"{x:.3f}" for x in r["recall"])
             + " |"
         )
@@ -152,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--anchors", type=int, default=2, help="anchors of the schedule")
     p.add_argument("--min-k", type=int, default=32, help="the least keys a tile keeps")
     p.add_argument("--tile-size", type=int, default=32, help="queries per tile")
+    p.add_argument("--pool-sizes", default="1", help="keys per selected pool: 1 (tokens) and block sizes to compare")
     p.add_argument("--budgets", default="10,20", help="topk_percent values to evaluate")
     p.add_argument(
         "--schedule-out", default=None, help="write the first budget's output-calibrated schedule here (JSON)"
@@ -167,29 +172,32 @@ def main(argv: list[str] | None = None) -> int:
     ev = jnp.asarray(np.stack([held[i * L : (i + 1) * L] for i in range(ns.eval_rows)]), jnp.int32)
     model = from_pretrained(ns.checkpoint)
     budgets = [float(b) for b in ns.budgets.split(",")]
+    pools = [int(n) for n in ns.pool_sizes.split(",")]
     rows, schedules = [], {}
     for pct in budgets:
-        opts = {"topk_percent": pct, "min_k": ns.min_k, "tile_size": ns.tile_size}
-        for objective in OBJECTIVES:
-            print(
-                f"calibrating by {objective} at {pct:g}% on {ns.calib_rows} x {L} tokens...",
-                file=sys.stderr,
-                flush=True,
-            )
-            schedules[pct, objective] = calibrate(model, calib, ns.anchors, objective=objective, **opts)
-            print(f"  {schedules[pct, objective]}", file=sys.stderr, flush=True)
-        print(f"evaluating on {ns.eval_rows} x {L} held-out tokens...", file=sys.stderr, flush=True)
-        got = evaluate(model, {o: schedules[pct, o] for o in OBJECTIVES}, ev, pct)
-        rows += [r for r in got if r["method"] != "dense" or not rows]
+        for pool in pools:
+            opts = {"topk_percent": pct, "min_k": ns.min_k, "tile_size": ns.tile_size, "pool_size": pool}
+            for objective in OBJECTIVES:
+                print(
+                    f"calibrating by {objective} at {pct:g}%, pools of {pool}, on {ns.calib_rows} x {L} tokens...",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                schedules[pct, pool, objective] = calibrate(model, calib, ns.anchors, objective=objective, **opts)
+                print(f"  {schedules[pct, pool, objective]}", file=sys.stderr, flush=True)
+            print(f"evaluating on {ns.eval_rows} x {L} held-out tokens...", file=sys.stderr, flush=True)
+            got = evaluate(model, {o: schedules[pct, pool, o] for o in OBJECTIVES}, ev, pct)
+            rows += [r for r in got if r["method"] != "dense" or not rows]
+    first = schedules[budgets[0], pools[0], OBJECTIVES[0]]
     if ns.schedule_out:
-        schedules[budgets[0], OBJECTIVES[0]].save(ns.schedule_out)
-    layers = list(schedules[budgets[0], OBJECTIVES[0]].layers)
+        first.save(ns.schedule_out)
     meta = {
         "jax": jax.__version__,
         "device": jax.devices()[0].device_kind,
         "command": " ".join(sys.argv),
-        "schedules": {f"{pct:g}% {o}": json.loads(s.to_json()) for (pct, o), s in schedules.items()},
+        "schedules": {f"{pct:g}% pool {n} {o}": json.loads(s.to_json()) for (pct, n, o), s in schedules.items()},
     }
+    layers = list(first.layers)
     print(json.dumps({"meta": meta, "rows": rows}, indent=1) if ns.json else format_table(rows, layers))
     return 0
 

@@ -161,6 +161,7 @@ def study(
     anchors: int,
     min_k: int,
     tile: int,
+    pool_size: int = 1,
     methods=METHODS,
 ) -> tuple[list[dict], dict]:
     """Every method at every length and budget: recall accuracy, text perplexity and, per layer,
@@ -175,7 +176,14 @@ def study(
         for objective in OBJECTIVES:
             t0 = time.perf_counter()
             schedules[pct, objective] = calibrate(
-                model, calib, anchors, topk_percent=pct, min_k=min_k, tile_size=tile, objective=objective
+                model,
+                calib,
+                anchors,
+                topk_percent=pct,
+                min_k=min_k,
+                tile_size=tile,
+                pool_size=pool_size,
+                objective=objective,
             )
             print(
                 f"{pct:g}% {objective}: {time.perf_counter() - t0:.0f} s, {schedules[pct, objective]}", file=sys.stderr
@@ -242,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--anchors", type=flags.at_least(1), default=2)
     s.add_argument("--min-k", type=int, default=32)
     s.add_argument("--tile-size", type=int, default=32)
+    s.add_argument("--pool-size", type=int, default=1, help="keys per selected pool (1: tokens)")
     s.add_argument("--methods", default=",".join(METHODS), help="the methods to run, of " + ", ".join(METHODS))
     s.add_argument("--json", action="store_true", help="print JSON instead of the table")
     ns = p.parse_args(argv)
@@ -285,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         anchors=ns.anchors,
         min_k=ns.min_k,
         tile=ns.tile_size,
+        pool_size=ns.pool_size,
         methods=methods,
     )
     m = {**flags.meta(ns), "schedules": {f"{pct:g}% {o}": json.loads(x.to_json()) for (pct, o), x in schedules.items()}}

@@ -33,7 +33,7 @@ def _check_layers(model: KDAForCausalLM) -> tuple[list[int], int]:
     return layers, heads.pop()
 
 
-def dense_pass(model: KDAForCausalLM, input_ids, *, topk_percent=10, min_k=128, tile_size=32):
+def dense_pass(model: KDAForCausalLM, input_ids, *, topk_percent=10, min_k=128, tile_size=32, pool_size=1):
     """Run ``input_ids`` densely through the model, measuring its full-attention layers.
 
     Memory O(B H T^2) per layer (the pooled probabilities come from the dense reference):
@@ -42,7 +42,7 @@ def dense_pass(model: KDAForCausalLM, input_ids, *, topk_percent=10, min_k=128, 
     Args:
         model: the model.
         input_ids: [B, T] tokens (full rows, no padding).
-        topk_percent, min_k, tile_size: the selection's options.
+        topk_percent, min_k, tile_size, pool_size: the selection's options.
 
     Returns:
         (layers, probs, selections, importance, inputs): the full-attention layers; per layer its
@@ -64,7 +64,8 @@ def dense_pass(model: KDAForCausalLM, input_ids, *, topk_percent=10, min_k=128, 
             h = block.attn_norm(x)
             q, k, _ = block.attn.project(h, seg.positions)
             P = reference.pooled_probabilities(q, k, tile_size=tile_size)
-            sel = reference.select_tiles(P, rows, tile_size=tile_size, topk_percent=topk_percent, min_k=min_k)
+            opts = {"tile_size": tile_size, "topk_percent": topk_percent, "min_k": min_k, "pool_size": pool_size}
+            sel = reference.select_tiles(P, rows, **opts)
             probs.append(np.asarray(P, np.float64))
             selections.append(np.asarray(sel))
             importance.append(layer_importance(x, block.attn(h, positions=seg.positions)[0]))
@@ -74,14 +75,21 @@ def dense_pass(model: KDAForCausalLM, input_ids, *, topk_percent=10, min_k=128, 
 
 
 def layer_statistics(
-    model: KDAForCausalLM, input_ids, *, topk_percent=10, min_k=128, tile_size=32, objective: str = "output"
+    model: KDAForCausalLM,
+    input_ids,
+    *,
+    topk_percent=10,
+    min_k=128,
+    tile_size=32,
+    pool_size=1,
+    objective: str = "output",
 ):
     """The calibration statistics of a model's full-attention layers.
 
     Args:
         model: the model.
         input_ids: [B, T] calibration tokens (full rows, no padding).
-        topk_percent, min_k, tile_size: the selection's options.
+        topk_percent, min_k, tile_size, pool_size: the selection's options.
         objective: "output" (:func:`kdax.ops.kascade.schedule.output_similarity`: the error of
             each layer's output) or "mass" (:func:`kdax.ops.kascade.schedule.pair_similarity`: the attention mass an
             anchor's selection keeps, as the Kascade paper ranks heads).
@@ -98,7 +106,7 @@ def layer_statistics(
     if objective not in OBJECTIVES:
         fail("objective", f"one of {OBJECTIVES}", repr(objective))
     _, G = _check_layers(model)
-    opts = {"topk_percent": topk_percent, "min_k": min_k, "tile_size": tile_size}
+    opts = {"topk_percent": topk_percent, "min_k": min_k, "tile_size": tile_size, "pool_size": pool_size}
     layers, probs, selections, importance, inputs = dense_pass(model, input_ids, **opts)
     if objective == "output":
         sched = KascadeSchedule((layers[0],), (layers[0],), {}, **opts)
@@ -108,12 +116,12 @@ def layer_statistics(
             step = KascadeStep(sched, "reuse", indices=indices)
             return model.model.layers[layers[l]].attn(inputs[l], positions=positions, kascade=step)[0]
 
-        return layers, output_similarity(run, selections, tile_size), importance
+        return layers, output_similarity(run, selections, tile_size, pool_size), importance
     L = len(layers)
     pairs = np.zeros((L, L, G, G))
     for a in range(L):
         for l in range(a, L):
-            pairs[a, l] = pair_similarity(probs[l], selections[l], selections[a], tile_size)
+            pairs[a, l] = pair_similarity(probs[l], selections[l], selections[a], tile_size, pool_size)
     return layers, pairs, importance
 
 
@@ -164,7 +172,7 @@ def sparse_pass(model: KDAForCausalLM, input_ids, *, schedule: KascadeSchedule |
             used = indices if step.role == "anchor" else step.indices
             if step.head_map is not None:
                 used = jnp.asarray(used)[:, list(step.head_map)]
-            kept.append(recall(P, used, schedule.tile_size))
+            kept.append(recall(P, used, schedule.tile_size, schedule.pool_size))
     return model._logits(model.model.norm(x)), kept
 
 
@@ -176,6 +184,7 @@ def calibrate(
     topk_percent=10,
     min_k=128,
     tile_size=32,
+    pool_size=1,
     objective: str = "output",
 ) -> KascadeSchedule:
     """A Kascade schedule for ``model`` from calibration tokens.
@@ -184,16 +193,13 @@ def calibrate(
         model: the model.
         input_ids: [B, T] calibration tokens.
         n_anchors: anchors to place among the full-attention layers (the first is forced).
-        topk_percent, min_k, tile_size: the selection's options, kept in the schedule.
+        topk_percent, min_k, tile_size, pool_size: the selection's options, kept in the schedule.
         objective: what ranks anchor heads and anchors, "output" (the error of each layer's
             output) or "mass" (the attention mass kept); see :func:`layer_statistics`.
 
     Returns:
         The :class:`kdax.KascadeSchedule`.
     """
-    layers, pairs, importance = layer_statistics(
-        model, input_ids, topk_percent=topk_percent, min_k=min_k, tile_size=tile_size, objective=objective
-    )
-    return build_schedule(
-        layers, pairs, importance, n_anchors, topk_percent=topk_percent, min_k=min_k, tile_size=tile_size
-    )
+    opts = {"topk_percent": topk_percent, "min_k": min_k, "tile_size": tile_size, "pool_size": pool_size}
+    layers, pairs, importance = layer_statistics(model, input_ids, objective=objective, **opts)
+    return build_schedule(layers, pairs, importance, n_anchors, **opts)

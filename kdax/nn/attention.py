@@ -19,7 +19,7 @@ class KascadeStep(NamedTuple):
     """What a softmax layer runs under a Kascade schedule (see :func:`kdax.kascade_anchor`).
 
     Attributes:
-        schedule: the schedule (its topk_percent, min_k and tile_size).
+        schedule: the schedule (its topk_percent, min_k, tile_size and pool_size).
         role: "anchor" or "reuse".
         dense_output: an anchor's output is dense attention (the schedule's first layer).
         indices: a reuse layer's anchor selection (prefill [B, G, NT, k], decode [B, G, k]).
@@ -272,20 +272,22 @@ def kascade_attend(q, k, v, lengths, step: KascadeStep, *, decode: bool, scale: 
         (o [B, T, H, D], an anchor's selection or None).
     """
     sched = step.schedule
-    anchor = {"topk_percent": sched.topk_percent, "min_k": sched.min_k, "dense_output": step.dense_output}
+    pools = {"pool_size": sched.pool_size}
+    anchor = {"topk_percent": sched.topk_percent, "min_k": sched.min_k, "dense_output": step.dense_output} | pools
     if decode:
         if step.role == "anchor":
             indices, o = kascade_anchor_decode(q[:, 0], k, v, lengths, scale=scale, **anchor)
         else:
             indices = None
-            o = kascade_reuse_decode(q[:, 0], k, v, lengths, step.indices, head_map=step.head_map, scale=scale)
+            reuse = {"head_map": step.head_map, "scale": scale} | pools
+            o = kascade_reuse_decode(q[:, 0], k, v, lengths, step.indices, **reuse)
         return o[:, None], indices
     opts = {"tile_size": sched.tile_size, "lengths": lengths, "scale": scale}
     if step.role == "anchor":
         indices, o = kascade_anchor(q, k, v, **anchor, **opts)
     else:
         indices = None
-        o = kascade_reuse(q, k, v, step.indices, head_map=step.head_map, **opts)
+        o = kascade_reuse(q, k, v, step.indices, head_map=step.head_map, **opts, **pools)
     return o, indices
 
 

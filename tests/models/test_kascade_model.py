@@ -24,7 +24,9 @@ CONFIG = KDAConfig(
     attn={"layers": [0, 1, 3, 4], "num_heads": 4, "num_kv_heads": 2},
 )
 SPARSE = KascadeSchedule((0, 1, 3, 4), (0, 3), {1: (0, 1), 4: (1, 0)}, topk_percent=10, min_k=2, tile_size=16)
-FULL = KascadeSchedule((0, 1, 3, 4), (0, 3), {1: (0, 1), 4: (1, 0)}, topk_percent=100, min_k=10_000, tile_size=16)
+FULL_TOKENS = KascadeSchedule(
+    (0, 1, 3, 4), (0, 3), {1: (0, 1), 4: (1, 0)}, topk_percent=100, min_k=10_000, tile_size=16
+)
 
 
 @pytest.fixture(scope="module")
@@ -36,15 +38,19 @@ def _ids(B=2, T=70, seed=0):
     return jax.random.randint(jax.random.key(seed), (B, T), 0, 64, jnp.int32)
 
 
-def test_a_schedule_that_selects_every_key_is_dense(model):
+@pytest.mark.parametrize("pool_size", [1, 32])
+def test_a_schedule_that_selects_every_key_is_dense(model, pool_size):
+    """Every key selected (tokens, or whole pools and each tile's own block from its pool boundary)
+    is dense attention, in the forward, with padded rows, and in generation."""
+    full = dataclasses.replace(FULL_TOKENS, pool_size=pool_size)
     ids = _ids()
-    np.testing.assert_allclose(model(ids, kascade=FULL), model(ids), atol=2 * F32["out"])
+    np.testing.assert_allclose(model(ids, kascade=full), model(ids), atol=2 * F32["out"])
     mask = jnp.ones_like(ids).at[1, 50:].set(0)
     np.testing.assert_allclose(
-        model(ids, attention_mask=mask, kascade=FULL), model(ids, attention_mask=mask), atol=2 * F32["out"]
+        model(ids, attention_mask=mask, kascade=full), model(ids, attention_mask=mask), atol=2 * F32["out"]
     )
     prompt = _ids(2, 20)
-    np.testing.assert_array_equal(generate(model, prompt, 8, kascade=FULL), generate(model, prompt, 8))
+    np.testing.assert_array_equal(generate(model, prompt, 8, kascade=full), generate(model, prompt, 8))
 
 
 def test_sparse_prefill_and_decode_agree_with_the_forward(model):
@@ -92,6 +98,8 @@ def test_calibration_statistics_and_schedule(model, objective):
 
     ids = _ids(2, 96, seed=3)
     opts = {"topk_percent": 10, "min_k": 4, "tile_size": 16, "objective": objective}
+    if objective == "output":  # and selections of whole pools
+        opts |= {"topk_percent": 40, "pool_size": 16}
     layers, pairs, importance = layer_statistics(model, ids, **opts)
     assert layers == [0, 1, 3, 4] and pairs.shape == (4, 4, 2, 2) and importance.shape == (4,)
     if objective == "mass":
@@ -102,6 +110,7 @@ def test_calibration_statistics_and_schedule(model, objective):
     assert (pairs[np.triu_indices(4)] <= 1 + 1e-6).all() and (importance > 0).all()
     schedule = calibrate(model, ids, 2, **opts)
     assert schedule.layers == (0, 1, 3, 4) and schedule.anchors[0] == 0 and len(schedule.anchors) == 2
+    assert schedule.pool_size == opts.get("pool_size", 1)
     assert np.isfinite(np.asarray(model(ids, kascade=schedule))).all()
 
 
@@ -121,7 +130,7 @@ def test_sparse_pass_measures_recall_on_its_own_run(model):
     logits, kept = sparse_pass(model, ids, schedule=SPARSE)
     np.testing.assert_allclose(logits, model(ids, kascade=SPARSE), atol=2 * F32["out"])
     assert kept[0] == 1.0 and all(0 < r < 1 for r in kept[1:]), kept
-    _, full = sparse_pass(model, ids, schedule=FULL)
+    _, full = sparse_pass(model, ids, schedule=FULL_TOKENS)
     np.testing.assert_allclose(full, 1.0, rtol=1e-6)
 
 
@@ -214,7 +223,10 @@ def test_quality_study_methods_agree_at_full_budget(model):
     dense = rows[0]["perplexity"]
     for r in rows:  # every method keeps every key
         assert abs(r["perplexity"] - dense) < F32["grad"] * dense and r["recall"] == [1.0] * 4, r
-    assert "| 100% | kascade |" in format_table(rows, [0, 1, 3, 4])
+    assert "| 100% | 1 | kascade |" in format_table(rows, [0, 1, 3, 4])
     win = baseline_indices("sink_window", 1, 2, 96, dataclasses.replace(SPARSE, topk_percent=50), 0)
     assert win[0, 0, 5].tolist() == [0, 1, 2, 3, *range(44, 80)]  # tile 5 starts at 80: budget 40
     assert win[0, 0, 1].tolist() == [0, 1, 2, 3, *range(12, 16)] + [-1] * 32  # tile 1: budget 8
+    pooled = dataclasses.replace(SPARSE, topk_percent=50, pool_size=16)
+    win = baseline_indices("sink_window", 1, 2, 96, pooled, 0)  # tile 5: 2 pools of the 5 before it
+    assert win[0, 0, 5].tolist() == [*range(16), *range(64, 80)] and win.shape[-1] == 32

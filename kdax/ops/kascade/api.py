@@ -100,14 +100,15 @@ def _scale(q, scale) -> float:
 @dataclasses.dataclass(frozen=True)
 class Options:
     """A call's static options, checked (the compiled call's static argument): the resolved backend
-    and its config, the scale, and as the op uses them the tile size, the budget (top-k in tenths
-    of a percent, the least keys) and dense_output."""
+    and its config, the scale, and as the op uses them the tile size, the pool size, the budget
+    (top-k in tenths of a percent, the least keys) and dense_output."""
 
     backend: str
     config: Config | None
     scale: float
     auto: bool = False  # backend is "auto"'s choice (:func:`_core`)
     tile_size: int = 32
+    pool_size: int = 1
     tenths: int = 100
     min_k: int = 0
     dense_output: bool = False
@@ -117,26 +118,26 @@ class Options:
 def _compiled(op: str, o: Options, q, k, v, lengths, indices=None, head_map=None):
     """Kascade ``op`` ("anchor", "reuse", "anchor_decode", "reuse_decode") on ``o.backend``."""
     decode, anchor = op.endswith("decode"), op.startswith("anchor")
+    pools = {"pool_size": o.pool_size}
     if o.backend == "naive":
-        budget = {"topk_percent": o.tenths / 10, "min_k": o.min_k, "dense_output": o.dense_output}
+        budget = {"topk_percent": o.tenths / 10, "min_k": o.min_k, "dense_output": o.dense_output} | pools
+        tiles = {"tile_size": o.tile_size, "scale": o.scale, "lengths": lengths}
         if op == "anchor":
-            return reference.naive_kascade_anchor(
-                q, k, v, **budget, tile_size=o.tile_size, scale=o.scale, lengths=lengths
-            )
+            return reference.naive_kascade_anchor(q, k, v, **budget, **tiles)
         if op == "reuse":
-            return reference.naive_kascade_reuse(
-                q, k, v, indices, head_map=head_map, tile_size=o.tile_size, scale=o.scale, lengths=lengths
-            )
+            return reference.naive_kascade_reuse(q, k, v, indices, head_map=head_map, **pools, **tiles)
         if op == "anchor_decode":
             return reference.naive_kascade_anchor_decode(q, k, v, lengths, **budget, scale=o.scale)
-        return reference.naive_kascade_reuse_decode(q, k, v, lengths, indices, head_map=head_map, scale=o.scale)
-    options = {"scale": o.scale, "cfg": o.config} | ({} if decode else {"tile_size": o.tile_size})
+        return reference.naive_kascade_reuse_decode(
+            q, k, v, lengths, indices, head_map=head_map, **pools, scale=o.scale
+        )
+    options = {"scale": o.scale, "cfg": o.config} | pools | ({} if decode else {"tile_size": o.tile_size})
     if not anchor:
         return _core(op, o.backend, o.auto)(q, k, v, lengths, _remapped(indices, head_map), **options)
     if decode:
-        k_max = decode_k_max(k.shape[1], o.tenths, o.min_k)
+        k_max = decode_k_max(k.shape[1], o.tenths, o.min_k, o.pool_size)
     else:
-        k_max = prefill_k_max(q.shape[1], o.tile_size, o.tenths, o.min_k)
+        k_max = prefill_k_max(q.shape[1], o.tile_size, o.tenths, o.min_k, o.pool_size)
     options |= {"tenths": o.tenths, "min_k": o.min_k, "k_max": k_max, "dense_output": o.dense_output}
     return _core(op, o.backend, o.auto)(q, k, v, lengths, **options)
 
@@ -149,6 +150,7 @@ def kascade_anchor(
     topk_percent: float = 10,
     min_k: int = 128,
     tile_size: int = 32,
+    pool_size: int = 1,
     scale: float | None = None,
     dense_output: bool = False,
     lengths: jax.Array | None = None,
@@ -160,13 +162,17 @@ def kascade_anchor(
     Query tile t (queries s_t = t * tile_size onward) pools the exact causal softmax
     probabilities of its queries and of the H/G query heads of each KV head over the keys
     j < s_t, and keeps the k_t = min(s_t, max(min_k, floor(topk_percent * s_t / 100))) largest
-    (ties toward the smaller index). Compiled once per shape and static option.
+    (ties toward the smaller index). With ``pool_size`` P > 1 it keeps whole pools of P keys
+    (pP .. pP + P - 1) instead: those of largest summed score among the whole pools before the
+    tile's pool boundary b_t = floor(s_t / P) P, k_t rounded down to whole pools; the keys from b_t
+    on are the tile's own block. Compiled once per shape and static option.
 
     Args:
         q: [B, T, H, D]; k, v: [B, T, G, D], G dividing H (query head h reads KV head h // (H / G)).
         topk_percent: the share of the keys before a tile that it keeps, in (0, 100], one decimal at most.
         min_k: the least budget of a tile (capped at s_t).
         tile_size: queries per tile: 16, 32, 64 or 128.
+        pool_size: keys per selected unit: 1 (tokens), 16, 32, 64, 128 or 256 (key blocks).
         scale: the scores' scale, D ** -0.5 when None.
         dense_output: return dense causal attention (a schedule's layer 0) instead of the sparse output.
         lengths: [B] ints (an array or a list), valid tokens of right-padded rows (None: all T;
@@ -180,21 +186,23 @@ def kascade_anchor(
             None for its default.
 
     Returns:
-        (indices, o): indices [B, G, ceil(T / tile_size), k_max] int32, each row its selection
-        ascending then -1, k_max the last tile's budget; o [B, T, H, D] in q's dtype: attention of
-        each query over its tile's selection and its tile's own causal block (or dense).
+        (indices, o): indices [B, G, ceil(T / tile_size), k_max] int32, each row its selected keys
+        ascending then -1, k_max the last tile's; o [B, T, H, D] in q's dtype: attention of each
+        query over its tile's selection and its tile's own causal block (or dense).
 
     Raises:
         ValueError: a bad argument, named, with what was expected and what came.
         NotImplementedError: a backend this op lacks.
     """
     _check_common(backend, dense_output, q.dtype)
-    tenths, _ = check_call(q, k, v, lengths, topk_percent=topk_percent, min_k=min_k, tile_size=tile_size, scale=scale)
+    tenths, _ = check_call(
+        q, k, v, lengths, topk_percent=topk_percent, min_k=min_k, tile_size=tile_size, scale=scale, pool_size=pool_size
+    )
     B, T = q.shape[:2]
     auto = backend == "auto"
     backend, config = _OPS["kascade_anchor"].resolve(backend, q.dtype, config)
     budget = {"tenths": tenths, "min_k": int(min_k), "dense_output": bool(dense_output)}
-    o = Options(backend, config, _scale(q, scale), auto, tile_size=tile_size, **budget)
+    o = Options(backend, config, _scale(q, scale), auto, tile_size=tile_size, pool_size=pool_size, **budget)
     return _compiled("anchor", o, q, k, v, row_lengths(lengths, B, T))
 
 
@@ -206,6 +214,7 @@ def kascade_reuse(
     *,
     head_map: jax.Array | None = None,
     tile_size: int = 32,
+    pool_size: int = 1,
     scale: float | None = None,
     lengths: jax.Array | None = None,
     backend: str = "auto",
@@ -214,16 +223,17 @@ def kascade_reuse(
     """A Kascade reuse layer (prefill): attend an anchor's selection, remapped per KV head.
 
     Query i of tile t, head h of KV head g, attends the keys indices[b, head_map[g], t] (those
-    before s_t) and its tile's own causal block s_t <= j <= i. Compiled once per shape and
-    static option.
+    before s_t) and its tile's own causal block b_t <= j <= i (b_t = floor(s_t / P) P, s_t with
+    pool_size 1). Compiled once per shape and static option.
 
     Args:
         q: [B, T, H, D]; k, v: [B, T, G, D].
         indices: [B, G, ceil(T / tile_size), k] int, an anchor's selection of the same tiles
-            (distinct keys per row, -1 for none).
+            (distinct keys per row, -1 for none; whole pools of ``pool_size`` keys).
         head_map: [G] ints (an array or a list), KV head g reads the anchor's KV head head_map[g];
             None: the identity.
-        tile_size, scale, lengths, backend, config: as :func:`kascade_anchor`.
+        tile_size, pool_size, scale, lengths, backend, config: as :func:`kascade_anchor` (the
+            anchor's tile_size and pool_size).
 
     Returns:
         o [B, T, H, D] in q's dtype, 0 past a row's length.
@@ -233,11 +243,13 @@ def kascade_reuse(
         NotImplementedError: a backend this op lacks.
     """
     _check_common(backend, dtype=q.dtype)
-    _, head_map = check_call(q, k, v, lengths, indices=indices, head_map=head_map, tile_size=tile_size, scale=scale)
+    _, head_map = check_call(
+        q, k, v, lengths, indices=indices, head_map=head_map, tile_size=tile_size, scale=scale, pool_size=pool_size
+    )
     B, T, _, _ = q.shape
     auto = backend == "auto"
     backend, config = _OPS["kascade_reuse"].resolve(backend, q.dtype, config)
-    o = Options(backend, config, _scale(q, scale), auto, tile_size=tile_size)
+    o = Options(backend, config, _scale(q, scale), auto, tile_size=tile_size, pool_size=pool_size)
     return _compiled("reuse", o, q, k, v, row_lengths(lengths, B, T), jnp.asarray(indices, jnp.int32), head_map)
 
 
@@ -249,6 +261,7 @@ def kascade_anchor_decode(
     *,
     topk_percent: float = 10,
     min_k: int = 128,
+    pool_size: int = 1,
     scale: float | None = None,
     dense_output: bool = False,
     backend: str = "auto",
@@ -257,13 +270,15 @@ def kascade_anchor_decode(
     """A Kascade anchor layer, one decode step: exact attention of the new token picks the top-k keys.
 
     The score of key j < lengths[b] pools the softmax probabilities of the KV head's H/G query
-    heads; the budget is k_b = min(len_b, max(min_k, floor(topk_percent * len_b / 100))).
+    heads; the budget is k_b = min(len_b, max(min_k, floor(topk_percent * len_b / 100))). With
+    ``pool_size`` P > 1 it picks whole pools among the len_b // P whole pools of the row (k_b
+    rounded down to whole pools), and the row's last, partial pool is always attended.
 
     Args:
         q: [B, H, D], the new token's queries.
         k_cache, v_cache: [B, L, G, D], the new token's keys and values already stored.
         lengths: [B] ints, valid keys per row (the new token's included).
-        topk_percent, min_k, scale, backend, config: as :func:`kascade_anchor`.
+        topk_percent, min_k, pool_size, scale, backend, config: as :func:`kascade_anchor`.
         dense_output: return dense attention over the valid keys instead of the sparse output.
 
     Returns:
@@ -275,14 +290,12 @@ def kascade_anchor_decode(
         NotImplementedError: a backend this op lacks.
     """
     _check_common(backend, dense_output, q.dtype)
-    tenths, _ = check_call(
-        q, k_cache, v_cache, lengths, decode=True, topk_percent=topk_percent, min_k=min_k, scale=scale
-    )
+    options = {"topk_percent": topk_percent, "min_k": min_k, "scale": scale, "pool_size": pool_size}
+    tenths, _ = check_call(q, k_cache, v_cache, lengths, decode=True, **options)
     auto = backend == "auto"
     backend, config = _OPS["kascade_anchor_decode"].resolve(backend, q.dtype, config)
-    o = Options(
-        backend, config, _scale(q, scale), auto, tenths=tenths, min_k=int(min_k), dense_output=bool(dense_output)
-    )
+    budget = {"tenths": tenths, "min_k": int(min_k), "dense_output": bool(dense_output), "pool_size": pool_size}
+    o = Options(backend, config, _scale(q, scale), auto, **budget)
     return _compiled("anchor_decode", o, q, k_cache, v_cache, row_lengths(lengths, q.shape[0], k_cache.shape[1]))
 
 
@@ -294,16 +307,18 @@ def kascade_reuse_decode(
     indices: jax.Array,
     *,
     head_map: jax.Array | None = None,
+    pool_size: int = 1,
     scale: float | None = None,
     backend: str = "auto",
     config: Config | None = None,
 ) -> jax.Array:
-    """A Kascade reuse layer, one decode step: attend an anchor's selection only, remapped per KV head.
+    """A Kascade reuse layer, one decode step: attend an anchor's selection only (and with pools the
+    row's last, partial pool), remapped per KV head.
 
     Args:
         q: [B, H, D]; k_cache, v_cache: [B, L, G, D]; lengths: [B] ints.
         indices: [B, G, k] int, an anchor's decode selection (distinct keys, -1 for none).
-        head_map, scale, backend, config: as :func:`kascade_reuse`.
+        head_map, pool_size, scale, backend, config: as :func:`kascade_reuse`.
 
     Returns:
         o [B, H, D] in q's dtype (0 in a row with nothing selected).
@@ -313,11 +328,13 @@ def kascade_reuse_decode(
         NotImplementedError: a backend this op lacks.
     """
     _check_common(backend, dtype=q.dtype)
-    _, head_map = check_call(q, k_cache, v_cache, lengths, decode=True, indices=indices, head_map=head_map, scale=scale)
+    _, head_map = check_call(
+        q, k_cache, v_cache, lengths, decode=True, indices=indices, head_map=head_map, scale=scale, pool_size=pool_size
+    )
     auto = backend == "auto"
     backend, config = _OPS["kascade_reuse_decode"].resolve(backend, q.dtype, config)
     lengths = row_lengths(lengths, q.shape[0], k_cache.shape[1])
-    o = Options(backend, config, _scale(q, scale), auto)
+    o = Options(backend, config, _scale(q, scale), auto, pool_size=pool_size)
     return _compiled("reuse_decode", o, q, k_cache, v_cache, lengths, jnp.asarray(indices, jnp.int32), head_map)
 
 

@@ -20,8 +20,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from kdax.ops.common.arrays import LOG2E, round_up
-from kdax.ops.kascade.checks import budget
-from kdax.ops.kascade.xla import select, top
+from kdax.ops.kascade.checks import prefill_k_max
+from kdax.ops.kascade.xla import decode_select, select, with_tail
 
 F32 = jnp.float32
 _NT = (((1,), (1,)), ((), ()))  # a [m, d] x b [n, d] -> [m, n]
@@ -90,15 +90,16 @@ class Plan:
         return x.transpose(0, 2, 1, 3, 4).reshape(B, self.T, self.H, self.D)
 
 
-def anchor(attend, scores, q, k, v, lengths, plan: Plan, *, tenths, min_k, k_max, dense_output):
+def anchor(attend, scores, q, k, v, lengths, plan: Plan, *, tenths, min_k, k_max, pool_size, dense_output):
     """An anchor layer from a platform's kernels: ``attend(qp, kp, vp, lengths, indices or None,
     plan)`` -> (o, lse2) and ``scores(qp, kp, lse2, lengths, plan)`` -> pooled P [B, G, NT, Tp].
     Returns (indices [B, G, NT, k_max] int32, o [B, T, H, D])."""
     qp, kp, vp = plan.pack(q, k, v)
     o, lse2 = attend(qp, kp, vp, lengths, None, plan)
-    idx = banded_select(scores(qp, kp, lse2, lengths, plan), lengths, plan, tenths=tenths, min_k=min_k, k_max=k_max)
+    budget = {"tenths": tenths, "min_k": min_k, "k_max": k_max, "pool_size": pool_size}
+    idx = banded_select(scores(qp, kp, lse2, lengths, plan), lengths, plan, **budget)
     if not dense_output:
-        o, _ = attend(qp, kp, vp, lengths, idx, plan)
+        o, _ = attend(qp, kp, vp, lengths, _with_tail(idx, plan, pool_size), plan)
     return idx, plan.unpack(o)
 
 
@@ -111,7 +112,7 @@ def select_bands(NT: int) -> list[tuple[int, int]]:
     return [(t0, min(NT, t0 + per_band)) for t0 in range(0, NT, per_band)]
 
 
-def banded_select(P, lengths, plan: Plan, *, tenths, min_k, k_max):
+def banded_select(P, lengths, plan: Plan, *, tenths, min_k, k_max, pool_size=1):
     """The anchor's selection from the float32 pooled scores P [B, G, NT, >= T] (only keys before
     each tile read). The tiles go to the top-k in :func:`select_bands` (up to
     :data:`SELECT_BANDS` bands of consecutive tiles), each over the keys before its last tile and
@@ -121,16 +122,25 @@ def banded_select(P, lengths, plan: Plan, *, tenths, min_k, k_max):
     for t0, t1 in select_bands(plan.NT):
         keys = (t1 - 1) * plan.tile_size
         starts = jnp.arange(t0, t1, dtype=jnp.int32) * plan.tile_size
-        width = int(budget(keys, tenths, min_k))
-        band = select(P[:, :, t0:t1, :keys], starts, lengths, tenths=tenths, min_k=min_k, k_max=width)
+        width = prefill_k_max(keys + 1, plan.tile_size, tenths, min_k, pool_size)  # the band's last tile's
+        band = select(
+            P[:, :, t0:t1, :keys], starts, lengths, tenths=tenths, min_k=min_k, k_max=width, pool_size=pool_size
+        )
         out.append(pad_selection(band, k_max))
     return jnp.concatenate(out, axis=2)
 
 
-def reuse(attend, q, k, v, lengths, indices, plan: Plan):
+def _with_tail(indices, plan: Plan, pool_size: int):
+    """A selection with each tile's keys from its pool boundary to its start (:func:`with_tail`): the
+    token kernels attend the tile's own block from its start, so the rest of it rides as selected keys."""
+    starts = jnp.arange(plan.NT, dtype=jnp.int32) * plan.tile_size
+    return with_tail(indices, starts, tile_size=plan.tile_size, pool_size=pool_size)
+
+
+def reuse(attend, q, k, v, lengths, indices, plan: Plan, pool_size: int = 1):
     """A reuse layer from a platform's ``attend`` (as :func:`anchor`). Returns o [B, T, H, D]."""
     qp, kp, vp = plan.pack(q, k, v)
-    return plan.unpack(attend(qp, kp, vp, lengths, indices, plan)[0])
+    return plan.unpack(attend(qp, kp, vp, lengths, _with_tail(indices, plan, pool_size), plan)[0])
 
 
 def selection_blocks(indices: jax.Array, block: int) -> jax.Array:
@@ -145,8 +155,10 @@ def pad_selection(indices: jax.Array, width: int) -> jax.Array:
     return jnp.pad(indices, [(0, 0)] * (indices.ndim - 1) + [(0, width - indices.shape[-1])], constant_values=-1)
 
 
-def decode_selection(s2: jax.Array, lengths: jax.Array, *, R: int, L: int, tenths: int, min_k: int, k_max: int):
-    """A decode selection from the log2 scores the decode anchor kernels wrote.
+def decode_selection(
+    s2: jax.Array, lengths: jax.Array, *, R: int, L: int, tenths: int, min_k: int, k_max: int, pool_size: int = 1
+):
+    """A decode selection from the log2 scores the decode anchor kernels wrote (:func:`decode_select`).
 
     s2 [B, G, >= R, >= L] float32 (rows >= R and keys >= a row's length are never read).
     Returns (indices [B, G, k_max] int32, lse2 [B, G, R] of the valid keys).
@@ -158,8 +170,8 @@ def decode_selection(s2: jax.Array, lengths: jax.Array, *, R: int, L: int, tenth
     m = jnp.where(jnp.isfinite(m), m, 0)
     lse2 = m + jnp.log2(jnp.sum(jnp.exp2(s2 - m), axis=-1, keepdims=True))
     P = jnp.sum(jnp.where(valid, jnp.exp2(s2 - lse2), 0), axis=2)  # [B, G, L]
-    P = jnp.where(valid[:, 0], P, -jnp.inf)
-    return top(P, k_max, budget(lengths, tenths, min_k)[:, None]), lse2[..., 0]
+    budget = {"tenths": tenths, "min_k": min_k, "k_max": k_max, "pool_size": pool_size}
+    return decode_select(P, lengths, **budget), lse2[..., 0]
 
 
 def decode_output(acc: jax.Array, m: jax.Array, l: jax.Array, q: jax.Array) -> jax.Array:

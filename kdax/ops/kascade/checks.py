@@ -1,4 +1,4 @@
-"""What every Kascade entry point checks, the references' included, and the key budgets they share."""
+"""What every Kascade entry point checks, the references' included, and the key budgets and pools they share."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from jax.experimental import checkify
 from kdax.ops.common.validation import check_array, check_traced, fail
 
 TILE_SIZES = (16, 32, 64, 128)
+POOL_SIZES = (1, 16, 32, 64, 128, 256)  # keys per selected unit: 1 selects tokens, more select key blocks
 
 
 def percent_tenths(topk_percent) -> int:
@@ -44,14 +45,44 @@ def budget(n, tenths: int, min_k: int):
     return xp.minimum(n, xp.maximum(min_k, share))
 
 
-def prefill_k_max(T: int, tile_size: int, tenths: int, min_k: int) -> int:
-    """The static width of prefill indices: the budget of the last query tile (the largest)."""
-    return int(budget(((T - 1) // tile_size) * tile_size, tenths, min_k))
+def pool_count(n, tenths: int, min_k: int, pool_size: int = 1):
+    """The pools of ``pool_size`` keys selected over ``n`` candidate keys: the whole pools among
+    them, at most the budget rounded down to whole pools, ``min(n // P, budget(n) // P)``. With
+    pool_size 1 this is :func:`budget` (keys).
+
+    Args:
+        n: int or int array: a tile's start s_t, or a decode row's length (the keys before the
+            tile, or the valid keys).
+        tenths, min_k: as :func:`budget`.
+        pool_size: keys per pool P.
+
+    Returns:
+        The count, of n's type.
+    """
+    xp = jnp if isinstance(n, jax.Array) else np
+    return xp.minimum(n // pool_size, budget(n, tenths, min_k) // pool_size)
 
 
-def decode_k_max(L: int, tenths: int, min_k: int) -> int:
-    """The static width of decode indices: the budget of a full cache of ``L`` keys."""
-    return int(budget(L, tenths, min_k))
+def pool_scores(P, pool_size: int):
+    """Per-key scores P [..., S] summed over each whole pool of ``pool_size`` keys: [..., S // pool_size]."""
+    n = P.shape[-1] // pool_size
+    return P[..., : n * pool_size].reshape(*P.shape[:-1], n, pool_size).sum(-1)
+
+
+def pool_keys(pools, pool_size: int):
+    """Selected pools [..., n] (ascending, -1 for none) as their keys [..., n * pool_size]."""
+    keys = pools[..., None] * pool_size + jnp.arange(pool_size, dtype=pools.dtype)
+    return jnp.where(pools[..., None] < 0, -1, keys).reshape(*pools.shape[:-1], -1)
+
+
+def prefill_k_max(T: int, tile_size: int, tenths: int, min_k: int, pool_size: int = 1) -> int:
+    """The static width of prefill indices: the keys the last query tile selects (the most)."""
+    return pool_size * int(pool_count(((T - 1) // tile_size) * tile_size, tenths, min_k, pool_size))
+
+
+def decode_k_max(L: int, tenths: int, min_k: int, pool_size: int = 1) -> int:
+    """The static width of decode indices: the keys a full cache of ``L`` keys selects."""
+    return pool_size * int(pool_count(L, tenths, min_k, pool_size))
 
 
 def row_lengths(lengths, B: int, T: int) -> jax.Array:
@@ -65,7 +96,7 @@ def row_lengths(lengths, B: int, T: int) -> jax.Array:
     return jnp.clip(jnp.asarray(lengths, jnp.int32), 0, T)
 
 
-def check_options(topk_percent=10, min_k=128, tile_size=32, scale=None) -> int:
+def check_options(topk_percent=10, min_k=128, tile_size=32, scale=None, pool_size=1) -> int:
     """Check the static options; return :func:`percent_tenths` of ``topk_percent``.
 
     Raises:
@@ -76,6 +107,8 @@ def check_options(topk_percent=10, min_k=128, tile_size=32, scale=None) -> int:
         fail("min_k", "a non-negative int", repr(min_k))
     if tile_size not in TILE_SIZES:
         fail("tile_size", f"one of {TILE_SIZES}", repr(tile_size))
+    if isinstance(pool_size, bool) or pool_size not in POOL_SIZES:
+        fail("pool_size", f"one of {POOL_SIZES}", repr(pool_size))
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float, np.integer, np.floating))):
         fail("scale", "a Python float or None", type(scale).__name__)
     return tenths
@@ -126,20 +159,29 @@ def check_lengths(lengths, B: int, T: int, name: str = "lengths") -> None:
             fail(name, f"values in [0, {T}]", f"{arr.tolist()}")
 
 
-def check_indices(indices, lead: tuple[int, ...], T: int) -> None:
-    """Check a selection: ints of shape ``(*lead, k)``, values in [-1, T) when concrete.
+def check_indices(indices, lead: tuple[int, ...], T: int, pool_size: int = 1) -> None:
+    """Check a selection: ints of shape ``(*lead, k)``, values in [-1, T) when concrete; with
+    ``pool_size`` P > 1, k a multiple of P and (when concrete) every P entries one whole pool
+    (P consecutive keys from a multiple of P) or P times -1.
 
     Raises:
         ValueError: naming ``indices``.
     """
     check_array("indices", indices, len(lead) + 1, integer=True)
-    if tuple(indices.shape[:-1]) != tuple(lead):
-        fail("indices", f"shape {(*lead, 'k')}", f"shape {tuple(indices.shape)}")
+    if tuple(indices.shape[:-1]) != tuple(lead) or indices.shape[-1] % pool_size:
+        want = (*lead, "k" if pool_size == 1 else f"k, a multiple of pool_size={pool_size}")
+        fail("indices", f"shape {want}", f"shape {tuple(indices.shape)}")
     if not _traced(indices):
         arr = np.asarray(indices)
         if arr.size and (arr.min() < -1 or arr.max() >= T):
             got = f"values in [{arr.min()}, {arr.max()}]"
             fail("indices", f"values in [-1, {T}) (key positions, -1 for none)", got)
+        pools = arr.reshape(*arr.shape[:-1], -1, pool_size)
+        first = pools[..., :1]
+        whole = np.where(first < 0, pools == -1, (first % pool_size == 0) & (pools == first + np.arange(pool_size)))
+        if pool_size > 1 and arr.size and not whole.all():
+            bad = pools[np.nonzero(~whole.all(-1))][0].tolist()
+            fail("indices", f"whole pools of {pool_size} keys (an anchor's selection with pool_size={pool_size})", bad)
 
 
 def check_head_map(head_map, G: int):
@@ -180,6 +222,7 @@ def check_call(
     min_k=0,
     tile_size=32,
     scale=None,
+    pool_size=1,
 ):
     """Every check of one Kascade call (prefill, or ``decode`` with k, v the caches).
 
@@ -187,7 +230,7 @@ def check_call(
         q, k, v, lengths: the arrays (prefill ``lengths`` may be None).
         decode: whether this is a decode step.
         indices, head_map: a reuse call's selection and head map (None for an anchor).
-        topk_percent, min_k, tile_size, scale: the options.
+        topk_percent, min_k, tile_size, scale, pool_size: the options.
 
     Returns:
         (:func:`percent_tenths` of topk_percent, the head map as an array or None).
@@ -196,11 +239,11 @@ def check_call(
         ValueError: naming the first bad argument.
     """
     check_qkv(q, k, v, decode)
-    tenths = check_options(topk_percent, min_k, tile_size, scale)
+    tenths = check_options(topk_percent, min_k, tile_size, scale, pool_size)
     B, T = k.shape[:2]
     G = k.shape[2]
     if lengths is not None or decode:
         check_lengths(lengths, B, T)
     if indices is not None:
-        check_indices(indices, (B, G) if decode else (B, G, -(-T // tile_size)), T)
+        check_indices(indices, (B, G) if decode else (B, G, -(-T // tile_size)), T, pool_size)
     return tenths, check_head_map(head_map, G)

@@ -34,6 +34,7 @@ from jax.experimental.pallas import triton as pltriton
 from kdax.ops.common import dispatch
 from kdax.ops.common.arrays import LOG2E, round_up
 from kdax.ops.kascade import blocks as bl
+from kdax.ops.kascade.xla import with_decode_tail
 
 # Whether the compiled kernels have passed the shared cases' error bars on a GPU
 # (`scripts/gpu_session.sh kascade`, recorded in BENCHMARKS.md). Until then backend="auto"
@@ -252,10 +253,12 @@ def kascade_anchor_gpu(q, k, v, lengths, *, tile_size, scale, cfg, **budget):
     return bl.anchor(*kernels, q, k, v, lengths, _plan(q, k, tile_size, scale, cfg), **budget)
 
 
-def kascade_reuse_gpu(q, k, v, lengths, indices, *, tile_size, scale, cfg):
+def kascade_reuse_gpu(q, k, v, lengths, indices, *, tile_size, pool_size, scale, cfg):
     """See :func:`kdax.kascade_reuse`. indices [B, G, NT, k] already remapped. Returns o [B, T, H, D]."""
     cfg = for_dtype(cfg, q.dtype)
-    return bl.reuse(functools.partial(_attend, cfg=cfg), q, k, v, lengths, indices, _plan(q, k, tile_size, scale, cfg))
+    return bl.reuse(
+        functools.partial(_attend, cfg=cfg), q, k, v, lengths, indices, _plan(q, k, tile_size, scale, cfg), pool_size
+    )
 
 
 # ----------------------------------------------------------------------------- decode kernels
@@ -333,7 +336,9 @@ def _partial_specs(B, G, S, Rq, Dp):
     return bl.decode_partials(B, G, S, Rq, Dp, lambda sp, g, b: (b, g, sp, 0, 0))
 
 
-def kascade_anchor_decode_gpu(q, k_cache, v_cache, lengths, *, tenths, min_k, k_max, scale, dense_output, cfg):
+def kascade_anchor_decode_gpu(
+    q, k_cache, v_cache, lengths, *, tenths, min_k, k_max, pool_size, scale, dense_output, cfg
+):
     """See :func:`kdax.kascade_anchor_decode`. Returns (indices [B, G, k_max] int32, o [B, H, D])."""
     B, H, _ = q.shape
     L, G = k_cache.shape[1:3]
@@ -370,14 +375,17 @@ def kascade_anchor_decode_gpu(q, k_cache, v_cache, lengths, *, tenths, min_k, k_
         compiler_params=_params(cfg, "decode_scores"),
         interpret=cfg.interpret,
     )(*args)
-    idx, _ = bl.decode_selection(s2, lengths, R=H // G, L=L, tenths=tenths, min_k=min_k, k_max=k_max)
+    idx, _ = bl.decode_selection(
+        s2, lengths, R=H // G, L=L, tenths=tenths, min_k=min_k, k_max=k_max, pool_size=pool_size
+    )
     if dense_output:
         return idx, bl.decode_output(*parts, q)
-    return idx, kascade_reuse_decode_gpu(q, k_cache, v_cache, lengths, idx, scale=scale, cfg=cfg)
+    return idx, kascade_reuse_decode_gpu(q, k_cache, v_cache, lengths, idx, pool_size=pool_size, scale=scale, cfg=cfg)
 
 
-def kascade_reuse_decode_gpu(q, k_cache, v_cache, lengths, indices, *, scale, cfg):
+def kascade_reuse_decode_gpu(q, k_cache, v_cache, lengths, indices, *, pool_size, scale, cfg):
     """See :func:`kdax.kascade_reuse_decode`. indices [B, G, k] already remapped. Returns o [B, H, D]."""
+    indices = with_decode_tail(indices, lengths, pool_size)
     B, H, _ = q.shape
     G = k_cache.shape[2]
     Rq, Dp, S, Ks = _decode_plan(q, k_cache, cfg, indices.shape[-1])

@@ -37,6 +37,7 @@ from jax.experimental.pallas import tpu as pltpu
 from kdax.ops.common import dispatch
 from kdax.ops.common.arrays import LOG2E, round_up
 from kdax.ops.kascade import blocks as bl
+from kdax.ops.kascade.xla import with_decode_tail
 
 LANE = 128
 
@@ -469,9 +470,11 @@ def kascade_anchor_tpu(q, k, v, lengths, *, tile_size, scale, cfg, **budget):
     return bl.anchor(*kernels, q, k, v, lengths, _plan(q, k, tile_size, scale, cfg), **budget)
 
 
-def kascade_reuse_tpu(q, k, v, lengths, indices, *, tile_size, scale, cfg):
+def kascade_reuse_tpu(q, k, v, lengths, indices, *, tile_size, pool_size, scale, cfg):
     """See :func:`kdax.kascade_reuse`. indices [B, G, NT, k] already remapped. Returns o [B, T, H, D]."""
-    return bl.reuse(functools.partial(_attend, cfg=cfg), q, k, v, lengths, indices, _plan(q, k, tile_size, scale, cfg))
+    return bl.reuse(
+        functools.partial(_attend, cfg=cfg), q, k, v, lengths, indices, _plan(q, k, tile_size, scale, cfg), pool_size
+    )
 
 
 # ----------------------------------------------------------------------------- decode kernels
@@ -566,7 +569,9 @@ def _cache_in_place(x, bd):
     return x if Lp == x.shape[1] else jnp.pad(x, ((0, 0), (0, Lp - x.shape[1]), (0, 0), (0, 0)))
 
 
-def kascade_anchor_decode_tpu(q, k_cache, v_cache, lengths, *, tenths, min_k, k_max, scale, dense_output, cfg):
+def kascade_anchor_decode_tpu(
+    q, k_cache, v_cache, lengths, *, tenths, min_k, k_max, pool_size, scale, dense_output, cfg
+):
     """See :func:`kdax.kascade_anchor_decode`. Returns (indices [B, G, k_max] int32, o [B, H, D])."""
     B, H, D = q.shape
     L, G = k_cache.shape[1:3]
@@ -612,14 +617,17 @@ def kascade_anchor_decode_tpu(q, k_cache, v_cache, lengths, *, tenths, min_k, k_
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",) * 3),
     )(lengths, *args)
     s2 = s2.transpose(0, 1, 3, 2, 4, 5).reshape(B, G, Rq, S * nl * bd)
-    idx, _ = bl.decode_selection(s2, lengths, R=H // G, L=L, tenths=tenths, min_k=min_k, k_max=k_max)
+    idx, _ = bl.decode_selection(
+        s2, lengths, R=H // G, L=L, tenths=tenths, min_k=min_k, k_max=k_max, pool_size=pool_size
+    )
     if dense_output:
         return idx, bl.decode_output(*parts, q)
-    return idx, kascade_reuse_decode_tpu(q, k_cache, v_cache, lengths, idx, scale=scale, cfg=cfg)
+    return idx, kascade_reuse_decode_tpu(q, k_cache, v_cache, lengths, idx, pool_size=pool_size, scale=scale, cfg=cfg)
 
 
-def kascade_reuse_decode_tpu(q, k_cache, v_cache, lengths, indices, *, scale, cfg):
+def kascade_reuse_decode_tpu(q, k_cache, v_cache, lengths, indices, *, pool_size, scale, cfg):
     """See :func:`kdax.kascade_reuse_decode`. indices [B, G, k] already remapped. Returns o [B, H, D]."""
+    indices = with_decode_tail(indices, lengths, pool_size)
     B, H, D = q.shape
     G = k_cache.shape[2]
     bd = min(cfg.block_k or LANE, round_up(max(indices.shape[-1], 1), 8))

@@ -4,7 +4,11 @@ against. Dense: each forms the [T, T] (decode: [L]) attention of every head.
 They compute in float32, or in float64 given float64 inputs (enable ``jax_enable_x64``).
 Shapes: q [B, T, H, D]; k, v [B, T, G, D], H % G == 0, query head h reads KV head
 h // (H // G); decode q [B, H, D], caches [B, L, G, D], lengths [B]. Query tile t holds the
-queries s_t = t * tile_size .. s_t + tile_size - 1. Definitions: ../../../docs/kascade.md.
+queries s_t = t * tile_size .. s_t + tile_size - 1. With ``pool_size`` P the selection is of pools
+of P keys (keys pP .. pP + P - 1): tile t chooses among the whole pools before b_t = floor(s_t / P) P
+and attends the keys from b_t to each query as its own block; a decode row chooses among the whole
+pools of its valid keys and attends the rest (its last, partial pool). Definitions:
+../../../docs/kascade.md.
 """
 
 from __future__ import annotations
@@ -15,7 +19,16 @@ import numpy as np
 from jax import lax
 
 from kdax.ops.common.arrays import masked_softmax
-from kdax.ops.kascade.checks import budget, check_call, check_options, decode_k_max, prefill_k_max, row_lengths
+from kdax.ops.kascade.checks import (
+    check_call,
+    check_options,
+    decode_k_max,
+    pool_count,
+    pool_keys,
+    pool_scores,
+    prefill_k_max,
+    row_lengths,
+)
 
 _HI = lax.Precision.HIGHEST
 
@@ -91,23 +104,32 @@ def _top(P, k_max, keep):
     return jnp.where(order < S, order, -1).astype(jnp.int32)
 
 
-def select_tiles(P, lengths, *, tile_size, topk_percent, min_k) -> jax.Array:
+def _select(P, first, k_max, keep, pool_size):
+    """The ``keep`` [...] pools of largest score among the first ``first`` [...] pools of the per-key
+    scores P [..., S], as keys [..., k_max] ascending then -1 (:func:`_top`)."""
+    scores = pool_scores(P, pool_size)
+    scores = jnp.where(jnp.arange(scores.shape[-1]) < first[..., None], scores, -jnp.inf)
+    return pool_keys(_top(scores, k_max // pool_size, keep), pool_size)
+
+
+def select_tiles(P, lengths, *, tile_size, topk_percent, min_k, pool_size=1) -> jax.Array:
     """The selection of every query tile from its pooled probabilities.
 
     Args:
         P: [B, G, NT, T], as :func:`pooled_probabilities`.
         lengths: [B] valid tokens per row (tiles at or past it select nothing).
-        tile_size, topk_percent, min_k: as :func:`naive_kascade_anchor`.
+        tile_size, topk_percent, min_k, pool_size: as :func:`naive_kascade_anchor`.
 
     Returns:
-        indices [B, G, NT, k_max] int32: the k_t keys j < s_t of largest P, ascending, then -1.
+        indices [B, G, NT, k_max] int32: the keys of tile t's pool_count(s_t) pools of largest
+        summed P among the whole pools before floor(s_t / P) P, ascending, then -1.
     """
     NT, T = P.shape[2:]
-    tenths = check_options(topk_percent, min_k, tile_size)
+    tenths = check_options(topk_percent, min_k, tile_size, pool_size=pool_size)
     starts = np.arange(NT) * tile_size
-    before = jnp.arange(T)[None, :] < starts[:, None]  # [NT, T]: keys j < s_t
-    keep = jnp.asarray(budget(starts, tenths, min_k))[None, :] * (starts[None, :] < lengths[:, None])  # [B, NT]
-    return _top(jnp.where(before, P, -jnp.inf), prefill_k_max(T, tile_size, tenths, min_k), keep[:, None])
+    keep = jnp.asarray(pool_count(starts, tenths, min_k, pool_size))[None, :] * (starts[None, :] < lengths[:, None])
+    k_max = prefill_k_max(T, tile_size, tenths, min_k, pool_size)
+    return _select(P, jnp.asarray(starts // pool_size), k_max, keep[:, None], pool_size)
 
 
 def _members(indices, S):
@@ -117,9 +139,9 @@ def _members(indices, S):
     return jnp.put_along_axis(hit, idx, True, axis=-1, inplace=False)[..., :S]
 
 
-def sparse_mask(indices, *, T, tile_size, head_map=None, lengths=None) -> jax.Array:
+def sparse_mask(indices, *, T, tile_size, head_map=None, lengths=None, pool_size=1) -> jax.Array:
     """What each query attends under a prefill selection: the selection of its tile (of KV head
-    head_map[g]) and its tile's own causal block.
+    head_map[g]) and its tile's own causal block, from the pool boundary b_t = floor(s_t / P) P.
 
     Args:
         indices: [B, G, NT, k] int, -1 for none.
@@ -127,6 +149,7 @@ def sparse_mask(indices, *, T, tile_size, head_map=None, lengths=None) -> jax.Ar
         tile_size: queries per tile.
         head_map: [G] ints or None (identity).
         lengths: [B] valid tokens per row, or None.
+        pool_size: keys per selected pool P.
 
     Returns:
         allowed [B, G, 1, T, T] bool (query i, key j).
@@ -137,20 +160,21 @@ def sparse_mask(indices, *, T, tile_size, head_map=None, lengths=None) -> jax.Ar
     tile = jnp.arange(T) // tile_size
     chosen = _members(indices, T)[:, :, tile]  # [B, G, T, T]
     i, j = jnp.arange(T)[:, None], jnp.arange(T)[None, :]
-    diagonal = (j >= tile[:, None] * tile_size) & (j <= i)
+    diagonal = (j >= tile[:, None] * tile_size // pool_size * pool_size) & (j <= i)
     return ((chosen | diagonal) & _causal(B, T, row_lengths(lengths, B, T))[:, 0])[:, :, None]
 
 
 def naive_kascade_anchor(
-    q, k, v, *, topk_percent=10, min_k=128, tile_size=32, scale=None, dense_output=False, lengths=None
+    q, k, v, *, topk_percent=10, min_k=128, tile_size=32, pool_size=1, scale=None, dense_output=False, lengths=None
 ) -> tuple[jax.Array, jax.Array]:
     """A Kascade anchor layer (prefill): select each query tile's keys from exact attention.
 
     Args:
         q: [B, T, H, D]; k, v: [B, T, G, D].
-        topk_percent: the budget k_t = min(s_t, max(min_k, floor(topk_percent * s_t / 100))).
+        topk_percent: the budget k_t = min(s_t, max(min_k, floor(topk_percent * s_t / 100))) keys.
         min_k: the least budget.
         tile_size: queries per tile (16, 32, 64 or 128).
+        pool_size: keys per selected pool (1: tokens); the budget rounded down to whole pools.
         scale: D ** -0.5 when None.
         dense_output: return dense causal attention instead of the sparse output.
         lengths: [B] valid tokens per right-padded row, or None.
@@ -158,32 +182,39 @@ def naive_kascade_anchor(
     Returns:
         (indices [B, G, NT, k_max] int32, o [B, T, H, D] in q's dtype, 0 past a row's length).
     """
-    check_call(q, k, v, lengths, topk_percent=topk_percent, min_k=min_k, tile_size=tile_size, scale=scale)
+    check_call(
+        q, k, v, lengths, topk_percent=topk_percent, min_k=min_k, tile_size=tile_size, scale=scale, pool_size=pool_size
+    )
     B, T = q.shape[:2]
     rows = row_lengths(lengths, B, T)
     P = pooled_probabilities(q, k, tile_size=tile_size, scale=scale, lengths=rows)
-    indices = select_tiles(P, rows, tile_size=tile_size, topk_percent=topk_percent, min_k=min_k)
+    pools = {"tile_size": tile_size, "pool_size": pool_size}
+    indices = select_tiles(P, rows, topk_percent=topk_percent, min_k=min_k, **pools)
     if dense_output:
         return indices, naive_attention(q, k, v, scale=scale, lengths=rows)
-    return indices, naive_kascade_reuse(q, k, v, indices, tile_size=tile_size, scale=scale, lengths=rows)
+    return indices, naive_kascade_reuse(q, k, v, indices, scale=scale, lengths=rows, **pools)
 
 
-def naive_kascade_reuse(q, k, v, indices, *, head_map=None, tile_size=32, scale=None, lengths=None) -> jax.Array:
+def naive_kascade_reuse(
+    q, k, v, indices, *, head_map=None, tile_size=32, pool_size=1, scale=None, lengths=None
+) -> jax.Array:
     """A Kascade reuse layer (prefill): attend an anchor's selection, remapped per KV head.
 
     Args:
         q: [B, T, H, D]; k, v: [B, T, G, D].
         indices: [B, G, NT, k] int32 of an anchor (-1 for none).
         head_map: [G] ints: KV head g uses the anchor's selection of KV head head_map[g]; None: identity.
-        tile_size, scale, lengths: as :func:`naive_kascade_anchor`.
+        tile_size, pool_size, scale, lengths: as :func:`naive_kascade_anchor` (pool_size the anchor's).
 
     Returns:
         o [B, T, H, D] in q's dtype, 0 past a row's length.
     """
-    _, head_map = check_call(q, k, v, lengths, indices=indices, head_map=head_map, tile_size=tile_size, scale=scale)
+    _, head_map = check_call(
+        q, k, v, lengths, indices=indices, head_map=head_map, tile_size=tile_size, scale=scale, pool_size=pool_size
+    )
     T = q.shape[1]
     qg, kc, vc = _cast(q, k, v, scale)
-    allowed = sparse_mask(indices, T=T, tile_size=tile_size, head_map=head_map, lengths=lengths)
+    allowed = sparse_mask(indices, T=T, tile_size=tile_size, head_map=head_map, lengths=lengths, pool_size=pool_size)
     return _attend(qg, kc, vc, allowed).astype(q.dtype)
 
 
@@ -196,7 +227,7 @@ def _decode_scores(q, k_cache, lengths, scale):
 
 
 def naive_kascade_anchor_decode(
-    q, k_cache, v_cache, lengths, *, topk_percent=10, min_k=128, scale=None, dense_output=False
+    q, k_cache, v_cache, lengths, *, topk_percent=10, min_k=128, pool_size=1, scale=None, dense_output=False
 ) -> tuple[jax.Array, jax.Array]:
     """A Kascade anchor layer (one decode step): select keys from the exact attention of the token.
 
@@ -204,23 +235,25 @@ def naive_kascade_anchor_decode(
         q: [B, H, D]; k_cache, v_cache: [B, L, G, D].
         lengths: [B] valid keys per row, the current token's included.
         topk_percent, min_k: the budget k_b = min(len_b, max(min_k, floor(topk_percent * len_b / 100))).
+        pool_size: keys per selected pool P (1: tokens): the budget in whole pools among the
+            len_b // P whole pools of the row; its last, partial pool is always attended.
         scale: D ** -0.5 when None.
         dense_output: return dense attention over the valid keys instead of the sparse output.
 
     Returns:
         (indices [B, G, k_max] int32, ascending then -1; o [B, H, D] in q's dtype).
     """
-    tenths, _ = check_call(
-        q, k_cache, v_cache, lengths, decode=True, topk_percent=topk_percent, min_k=min_k, scale=scale
-    )
+    options = {"topk_percent": topk_percent, "min_k": min_k, "scale": scale, "pool_size": pool_size}
+    tenths, _ = check_call(q, k_cache, v_cache, lengths, decode=True, **options)
     scores, valid = _decode_scores(q, k_cache, lengths, scale)
     P = masked_softmax(scores, valid).sum(axis=2)  # [B, G, L]
     lengths = jnp.asarray(lengths, jnp.int32)
-    keep = budget(lengths, tenths, min_k)[:, None]
-    indices = _top(jnp.where(valid[:, 0], P, -jnp.inf), decode_k_max(k_cache.shape[1], tenths, min_k), keep)
+    keep = pool_count(lengths, tenths, min_k, pool_size)[:, None]
+    k_max = decode_k_max(k_cache.shape[1], tenths, min_k, pool_size)
+    indices = _select(P, (lengths // pool_size)[:, None], k_max, keep, pool_size)
     if dense_output:
         return indices, _decode_attend(scores, valid, v_cache, q.dtype)
-    return indices, naive_kascade_reuse_decode(q, k_cache, v_cache, lengths, indices, scale=scale)
+    return indices, naive_kascade_reuse_decode(q, k_cache, v_cache, lengths, indices, pool_size=pool_size, scale=scale)
 
 
 def _decode_attend(scores, allowed, v_cache, dtype):
@@ -229,22 +262,29 @@ def _decode_attend(scores, allowed, v_cache, dtype):
     return o.reshape(o.shape[0], -1, o.shape[-1]).astype(dtype)
 
 
-def naive_kascade_reuse_decode(q, k_cache, v_cache, lengths, indices, *, head_map=None, scale=None) -> jax.Array:
-    """A Kascade reuse layer (one decode step): attend an anchor's selection only.
+def naive_kascade_reuse_decode(
+    q, k_cache, v_cache, lengths, indices, *, head_map=None, pool_size=1, scale=None
+) -> jax.Array:
+    """A Kascade reuse layer (one decode step): attend an anchor's selection (and, with pools, the
+    row's last partial pool) only.
 
     Args:
         q: [B, H, D]; k_cache, v_cache: [B, L, G, D]; lengths: [B].
         indices: [B, G, k] int32 of an anchor's decode step (-1 for none).
         head_map: as :func:`naive_kascade_reuse`.
+        pool_size: the anchor's (:func:`naive_kascade_anchor_decode`).
         scale: D ** -0.5 when None.
 
     Returns:
         o [B, H, D] in q's dtype (0 in a row with nothing selected).
     """
-    _, head_map = check_call(q, k_cache, v_cache, lengths, decode=True, indices=indices, head_map=head_map, scale=scale)
+    _, head_map = check_call(
+        q, k_cache, v_cache, lengths, decode=True, indices=indices, head_map=head_map, scale=scale, pool_size=pool_size
+    )
     L = k_cache.shape[1]
     if head_map is not None:
         indices = jnp.asarray(indices)[:, head_map]
     scores, valid = _decode_scores(q, k_cache, lengths, scale)
-    allowed = _members(jnp.asarray(indices), L)[:, :, None] & valid
+    tail = jnp.arange(L)[None, :] >= (jnp.asarray(lengths)[:, None] // pool_size * pool_size)  # [B, L]
+    allowed = (_members(jnp.asarray(indices), L) | tail[:, None])[:, :, None] & valid
     return _decode_attend(scores, allowed, v_cache, q.dtype)

@@ -37,7 +37,8 @@ class KascadeSchedule:
             output (it computes exact attention and selects for the layers after it).
         head_maps: for each reuse layer (a layer of ``layers`` not in ``anchors``), the KV head of
             its anchor (the latest anchor before it) that each of its KV heads reads.
-        topk_percent, min_k, tile_size: the selection's options (see :func:`kdax.kascade_anchor`).
+        topk_percent, min_k, tile_size, pool_size: the selection's options (see
+            :func:`kdax.kascade_anchor`).
     """
 
     layers: tuple[int, ...]
@@ -46,6 +47,7 @@ class KascadeSchedule:
     topk_percent: float = 10
     min_k: int = 128
     tile_size: int = 32
+    pool_size: int = 1
 
     def __post_init__(self):
         layers, anchors = tuple(int(x) for x in self.layers), tuple(int(x) for x in self.anchors)
@@ -53,7 +55,7 @@ class KascadeSchedule:
         object.__setattr__(self, "layers", layers)
         object.__setattr__(self, "anchors", anchors)
         object.__setattr__(self, "head_maps", maps)
-        check_options(self.topk_percent, self.min_k, self.tile_size)
+        check_options(self.topk_percent, self.min_k, self.tile_size, pool_size=self.pool_size)
         if not layers or list(layers) != sorted(set(layers)) or layers[0] < 0:
             fail("layers", "distinct non-negative layer indices, ascending, at least one", layers)
         if (
@@ -130,17 +132,22 @@ class KascadeSchedule:
             raise ValueError(f"{path}: {e}") from e
 
 
-def _masses(P, selections, tile_size: int):
+def own_starts(NT: int, tile_size: int, pool_size: int = 1) -> np.ndarray:
+    """[NT] where each tile's own block starts: its pool boundary floor(s_t / P) P."""
+    return np.arange(NT) * tile_size // pool_size * pool_size
+
+
+def _masses(P, selections, tile_size: int, pool_size: int):
     """(each tile's own-block mass [B, G, NT], mass on the selections [B, G(P), G(selections), NT])."""
     P = np.asarray(P, np.float64)
     NT, T = P.shape[2:]
-    block = np.where(np.arange(T)[None, :] >= (np.arange(NT) * tile_size)[:, None], P, 0).sum(-1)
+    block = np.where(np.arange(T)[None, :] >= own_starts(NT, tile_size, pool_size)[:, None], P, 0).sum(-1)
     sel = np.asarray(selections)
     picked = np.take_along_axis(P[:, :, None], np.maximum(sel, 0)[:, None], axis=-1)
     return block, np.where(sel[:, None] >= 0, picked, 0).sum(-1)
 
 
-def pair_similarity(P, own, anchor, tile_size: int) -> np.ndarray:
+def pair_similarity(P, own, anchor, tile_size: int, pool_size: int = 1) -> np.ndarray:
     """How well an anchor's selection serves a layer, per head pair.
 
     Args:
@@ -148,21 +155,21 @@ def pair_similarity(P, own, anchor, tile_size: int) -> np.ndarray:
             :func:`kdax.ops.kascade.reference.pooled_probabilities`).
         own: [B, G, NT, k] the layer's own selection (-1 for none).
         anchor: [B, G, NT, k'] the anchor's selection.
-        tile_size: queries per tile.
+        tile_size, pool_size: queries per tile, keys per selected pool.
 
     Returns:
         [G, G] float64: entry (g, g') is the mass of the layer's head g on the anchor's head g'
         selection plus the tile's block, over that on its own selection plus the block; the minimum
         over query tiles, the mean over rows.
     """
-    block, on_anchor = _masses(P, anchor, tile_size)
-    _, on_own = _masses(P, own, tile_size)
+    block, on_anchor = _masses(P, anchor, tile_size, pool_size)
+    _, on_own = _masses(P, own, tile_size, pool_size)
     mine = np.diagonal(on_own, axis1=1, axis2=2).transpose(0, 2, 1)  # [B, G, NT]
     ratio = (on_anchor + block[:, :, None]) / np.maximum(mine + block, 1e-300)[:, :, None]
     return ratio.min(axis=-1).mean(axis=0)
 
 
-def output_similarity(run, selections, tile_size: int) -> np.ndarray:
+def output_similarity(run, selections, tile_size: int, pool_size: int = 1) -> np.ndarray:
     """Head-pair similarities by the error of a layer's output: entry [a, l, g, g'] is
     ``1 - G * e``, e the squared error of layer l's output when its KV head g attends anchor
     a's head-g' selection (plus each tile's own block) and its other heads every key, relative
@@ -175,15 +182,16 @@ def output_similarity(run, selections, tile_size: int) -> np.ndarray:
         run: ``run(l, indices)`` -> layer l's output (any shape) when its KV heads attend
             indices [B, G, NT, W] (-1 for none) besides each tile's own block.
         selections: per layer its own selection [B, G, NT, k] (:func:`kdax.models.kascade.dense_pass`).
-        tile_size: queries per tile.
+        tile_size, pool_size: queries per tile, keys per selected pool.
 
     Returns:
         [L, L, G, G] float64 (0 below the diagonal).
     """
     B, G, NT = selections[0].shape[:3]
-    W = (NT - 1) * tile_size
+    starts = own_starts(NT, tile_size, pool_size)
+    W = int(starts[-1])
     keys = np.arange(W)[None, :]
-    every = np.where(keys < (np.arange(NT) * tile_size)[:, None], keys, -1).astype(np.int32)
+    every = np.where(keys < starts[:, None], keys, -1).astype(np.int32)
     every = np.broadcast_to(every, (B, G, NT, W))
     L = len(selections)
     pairs = np.zeros((L, L, G, G))
@@ -201,20 +209,20 @@ def output_similarity(run, selections, tile_size: int) -> np.ndarray:
     return pairs
 
 
-def recall(P, selection, tile_size: int) -> float:
+def recall(P, selection, tile_size: int, pool_size: int = 1) -> float:
     """The share of a layer's dense attention mass that a selection (plus each tile's own block) keeps.
 
     Args:
         P: [B, G, NT, T] the layer's pooled probabilities (as :func:`pair_similarity`).
         selection: [B, G, NT, k] the keys each tile attends besides its block (-1 for none),
             already remapped to the layer's heads.
-        tile_size: queries per tile.
+        tile_size, pool_size: queries per tile, keys per selected pool.
 
     Returns:
         The kept mass over the total, summed over rows, heads and tiles 1.. (tile 0 attends
         only its own block).
     """
-    block, on = _masses(P, selection, tile_size)
+    block, on = _masses(P, selection, tile_size, pool_size)
     kept = block + np.diagonal(on, axis1=1, axis2=2).transpose(0, 2, 1)
     total = np.asarray(P, np.float64).sum(-1)
     return float(kept[:, :, 1:].sum() / max(total[:, :, 1:].sum(), 1e-300))
@@ -297,7 +305,7 @@ def layer_importance(x, attn) -> float:
 
 
 def build_schedule(
-    layers, pairs, importance, n_anchors: int, *, topk_percent=10, min_k=128, tile_size=32
+    layers, pairs, importance, n_anchors: int, *, topk_percent=10, min_k=128, tile_size=32, pool_size=1
 ) -> KascadeSchedule:
     """A schedule from calibration statistics.
 
@@ -306,7 +314,7 @@ def build_schedule(
         pairs: [L, L, G, G] head-pair similarities (:func:`pair_similarity`, anchor first).
         importance: [L] layer importances (:func:`layer_importance`).
         n_anchors: anchors to place (the first layer among them).
-        topk_percent, min_k, tile_size: the options the statistics were computed with.
+        topk_percent, min_k, tile_size, pool_size: the options the statistics were computed with.
 
     Returns:
         The :class:`KascadeSchedule`.
@@ -319,4 +327,5 @@ def build_schedule(
         if i not in picks:
             anchor = max(a for a in picks if a < i)
             head_maps[layer] = tuple(int(g) for g in maps[anchor, i])
-    return KascadeSchedule(layers, tuple(layers[a] for a in picks), head_maps, topk_percent, min_k, tile_size)
+    anchors = tuple(layers[a] for a in picks)
+    return KascadeSchedule(layers, anchors, head_maps, topk_percent, min_k, tile_size, pool_size)

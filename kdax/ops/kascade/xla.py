@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from kdax.ops.common.arrays import masked_softmax
-from kdax.ops.kascade.checks import budget
+from kdax.ops.kascade.checks import pool_count, pool_keys, pool_scores
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,17 +54,39 @@ def top(P, k_max, keep):
     return jnp.where(order < S, order, -1).astype(jnp.int32)
 
 
-def select(pooled, starts, lengths, *, tenths, min_k, k_max):
+def select(pooled, starts, lengths, *, tenths, min_k, k_max, pool_size=1):
     """The selection of query tiles from their pooled probabilities.
 
-    pooled [B, G, n, S] (entries at keys j >= the tile's start are ignored); starts [n] the
-    tiles' first positions; lengths [B]. Returns indices [B, G, n, k_max] int32: each tile's
-    budget of largest keys before it, ascending, then -1 (none for tiles at or past a row's length).
+    pooled [B, G, n, S] per key (entries at keys from the tile's pool boundary on are ignored);
+    starts [n] the tiles' first positions; lengths [B]. Returns indices [B, G, n, k_max] int32:
+    the keys of each tile's budget of pools of largest summed score among the whole pools before
+    its pool boundary floor(s_t / P) P, ascending, then -1 (none for tiles at or past a row's length).
     """
-    S = pooled.shape[-1]
-    pooled = jnp.where(jnp.arange(S)[None, :] < starts[:, None], pooled, -jnp.inf)
-    keep = budget(starts, tenths, min_k)[None] * (starts[None] < lengths[:, None])  # [B, n]
-    return top(pooled, k_max, keep[:, None])
+    scores = pool_scores(pooled, pool_size)
+    scores = jnp.where(jnp.arange(scores.shape[-1])[None, :] < (starts // pool_size)[:, None], scores, -jnp.inf)
+    keep = pool_count(starts, tenths, min_k, pool_size)[None] * (starts[None] < lengths[:, None])  # [B, n]
+    return pool_keys(top(scores, k_max // pool_size, keep[:, None]), pool_size)
+
+
+def with_tail(indices, starts, *, tile_size: int, pool_size: int):
+    """A prefill selection [B, G, n, k] of tiles starting at ``starts`` [n], with each tile's keys from
+    its pool boundary up to its start appended, [B, G, n, k + max(0, P - tile_size)] (-1 where none):
+    what a sparse pass that attends a tile's own block from its start attends with pools of P keys."""
+    extra = max(0, pool_size - tile_size)
+    if not extra:
+        return indices
+    tail = (starts // pool_size * pool_size)[:, None] + jnp.arange(extra, dtype=jnp.int32)
+    tail = jnp.where(tail < starts[:, None], tail, -1).astype(indices.dtype)
+    return jnp.concatenate([indices, jnp.broadcast_to(tail, (*indices.shape[:2], *tail.shape))], axis=-1)
+
+
+def with_decode_tail(indices, lengths, pool_size: int):
+    """A decode selection [B, G, k] with each row's last, partial pool appended, [B, G, k + P - 1]."""
+    if pool_size == 1:
+        return indices
+    tail = (lengths // pool_size * pool_size)[:, None] + jnp.arange(pool_size - 1, dtype=jnp.int32)
+    tail = jnp.where(tail < lengths[:, None], tail, -1)
+    return jnp.concatenate([indices, jnp.broadcast_to(tail[:, None], (*indices.shape[:2], pool_size - 1))], axis=-1)
 
 
 def _gather(x, indices):
@@ -121,7 +143,7 @@ def _block_inputs(qp, kp, vp, blk, nb, tile_size):
     return qb, kd, vd, q0 + jnp.arange(nb * tile_size).reshape(nb, tile_size)
 
 
-def kascade_anchor_xla(q, k, v, lengths, *, tenths, min_k, k_max, tile_size, scale, dense_output, cfg):
+def kascade_anchor_xla(q, k, v, lengths, *, tenths, min_k, k_max, tile_size, pool_size, scale, dense_output, cfg):
     """See :func:`kdax.kascade_anchor`. q [B, T, H, D]; k, v [B, T, G, D]; lengths [B] int32.
 
     Returns (indices [B, G, NT, k_max] int32, o [B, T, H, D] in q's dtype)."""
@@ -137,11 +159,13 @@ def kascade_anchor_xla(q, k, v, lengths, *, tenths, min_k, k_max, tile_size, sca
         valid_q = rows[None] < lengths[:, None, None]  # [B, nb, tile]
         allowed = (keys <= rows[..., None])[None] & valid_q[..., None]  # [B, nb, tile, S]
         p = masked_softmax(s, allowed[:, None, None])  # [B, G, R, nb, tile, S]
-        idx = select(p.sum(axis=(2, 4)), rows[:, 0], lengths, tenths=tenths, min_k=min_k, k_max=k_max)
+        budget = {"tenths": tenths, "min_k": min_k, "k_max": k_max, "pool_size": pool_size}
+        idx = select(p.sum(axis=(2, 4)), rows[:, 0], lengths, **budget)
         if dense_output:
             o = jnp.einsum("bgrnts,bgsd->bntgrd", p, vt.astype(acc), precision=prec)
         else:
-            o = _sparse_block(qb, kt, vt, kd, vd, idx, rows, lengths, scale)
+            sel = with_tail(idx, rows[:, 0], tile_size=tile_size, pool_size=pool_size)
+            o = _sparse_block(qb, kt, vt, kd, vd, sel, rows, lengths, scale)
         return idx, o.astype(q.dtype)
 
     idx, o = lax.map(block, jnp.arange(NB))  # [NB, B, G, nb, k], [NB, B, nb, tile, G, R, D]
@@ -149,11 +173,13 @@ def kascade_anchor_xla(q, k, v, lengths, *, tenths, min_k, k_max, tile_size, sca
     return idx, _unblock(o, T)
 
 
-def kascade_reuse_xla(q, k, v, lengths, indices, *, tile_size, scale, cfg):
+def kascade_reuse_xla(q, k, v, lengths, indices, *, tile_size, pool_size, scale, cfg):
     """See :func:`kdax.kascade_reuse`. indices [B, G, NT, k] already remapped per KV head.
 
     Returns o [B, T, H, D] in q's dtype."""
     B, T = q.shape[:2]
+    starts = jnp.arange(indices.shape[2], dtype=jnp.int32) * tile_size
+    indices = with_tail(indices, starts, tile_size=tile_size, pool_size=pool_size)
     kk = indices.shape[-1]
     qp, kp, vp, nb, NB, NT, S = _blocks(q, k, v, tile_size, cfg)
     kt, vt = (x[:, :S].transpose(0, 2, 1, 3) for x in (kp, vp))
@@ -188,22 +214,36 @@ def _decode_scores(q, k_cache, lengths, scale):
     return s * scale, jnp.arange(k_cache.shape[1])[None, :] < lengths[:, None]
 
 
-def kascade_anchor_decode_xla(q, k_cache, v_cache, lengths, *, tenths, min_k, k_max, scale, dense_output, cfg):
+def decode_select(P, lengths, *, tenths, min_k, k_max, pool_size=1):
+    """A decode selection from the pooled probabilities P [B, G, >= L] of rows of ``lengths`` [B]
+    valid keys: the keys of each row's budget of pools of largest summed P among its whole pools,
+    ascending, then -1: indices [B, G, k_max] int32."""
+    scores = pool_scores(P, pool_size)
+    candidate = jnp.arange(scores.shape[-1])[None, :] < (lengths // pool_size)[:, None]  # [B, pools]
+    scores = jnp.where(candidate[:, None], scores, -jnp.inf)
+    keep = pool_count(lengths, tenths, min_k, pool_size)[:, None]
+    return pool_keys(top(scores, k_max // pool_size, keep), pool_size)
+
+
+def kascade_anchor_decode_xla(
+    q, k_cache, v_cache, lengths, *, tenths, min_k, k_max, pool_size, scale, dense_output, cfg
+):
     """See :func:`kdax.kascade_anchor_decode`. Returns (indices [B, G, k_max] int32, o [B, H, D])."""
     acc, prec = _acc(q.dtype), _precision(q.dtype)
     s, valid = _decode_scores(q, k_cache, lengths, scale)
     p = masked_softmax(s, valid[:, None, None])
-    idx = top(jnp.where(valid[:, None], p.sum(axis=2), -jnp.inf), k_max, budget(lengths, tenths, min_k)[:, None])
+    idx = decode_select(p.sum(axis=2), lengths, tenths=tenths, min_k=min_k, k_max=k_max, pool_size=pool_size)
     if dense_output:
         o = jnp.einsum("bgrs,bsgd->bgrd", p, v_cache.astype(acc), precision=prec)
         return idx, o.reshape(q.shape).astype(q.dtype)
-    return idx, kascade_reuse_decode_xla(q, k_cache, v_cache, lengths, idx, scale=scale, cfg=cfg)
+    return idx, kascade_reuse_decode_xla(q, k_cache, v_cache, lengths, idx, pool_size=pool_size, scale=scale, cfg=cfg)
 
 
-def kascade_reuse_decode_xla(q, k_cache, v_cache, lengths, indices, *, scale, cfg):
+def kascade_reuse_decode_xla(q, k_cache, v_cache, lengths, indices, *, pool_size, scale, cfg):
     """See :func:`kdax.kascade_reuse_decode`. indices [B, G, k] already remapped. Returns o [B, H, D]."""
     B, H, D = q.shape
     G = k_cache.shape[2]
+    indices = with_decode_tail(indices, lengths, pool_size)
     acc, prec = _acc(q.dtype), _precision(q.dtype)
     kt, vt = (x.transpose(0, 2, 1, 3) for x in (k_cache, v_cache))  # [B, G, L, D]
     ks, vs = (_gather(x, indices[:, :, None])[:, :, 0] for x in (kt, vt))  # [B, G, k, D]

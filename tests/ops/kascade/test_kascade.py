@@ -29,6 +29,7 @@ class Case:
     min_k: int = 4
     lengths: tuple[int, ...] | None = None
     block_bytes: int = 1  # one tile per block: every block boundary is met
+    pool_size: int = 1
 
     def __str__(self) -> str:
         return self.name
@@ -56,11 +57,22 @@ def inputs(case: Case, dtype=jnp.float64, seed=0):
 
 
 def options(case: Case):
-    return {"topk_percent": case.topk_percent, "min_k": case.min_k, "tile_size": case.tile_size}
+    opts = {"topk_percent": case.topk_percent, "min_k": case.min_k, "tile_size": case.tile_size}
+    return opts | ({"pool_size": case.pool_size} if case.pool_size > 1 else {})
+
+
+# Block selection: pools of P keys, P above and below the tile, T and the rows' lengths off the pools.
+POOL_CASES = [
+    Case("pools16_tile32", T=150, tile_size=32, pool_size=16, topk_percent=25, min_k=16),
+    Case("pools64_tile16_lengths", B=3, T=200, pool_size=64, topk_percent=40, min_k=0, lengths=(200, 1, 130)),
+    Case("pools32_tile32_gqa_D60", T=300, H=6, G=3, D=60, tile_size=32, pool_size=32, topk_percent=20, min_k=32),
+]
 
 
 @pytest.mark.parametrize(
-    ("case", "dense_output"), [(c, False) for c in CASES] + [(CASES[0], True), (CASES[4], True)], ids=str
+    ("case", "dense_output"),
+    [(c, False) for c in CASES + POOL_CASES] + [(CASES[0], True), (CASES[4], True), (POOL_CASES[1], True)],
+    ids=str,
 )
 def test_anchor_matches_definition_in_float64(case, dense_output):
     q, k, v, lengths = inputs(case)
@@ -78,23 +90,15 @@ def test_anchor_matches_definition_in_float64(case, dense_output):
         assert not np.asarray(o)[past].any()
 
 
-@pytest.mark.parametrize("case", CASES[:5], ids=str)
+@pytest.mark.parametrize("case", CASES[:5] + POOL_CASES, ids=str)
 def test_reuse_matches_definition_with_a_head_map(case):
     q, k, v, lengths = inputs(case)
     anchor_idx, _ = reference.naive_kascade_anchor(*inputs(case, seed=1)[:3], **options(case), lengths=lengths)
     head_map = np.arange(case.G)[::-1].copy()
-    want = reference.naive_kascade_reuse(
-        q, k, v, anchor_idx, head_map=head_map, tile_size=case.tile_size, lengths=lengths
-    )
+    tiles = {"tile_size": case.tile_size, "pool_size": case.pool_size}
+    want = reference.naive_kascade_reuse(q, k, v, anchor_idx, head_map=head_map, lengths=lengths, **tiles)
     o = kdax.kascade_reuse(
-        q,
-        k,
-        v,
-        anchor_idx,
-        head_map=list(head_map),
-        tile_size=case.tile_size,
-        lengths=lengths,
-        config=xla.Config(case.block_bytes),
+        q, k, v, anchor_idx, head_map=list(head_map), lengths=lengths, config=xla.Config(case.block_bytes), **tiles
     )
     np.testing.assert_allclose(o, want, atol=F64["same"])
 
@@ -115,6 +119,60 @@ def test_selection_is_the_definition():
         got = np.asarray(idx[0, 0, t])
         np.testing.assert_array_equal(got[:budget], want)
         assert (got[budget:] == -1).all()
+
+
+def test_pool_selection_and_output_are_the_definition():
+    """Brute force in NumPy: pools of 32 keys under tiles of 16. Tile t keeps the
+    min(b_t / 32, budget(s_t) // 32) pools of largest summed pooled probability among the whole
+    pools before its pool boundary b_t = floor(s_t / 32) 32, and each query attends them and the
+    keys from b_t to itself."""
+    case = Case("pools", B=1, T=200, H=2, G=1, tile_size=16, topk_percent=30, min_k=0, pool_size=32)
+    q, k, v, _ = inputs(case)
+    idx, o = kdax.kascade_anchor(q, k, v, **options(case))
+    T, P = case.T, 32
+    s = np.einsum("thd,sd->hts", np.asarray(q[0]), np.asarray(k[0, :, 0])) / 4.0
+    s = np.where(np.arange(T)[None, None, :] <= np.arange(T)[None, :, None], s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p = (p / p.sum(-1, keepdims=True)).sum(0)  # [T, S] pooled over the heads
+    allowed = np.zeros((T, T), bool)
+    for t, start in enumerate(range(0, T, 16)):
+        b = start // P * P
+        n = min(b // P, (start * 30 // 100) // P)
+        pooled = p[start : start + 16, :b].sum(0).reshape(-1, P).sum(-1)
+        pools = np.sort(np.argsort(-pooled, kind="stable")[:n])
+        want = (pools[:, None] * P + np.arange(P)).ravel()
+        got = np.asarray(idx[0, 0, t])
+        np.testing.assert_array_equal(got[: n * P], want)
+        assert (got[n * P :] == -1).all()
+        for i in range(start, min(start + 16, T)):
+            allowed[i, want] = True
+            allowed[i, b : i + 1] = True
+    scores = np.einsum("thd,sd->hts", np.asarray(q[0]), np.asarray(k[0, :, 0])) / 4.0
+    scores = np.where(allowed[None], scores, -np.inf)
+    w = np.exp(scores - scores.max(-1, keepdims=True))
+    want_o = np.einsum("hts,sd->thd", w / w.sum(-1, keepdims=True), np.asarray(v[0, :, 0]))
+    np.testing.assert_allclose(o[0], want_o, atol=F64["same"])
+
+
+@pytest.mark.parametrize("pool_size", [16, 64])
+@pytest.mark.parametrize("lengths", [(100, 1, 37), (0, 64, 100)], ids=["long_short", "empty_row"])
+def test_pooled_decode_matches_definition(pool_size, lengths):
+    """Decode with pools: whole pools of the row selected (the budget in whole pools), its last,
+    partial pool always attended; reuse with a head map."""
+    case = Case("decode", B=3)
+    q, k, v, _ = inputs(case)
+    lengths = jnp.asarray(lengths, jnp.int32)
+    qt, opts = q[:, 7], {"topk_percent": 40, "min_k": 4, "pool_size": pool_size}
+    want_idx, want = reference.naive_kascade_anchor_decode(qt, k, v, lengths, **opts)
+    idx, o = kdax.kascade_anchor_decode(qt, k, v, lengths, **opts)
+    np.testing.assert_array_equal(idx, want_idx)
+    np.testing.assert_allclose(o, want, atol=F64["same"])
+    n = np.minimum(np.asarray(lengths) // pool_size, np.maximum(4, np.asarray(lengths) * 4 // 10) // pool_size)
+    np.testing.assert_array_equal((np.asarray(idx) >= 0).sum(-1)[:, 0], n * pool_size)
+    head_map = jnp.asarray([1, 0])
+    want = reference.naive_kascade_reuse_decode(qt, k, v, lengths, want_idx, head_map=head_map, pool_size=pool_size)
+    got = kdax.kascade_reuse_decode(qt, k, v, lengths, idx, head_map=head_map, pool_size=pool_size)
+    np.testing.assert_allclose(got, want, atol=F64["same"])
 
 
 def test_full_budget_is_dense_attention_and_reuse_of_own_selection_is_the_anchor():
@@ -286,6 +344,15 @@ def _f32(*xs):  # the kernels' configs are checked for inputs the kernels take (
         (lambda q, k, v: kdax.kascade_anchor(q, k, v, topk_percent=10.25), "topk_percent"),
         (lambda q, k, v: kdax.kascade_anchor(q, k, v, min_k=-1), "min_k"),
         (lambda q, k, v: kdax.kascade_anchor(q, k, v, tile_size=24), "tile_size"),
+        (lambda q, k, v: kdax.kascade_anchor(q, k, v, pool_size=8), "pool_size: expected one of"),
+        (
+            lambda q, k, v: kdax.kascade_reuse(q, k, v, jnp.zeros((2, 2, 4, 16), jnp.int32), pool_size=16),
+            "indices: expected whole pools of 16 keys",
+        ),
+        (
+            lambda q, k, v: kdax.kascade_reuse(q, k, v, jnp.full((2, 2, 4, 24), -1), pool_size=16),
+            "indices: expected shape",
+        ),
         (lambda q, k, v: kdax.kascade_anchor(q, k, v, dense_output=1), "dense_output"),
         (lambda q, k, v: kdax.kascade_anchor(q, k, v, lengths=jnp.asarray([3, 101])), "lengths: expected values"),
         (lambda q, k, v: kdax.kascade_anchor(q, k, v, lengths=jnp.asarray([3.0, 1.0])), "lengths: expected an integer"),
