@@ -177,7 +177,7 @@ def static_cycles(text: str) -> Listing:
 
     total = sum(weight(addr)[0] for addr in bundles)
     called = [(name, *weight(addr)) for addr, name in calls]
-    unknown = [(s, e) for s, e, trips in loops if trips is None]
+    unknown = sorted((s, e) for s, e, trips in loops if trips is None)  # in the listing's order
     bodies = [sum(weight(a)[0] for a in bundles if s <= a <= e) for s, e in unknown]
     sized = [(addr, n * GRANULE) for addr, n in waits if n is not None]
     body_bytes = [sum(weight(a)[0] * b for a, b in sized if s <= a <= e) for s, e in unknown]
@@ -323,9 +323,10 @@ class Compiler:
         self, case: str, chip: str, fn, args, mesh, *, kdax_ops=True, trips=None, shares=None, options=None
     ) -> Row:
         """Compile ``fn(*args)`` (kdax's ops built as on a TPU) within the chip's abstract mesh, which
-        tells the kernels that ask which TPU they target. ``trips`` {kernel name: mean trips}: the
-        kernel's one loop of data-dependent trips counted that many times (the mean the shape
-        implies, :func:`kascade_trips`) instead of once; the row lists it under ``modelled``.
+        tells the kernels that ask which TPU they target. ``trips`` {kernel name: mean trips, or a
+        tuple of them}: the kernel's loops of data-dependent trips (one, or as many as the tuple, in
+        the listing's order) counted that many times (the mean the shape implies,
+        :func:`kascade_trips`) instead of once; the row lists them under ``modelled``.
         ``shares`` {kernel name: share}: the kernel's cycles and bytes times the share of its grid
         steps that run (a causal mask's blocks, :func:`causal_share`), also under ``modelled``.
         ``options``: XLA compiler options (a raised scoped VMEM limit)."""
@@ -347,11 +348,13 @@ class Compiler:
             programs = read_dump(new)
             for p in programs:
                 n = (trips or {}).get(p.name.rsplit(".", 1)[0])
-                if n is not None and len(p.unknown_bodies) == 1:
-                    p.cycles += round((n - 1) * p.unknown_bodies[0])
-                    p.dma_bytes += round((n - 1) * p.unknown_body_bytes[0])
-                    p.unknown_loops -= 1
-                    row.modelled.append(f"{p.name} {n:.1f}")
+                n = (n,) if isinstance(n, (int, float)) else n
+                if n is not None and len(p.unknown_bodies) == len(n):
+                    for k, cycles, nbytes in zip(n, p.unknown_bodies, p.unknown_body_bytes):
+                        p.cycles += round((k - 1) * cycles)
+                        p.dma_bytes += round((k - 1) * nbytes)
+                    p.unknown_loops -= len(n)
+                    row.modelled.append(f"{p.name} {', '.join(f'{k:.1f}' for k in n)}")
                 share = (shares or {}).get(p.name.rsplit(".", 1)[0])
                 if share is not None:
                     p.cycles, p.dma_bytes = round(p.cycles * share), round(p.dma_bytes * share)
@@ -513,15 +516,22 @@ def decode_call(dtype: str, T: int, pool, make, B=3, H=2, HV=4, K=128, V=128):
 
 
 def kascade_cases():
-    return [
-        (f"kascade {op} {dtype} D={D}", op, dtype, D)
+    cases = [
+        (f"kascade {op} {dtype} D={D}", op, dtype, D, 1)
         for op in ("anchor", "reuse", "anchor_decode", "reuse_decode")
         for dtype in ("bfloat16", "float32")
         for D in (64, 128)
     ]
+    pooled = [("anchor", 16), ("anchor", 128), ("anchor_dense", 64), ("reuse", 16), ("reuse", 128)]
+    pooled += [("anchor_decode", 16), ("reuse_decode", 128)]
+    return cases + [
+        (f"kascade {op} {dtype} D=128 pool {P}", op, dtype, 128, P)
+        for op, P in pooled
+        for dtype in ("bfloat16", "float32")
+    ]
 
 
-def kascade_call(op: str, dtype: str, D: int, make, B=1, T=600, H=4, G=2, L=1000):
+def kascade_call(op: str, dtype: str, D: int, make, B=1, T=600, H=4, G=2, L=1000, pool_size=1):
     """T and L not multiples of the blocks, budgets not multiples of 8 or 128."""
     import jax
     import jax.numpy as jnp
@@ -531,11 +541,14 @@ def kascade_call(op: str, dtype: str, D: int, make, B=1, T=600, H=4, G=2, L=1000
     dt = jnp.dtype(dtype)
     q, k, v = make((B, T, H, D), dt), make((B, T, G, D), dt), make((B, T, G, D), dt)
     qd, kc, vc, lengths = make((B, H, D), dt), make((B, L, G, D), dt), make((B, L, G, D), dt), make((B,), jnp.int32)
-    opts = {"backend": "pallas_tpu"}
-    anchor = lambda q, k, v: kdax.kascade_anchor(q, k, v, topk_percent=12.5, min_k=40, **opts)
+    opts = {"backend": "pallas_tpu", "pool_size": pool_size}
+    pct = 12.5 if pool_size < 64 else 40.0  # pools of 128 keys: some tiles select one
+    anchor = lambda q, k, v: kdax.kascade_anchor(q, k, v, topk_percent=pct, min_k=40, **opts)
     anchor_decode = lambda q, k, v, n: kdax.kascade_anchor_decode(q, k, v, n, topk_percent=10.3, min_k=50, **opts)
     if op == "anchor":
         return anchor, [q, k, v]
+    if op == "anchor_dense":
+        return lambda q, k, v: kdax.kascade_anchor(q, k, v, topk_percent=pct, dense_output=True, **opts), [q, k, v]
     if op == "anchor_decode":
         return anchor_decode, [qd, kc, vc, lengths]
     if op == "reuse":
@@ -554,8 +567,8 @@ def cases(make):
         out += [(c.name + " fwd", fwd, args), (c.name + " fwd+bwd", grad, args)]
     for name, dtype, T, pool in decode_cases():
         out.append((name, *decode_call(dtype, T, pool, make)))
-    for name, op, dtype, D in kascade_cases():
-        out.append((name, *kascade_call(op, dtype, D, make)))
+    for name, op, dtype, D, pool_size in kascade_cases():
+        out.append((name, *kascade_call(op, dtype, D, make, pool_size=pool_size)))
     return out
 
 
@@ -618,20 +631,42 @@ def peer_calls(chip: str, make) -> list[Peer]:
     return out
 
 
-def kascade_trips(T: int, topk_percent: float = 10, min_k: int = 128, tile_size: int = 32) -> dict:
-    """The mean trips of the prefill kernels' loops over key blocks, over the query tiles of one
-    row of T tokens at the ops' defaults (pallas_tpu.Config's blocks): the dense pass
+def kascade_trips(
+    T: int, topk_percent: float = 10, min_k: int = 128, tile_size: int = 32, pool_size: int = 1, R: int = 4
+) -> dict:
+    """The mean trips of the prefill kernels' loops of data-dependent trips, over the programs of one
+    row of T tokens at the ops' defaults (pallas_tpu.Config's blocks). Tokens: the dense pass
     ``kascade_attend`` reads the blocks before its tile, the scoring kernel the 512-key blocks
-    before it, the sparse pass its selection (the budget of the tile's keys, in blocks)."""
+    before it, the sparse pass its selection (the budget of the tile's keys, in blocks). Pools:
+    ``kascade_pool_attend`` issues a copy a selected pool, then passes over them in chunks twice;
+    ``kascade_pool_scores`` folds the key blocks before its query block, then those under it, then
+    turns each block's sums into masses and zeroes the rest."""
     import numpy as np
 
     from kdax.ops.kascade import pallas_tpu
-    from kdax.ops.kascade.checks import budget, percent_tenths
+    from kdax.ops.kascade.checks import budget, percent_tenths, pool_count
 
     cfg = pallas_tpu.Config()
     starts = np.arange(-(-T // tile_size)) * tile_size
-    ceil = lambda n, d: float(np.mean(-(-n // d)))
-    budgets = budget(starts, percent_tenths(topk_percent), min_k)
+    mean = lambda x: float(np.mean(x))
+    ceil = lambda n, d: mean(-(-n // d))
+    tenths = percent_tenths(topk_percent)
+    if pool_size > 1:
+        P, W = pool_size, max(cfg.pool_keys, 8 * pool_size)
+        chunks = ceil(pool_count(starts, tenths, min_k, P), max(1, cfg.pool_keys // P))
+        Rp = -(-R // max(1, 128 // tile_size)) * max(1, 128 // tile_size)
+        nq = max(
+            1, min(cfg.pool_rows // (tile_size * Rp), cfg.pool_scratch // (-(-T // W) * W // P * tile_size * Rp * 4))
+        )
+        nq = min(1 << (nq.bit_length() - 1), len(starts))
+        q0 = np.arange(0, T, nq * tile_size)
+        before, total = q0 // W, -(-(q0 + nq * tile_size) // W)
+        blocks = -(-T // max(W, nq * tile_size)) * max(W, nq * tile_size) // W
+        return {
+            "kascade_pool_attend": (mean(pool_count(starts, tenths, min_k, P)), chunks, chunks),
+            "kascade_pool_scores": (mean(before), mean(total - before), mean(total), mean(blocks - total)),
+        }
+    budgets = budget(starts, tenths, min_k)
     return {
         "kascade_attend": ceil(starts, cfg.block_dense),
         "kascade_scores": ceil(starts, cfg.block_scores),
@@ -680,6 +715,7 @@ def _tokamax(shape, make, H, B, T, K) -> list[Peer]:
 
 KASCADE_T = (16384, 65536, 131072)  # prefill: B = 1, H = 32, G = 8, D = 128, 10% of the keys
 KASCADE_L = (32768, 131072)  # decode: B = 16 rows over a full cache of L keys
+KASCADE_POOLS = ((32, 128), (128, 128))  # block selection beside the defaults: (tile size, pool size)
 # splash attention's blocks tried for the dense yardstick: (queries = keys a grid step, keys a compute step)
 SPLASH_BLOCKS = ((512, 512), (1024, 512), (1024, 1024), (2048, 512), (2048, 1024))
 # jax's paged attention for dense decode: (tokens a page, pages a compute block)
@@ -711,14 +747,18 @@ def kascade_calls(chip: str, make) -> list[Peer]:
         for dtype in ("bfloat16", "float32") if T == KASCADE_T[0] else ("bfloat16",):
             dt = jnp.dtype(dtype)
             q, k, v = make((1, T, H, D), dt), make((1, T, G, D), dt), make((1, T, G, D), dt)
-            shape, trips = prefill_shape(T), kascade_trips(T)
-            for backend in ("pallas_tpu", "xla") if T == KASCADE_T[0] else ("pallas_tpu",):
-                anchor = lambda q, k, v, backend=backend: kdax.kascade_anchor(q, k, v, topk_percent=10, backend=backend)
+            shape = prefill_shape(T)
+            backends = ("pallas_tpu", "xla") if T == KASCADE_T[0] else ("pallas_tpu",)
+            for backend, (tile, P) in [(b, (32, 1)) for b in backends] + [("pallas_tpu", tp) for tp in KASCADE_POOLS]:
+                opts = {"backend": backend, "tile_size": tile, "pool_size": P}
+                variant = backend + (f" tile {tile} pool {P}" if P > 1 else "")
+                trips = kascade_trips(T, tile_size=tile, pool_size=P)
+                anchor = lambda q, k, v, opts=opts: kdax.kascade_anchor(q, k, v, topk_percent=10, **opts)
                 idx = jax.eval_shape(anchor, q, k, v)[0]
-                reuse = lambda q, k, v, i, backend=backend: kdax.kascade_reuse(q, k, v, i, backend=backend)
-                out.append(Peer("kascade_anchor", dtype, shape, "fwd", backend, anchor, [q, k, v], trips=trips))
+                reuse = lambda q, k, v, i, opts=opts: kdax.kascade_reuse(q, k, v, i, **opts)
+                out.append(Peer("kascade_anchor", dtype, shape, "fwd", variant, anchor, [q, k, v], trips=trips))
                 idx_arg = make(idx.shape, idx.dtype)
-                out.append(Peer("kascade_reuse", dtype, shape, "fwd", backend, reuse, [q, k, v, idx_arg], trips=trips))
+                out.append(Peer("kascade_reuse", dtype, shape, "fwd", variant, reuse, [q, k, v, idx_arg], trips=trips))
             for bq, bkc in SPLASH_BLOCKS:
                 share = {SPLASH_KERNEL: causal_share(T, bq, bq)}
                 options = {"xla_tpu_scoped_vmem_limit_kib": 64 << 10} if bq > 1024 else None
@@ -861,8 +901,8 @@ def kascade_summary(rows: list[Row], peers: dict[str, Peer], rates: dict[str, Ra
         if p.op.startswith("dense"):
             if key not in best or t < best[key][1]:
                 best[key] = (r, t, bound, p.backend)
-        elif p.backend == "pallas_tpu":
-            mine.append((key, p.op, r, t, bound))
+        elif p.backend.startswith("pallas_tpu"):
+            mine.append((key, p.op + p.backend.removeprefix("pallas_tpu"), r, t, bound))
     out = [
         "| chip | dtype | shape | op | static cycles | HBM bytes | roofline | vs dense: cycles | vs dense: bytes |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -885,9 +925,12 @@ def kascade_summary(rows: list[Row], peers: dict[str, Peer], rates: dict[str, Ra
                     f"| {' | '.join(key)} | {op} | {_m(r.cycles)}{lb} | {gb(r.hbm_bytes)} | {us(t, bound)} "
                     f"| {ratio_c:.2f} | {ratio_b:.2f} |"
                 )
-        if "kascade_anchor" in ops and "kascade_reuse" in ops:
-            group = (ops["kascade_anchor"].cycles + 3 * ops["kascade_reuse"].cycles) / (4 * d.cycles)
-            out.append(f"| {' | '.join(key)} | anchor + 3 reuse vs 4 dense | | | | {group:.2f} | |")
+        for name, anchor in ops.items():
+            reuse = ops.get(name.replace("kascade_anchor", "kascade_reuse"))
+            if name.startswith("kascade_anchor") and "decode" not in name and reuse is not None:
+                group = (anchor.cycles + 3 * reuse.cycles) / (4 * d.cycles)
+                label = "anchor + 3 reuse" + name.removeprefix("kascade_anchor")
+                out.append(f"| {' | '.join(key)} | {label}, vs 4 dense | | | | {group:.2f} | |")
     return "\n".join(out)
 
 

@@ -37,7 +37,8 @@ from jax.experimental.pallas import tpu as pltpu
 from kdax.ops.common import dispatch
 from kdax.ops.common.arrays import LOG2E, round_up
 from kdax.ops.kascade import blocks as bl
-from kdax.ops.kascade.xla import with_decode_tail
+from kdax.ops.kascade.checks import pool_keys
+from kdax.ops.kascade.xla import select_pools, with_decode_tail
 
 LANE = 128
 
@@ -57,6 +58,10 @@ class Config:
             as one uint32 array, other narrow dtypes as float32) the sparse prefill kernel keeps in
             VMEM to gather selected rows with vector loads; longer heads are gathered from HBM by
             DMA, row by row (docs/kascade_tpu.md, "Gathers").
+        pool_keys: keys a step of the pooled kernels (block selection): pools a chunk of the sparse
+            pass times the pool size, and the key blocks of the anchor's pass (at least one pool).
+        pool_rows: query rows (tiles times query heads) a program of the pooled anchor's pass takes.
+        pool_scratch: the most VMEM bytes of that pass's pool sums (Tp / pool_size x its rows floats).
         interpret: run in the Pallas TPU interpreter; None: unless on a TPU (or lowering for one).
         detect_races: in the interpreter, check the kernels for data races.
 
@@ -70,6 +75,9 @@ class Config:
     block_decode: int = 512
     splits: int | None = None
     resident_bytes: int = 24 << 20
+    pool_keys: int = 512
+    pool_rows: int = 1024
+    pool_scratch: int = 16 << 20
     interpret: bool | None = None
     detect_races: bool = False
 
@@ -204,17 +212,18 @@ class _Blocks:
         x = self.pick(buf[slot])
         return x if self.dtype is None else x.astype(self.dtype)
 
-    def scan(self, count, step, state):
-        """Fold ``step(state, i, keys [1, n], kb [n, D], vb [n, D] or None)`` over blocks 0 .. count - 1."""
+    def scan(self, count, step, state, first=0):
+        """Fold ``step(state, i, keys [1, n], kb [n, D], vb [n, D] or None)`` over blocks first ..
+        first + count - 1."""
 
         @pl.when(count > 0)
         def _():
-            self.start(0, 0)
+            self.start(first, 0)
 
-        def body(i, state):
-            slot = bl.rem(i, 2)
+        def body(n, state):
+            i, slot = first + n, bl.rem(n, 2)
 
-            @pl.when(i + 1 < count)
+            @pl.when(n + 1 < count)
             def _():
                 self.start(i + 1, 1 - slot)
 
@@ -463,18 +472,344 @@ def _plan(q, k, tile_size, scale, cfg) -> bl.Plan:
     )
 
 
-def kascade_anchor_tpu(q, k, v, lengths, *, tile_size, scale, cfg, **budget):
+def kascade_anchor_tpu(q, k, v, lengths, *, tile_size, pool_size, scale, cfg, **budget):
     """See :func:`kdax.kascade_anchor`; ``budget``: tenths, min_k, k_max, dense_output (:func:`blocks.anchor`).
     Returns (indices [B, G, NT, k_max] int32, o [B, T, H, D])."""
+    if pool_size > 1:
+        plan, nq = _pool_plan(q, k, tile_size, pool_size, scale, cfg)
+        return _pooled_anchor(q, k, v, lengths, plan, nq, pool_size, cfg, **budget)
     kernels = functools.partial(_attend, cfg=cfg), functools.partial(_scores, cfg=cfg)
-    return bl.anchor(*kernels, q, k, v, lengths, _plan(q, k, tile_size, scale, cfg), **budget)
+    return bl.anchor(*kernels, q, k, v, lengths, _plan(q, k, tile_size, scale, cfg), pool_size=1, **budget)
 
 
 def kascade_reuse_tpu(q, k, v, lengths, indices, *, tile_size, pool_size, scale, cfg):
     """See :func:`kdax.kascade_reuse`. indices [B, G, NT, k] already remapped. Returns o [B, T, H, D]."""
+    if pool_size > 1:
+        plan, _ = _pool_plan(q, k, tile_size, pool_size, scale, cfg)
+        return _pooled_reuse(q, k, v, lengths, indices, plan, pool_size, cfg)
     return bl.reuse(
         functools.partial(_attend, cfg=cfg), q, k, v, lengths, indices, _plan(q, k, tile_size, scale, cfg), pool_size
     )
+
+
+# ----------------------------------------------------------------------------- prefill over pools (block selection)
+
+_NN = (((1,), (0,)), ((), ()))  # a [m, k] x b [k, n]
+_TN = (((0,), (0,)), ((), ()))  # a [k, m] x b [k, n] -> [m, n]
+
+
+def _dot(a, b, dims, prec):
+    return lax.dot_general(a, b, dims, precision=prec, preferred_element_type=jnp.float32)
+
+
+def _pool_attend_kernel(
+    lengths_ref,
+    qt_ref,
+    cnt_ref,
+    pid_ref,
+    ko_ref,
+    vo_ref,
+    k_hbm,
+    v_hbm,
+    o_ref,
+    kbuf,
+    vbuf,
+    sbuf,
+    sems,
+    *,
+    tile,
+    Rp,
+    P,
+    S,
+    scale2,
+    prec,
+):
+    """Grid (B, G, NT). A query tile transposed, qt, o [D, rows] (rows = tile * Rp lanes, token-major
+    then head); cnt [1, 1] its selected pools, pid [1, NPp] their ids (the first cnt valid, before
+    the tile's pool boundary b); ko, vo [own, D] its own keys and values from b (own = max(P, tile));
+    k, v [B, G, Tp, D] in HBM. Scratch: kbuf, vbuf [NPc * P, D] the selected pools (every pool one
+    DMA each, all started at once), sbuf [NPc * P, rows] their log2 scores.
+
+    Two passes over the selection in chunks of S pools, no running rescale: the scores and their
+    column max, then exp2 against that max, the sums and the products with V (the last chunk's
+    unfilled pools zeroed and masked). The own block, causal, opens both."""
+    b, t = pl.program_id(0), pl.program_id(2)
+    g = pl.program_id(1)
+    C = S * P  # keys a chunk
+    start = t * tile
+    base = start // P * P if P >= tile else start  # the own block's first key
+    pos = start + lax.broadcasted_iota(jnp.int32, (1, qt_ref.shape[1]), 1) // Rp  # [1, rows]
+    qt = qt_ref[...]
+    count = cnt_ref[0, 0]
+    chunks = bl.cdiv(count, S)
+
+    def copies(j):
+        at = pl.ds(pl.multiple_of(pid_ref[0, j] * P, P), P)
+        rows = pl.ds(pl.multiple_of(j * P, P), P)
+        return [
+            pltpu.make_async_copy(x.at[b, g, at], buf.at[rows], sems.at[i])
+            for i, (x, buf) in enumerate(((k_hbm, kbuf), (v_hbm, vbuf)))
+        ]
+
+    @pl.loop(0, count)
+    def _(j):
+        for c in copies(j):
+            c.start()
+
+    for j in range(1, S):  # the unfilled pools of the last chunk: zeros (masked, weight 0; never NaN)
+
+        @pl.when((count % S != 0) & (count % S <= j))
+        def _(j=j):
+            rows = pl.ds(pl.multiple_of((count // S * S + j) * P, P), P)
+            for buf in (kbuf, vbuf):
+                buf[rows] = jnp.zeros((P, buf.shape[1]), buf.dtype)
+
+    keys = base + lax.broadcasted_iota(jnp.int32, (ko_ref.shape[0], 1), 0)
+    s_own = jnp.where(keys <= pos, _dot(ko_ref[...], qt, _NN, prec) * scale2, -jnp.inf)  # [own, rows]
+
+    def wait(c, which):  # the copies of chunk c's pools: 0 keys, 1 values
+        for j in range(S):
+
+            @pl.when(c * S + j < count)
+            def _(j=j):
+                copies(c * S + j)[which].wait()
+
+    def scores(c, m):
+        wait(c, 0)
+
+        at = pl.ds(pl.multiple_of(c * C, C), C)
+        bias = jnp.where(lax.broadcasted_iota(jnp.int32, (C, 1), 0) < (count - c * S) * P, 0.0, -jnp.inf)
+        s2 = _dot(kbuf[at], qt, _NN, prec) * scale2 + bias
+        sbuf[at] = s2
+        return jnp.maximum(m, jnp.max(s2, axis=0, keepdims=True))
+
+    m = lax.fori_loop(0, chunks, scores, jnp.max(s_own, axis=0, keepdims=True))
+    p = jnp.exp2(s_own - m)
+
+    def attend(c, state):
+        l, acc = state
+        wait(c, 1)
+
+        at = pl.ds(pl.multiple_of(c * C, C), C)
+        p = jnp.exp2(sbuf[at] - m)
+        vb = vbuf[at]
+        return l + jnp.sum(p, axis=0, keepdims=True), acc + _dot(vb, p.astype(vb.dtype), _TN, prec)
+
+    init = jnp.sum(p, axis=0, keepdims=True), _dot(vo_ref[...], p.astype(vo_ref.dtype), _TN, prec)
+    l, acc = lax.fori_loop(0, chunks, attend, init)
+    o_ref[...] = jnp.where(pos < lengths_ref[b], acc / l, 0.0).astype(o_ref.dtype)
+
+
+def pool_selection(indices, plan: bl.Plan, pool_size: int):
+    """A selection of whole pools [B, G, NT, k] (keys, -1 for none) as the pooled kernels read it:
+    (ids [B, G, NT, max(1, k / P)] int32, each tile's pools before its pool boundary first, ascending,
+    the rest 0 (in range); counts [B, G, NT] int32 of those)."""
+    P = pool_size
+    ids = indices[..., ::P]
+    ids = jnp.where(ids >= 0, ids // P, -1)
+    first = jnp.arange(plan.NT, dtype=jnp.int32) * plan.tile_size // P  # pools before the boundary
+    valid = (ids >= 0) & (ids < first[:, None])
+    ids = jnp.sort(jnp.where(valid, ids, plan.Tp // P), axis=-1)
+    ids = jnp.where(ids < plan.Tp // P, ids, 0).astype(jnp.int32)
+    if ids.shape[-1] == 0:
+        ids = jnp.zeros((*ids.shape[:-1], 1), jnp.int32)
+    return ids, jnp.sum(valid, axis=-1, dtype=jnp.int32)
+
+
+def _pool_attend(qt, kp, vp, lengths, ids, counts, plan: bl.Plan, pool_size: int, *, cfg):
+    """The pooled sparse pass: qt [B, G, Dp, Tp * Rp] (queries transposed), kp, vp [B, G, Tp, Dp],
+    ids, counts (:func:`pool_selection`). Returns o transposed [B, G, Dp, Tp * Rp]."""
+    B, G, Tp, D = kp.shape
+    P = pool_size
+    S = max(1, cfg.pool_keys // P)
+    rows, own, NPp = plan.rows, max(P, plan.tile_size), ids.shape[-1]
+    NPc = -(-NPp // S) * S
+    kernel = functools.partial(
+        _pool_attend_kernel, tile=plan.tile_size, Rp=plan.Rp, P=P, S=S, scale2=plan.scale2, prec=bl.precision(qt.dtype)
+    )
+    qspec = pl.BlockSpec((None, None, D, rows), lambda b, g, t, *_: (b, g, 0, t))
+    own_spec = pl.BlockSpec((None, None, own, D), lambda b, g, t, *_: (b, g, t * plan.tile_size // own, 0))
+    smem = lambda n: pl.BlockSpec(
+        (None, None, None, 1, n), lambda b, g, t, *_: (b, g, t, 0, 0), memory_space=pltpu.SMEM
+    )
+    hbm = pl.BlockSpec(memory_space=pl.ANY)
+    scratch = [pltpu.VMEM((NPc * P, D), kp.dtype), pltpu.VMEM((NPc * P, D), kp.dtype)]
+    scratch += [pltpu.VMEM((NPc * P, rows), jnp.float32), pltpu.SemaphoreType.DMA((2,))]
+    item = jnp.dtype(kp.dtype).itemsize  # the scratch, and the double-buffered tiles and own blocks
+    vmem = NPc * P * (2 * D * item + rows * 4) + 4 * (D * rows + own * D) * item
+    return _call(
+        kernel,
+        name="kascade_pool_attend",
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,
+            grid=(B, G, plan.NT),
+            in_specs=[qspec, smem(1), smem(NPp), own_spec, own_spec, hbm, hbm],
+            out_specs=qspec,
+            scratch_shapes=scratch,
+        ),
+        out_shape=jax.ShapeDtypeStruct(qt.shape, qt.dtype),
+        # every copy is in range: pool_selection clamps the ids
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel",) * 3, disable_bounds_checks=True, vmem_limit_bytes=vmem + (8 << 20)
+        ),
+        interpret=_interpret(cfg),
+    )(lengths, qt, counts[..., None, None], ids[..., None, :], kp, vp, kp, vp)
+
+
+def _pool_scores_kernel(lengths_ref, qt_ref, k_hbm, *rest, tile, Rp, P, W, nq, scale2, prec, dense):
+    """Grid (B, G, NQ): a block of nq query tiles, transposed, qt [D, rows] (rows = nq * tile * Rp
+    lanes), against every key block of W keys (W / P a multiple of 8) up to its last query (k, and
+    with ``dense`` v, [B, G, Tp, D] in HBM). Out: mass [Tp / P, nq], the attention mass each tile's
+    queries put on each pool (0 past the block's keys); with ``dense`` also o [D, rows] (dense
+    causal attention) and lse [1, rows].
+
+    One pass, flash-style: a block's probabilities are taken at the running max m_c of each query,
+    summed over each pool (sublanes) into C [Tp / P, rows], and m_c kept in Mh [Tp / W, rows]; once
+    every block is in, each query's weights exp2(m_c - lse) turn C into exact probability masses,
+    summed over each tile's queries (lanes). The key blocks before the query block need no mask."""
+    if dense:
+        v_hbm, mass_ref, o_ref, lse_ref, kbuf, vbuf, sems, c_ref, mh_ref = rest
+    else:
+        (mass_ref, kbuf, sems, c_ref, mh_ref), v_hbm, vbuf = rest, None, None
+    b, g, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    rows = qt_ref.shape[1]
+    q0 = j * nq * tile
+    pos = q0 + lax.broadcasted_iota(jnp.int32, (1, rows), 1) // Rp  # [1, rows]
+    qt = qt_ref[...]
+    before, total = q0 // W, bl.cdiv(q0 + nq * tile, W)  # key blocks wholly before the queries; all
+
+    def fold(masked):
+        def step(state, c, _, kb, vb):
+            m, l, acc = state
+            s2 = _dot(kb, qt, _NN, prec) * scale2  # [W, rows]
+            if masked:
+                s2 = jnp.where(c * W + lax.broadcasted_iota(jnp.int32, (W, 1), 0) <= pos, s2, -jnp.inf)
+            m_new = jnp.maximum(m, jnp.max(s2, axis=0, keepdims=True))
+            alpha = jnp.exp2(m - m_new)
+            p = jnp.exp2(s2 - m_new)
+            l = l * alpha + jnp.sum(p, axis=0, keepdims=True)
+            c_ref[pl.ds(pl.multiple_of(c * (W // P), 8), W // P)] = jnp.sum(p.reshape(W // P, P, rows), axis=1)
+            mh_ref[pl.ds(c, 1)] = m_new
+            if dense:
+                acc = acc * alpha + _dot(vb, p.astype(vb.dtype), _TN, prec)
+            return m_new, l, acc
+
+        return step
+
+    reads = _Blocks(k_hbm, v_hbm, lambda x, i, n: x.at[b, g, pl.ds(i, n)], kbuf, vbuf, sems, W)
+    state = jnp.full((1, rows), -jnp.inf, jnp.float32), jnp.zeros((1, rows), jnp.float32)
+    state += (jnp.zeros((qt.shape[0], rows) if dense else (), jnp.float32),)
+    state = reads.scan(before, fold(False), state)
+    m, l, acc = reads.scan(total - before, fold(True), state, first=before)
+    lse = m + jnp.log2(l)
+
+    @pl.loop(0, total)
+    def _(c):
+        at = pl.ds(pl.multiple_of(c * (W // P), 8), W // P)
+        mass = c_ref[at] * jnp.exp2(mh_ref[pl.ds(c, 1)] - lse)  # [W / P, rows]
+        mass_ref[at] = jnp.sum(mass.reshape(W // P, nq, rows // nq), axis=2)
+
+    @pl.loop(total, mass_ref.shape[0] // (W // P))
+    def _(c):
+        mass_ref[pl.ds(pl.multiple_of(c * (W // P), 8), W // P)] = jnp.zeros((W // P, nq), jnp.float32)
+
+    if dense:
+        o_ref[...] = jnp.where(pos < lengths_ref[b], acc / l, 0.0).astype(o_ref.dtype)
+        lse_ref[...] = lse
+
+
+def _pool_scores(qt, kp, vp, lengths, plan: bl.Plan, pool_size: int, nq: int, *, cfg):
+    """The pooled anchor's pass over qt [B, G, D, Tp * Rp] (queries transposed) and kp (and vp for a
+    dense output) [B, G, Tp, D]: mass [B, G, NT, Tp / P] float32 (a tile's probability mass on each
+    pool; meaningful for the pools before its pool boundary), and with vp the dense output o
+    transposed [B, G, D, Tp * Rp]."""
+    B, G, Tp, D = kp.shape
+    P, W, dense = pool_size, _pool_block_keys(pool_size, cfg), vp is not None
+    rows, NQ = nq * plan.rows, Tp // (nq * plan.tile_size)
+    kernel = functools.partial(
+        _pool_scores_kernel,
+        tile=plan.tile_size,
+        Rp=plan.Rp,
+        P=P,
+        W=W,
+        nq=nq,
+        scale2=plan.scale2,
+        prec=bl.precision(qt.dtype),
+        dense=dense,
+    )
+    qspec = pl.BlockSpec((None, None, D, rows), lambda b, g, j, *_: (b, g, 0, j))
+    hbm = pl.BlockSpec(memory_space=pl.ANY)
+    mass = pl.BlockSpec((None, None, None, Tp // P, nq), lambda b, g, j, *_: (b, g, j, 0, 0))
+    out_specs, out_shape = [mass], [jax.ShapeDtypeStruct((B, G, NQ, Tp // P, nq), jnp.float32)]
+    if dense:
+        out_specs += [qspec, pl.BlockSpec((None, None, 1, rows), lambda b, g, j, *_: (b, g, 0, j))]
+        out_shape += [
+            jax.ShapeDtypeStruct(qt.shape, qt.dtype),
+            jax.ShapeDtypeStruct((B, G, 1, qt.shape[3]), jnp.float32),
+        ]
+    scratch = _scratch((W, D), kp.dtype, False, values=dense)
+    scratch += [pltpu.VMEM((Tp // P, rows), jnp.float32), pltpu.VMEM((Tp // W, rows), jnp.float32)]
+    item = jnp.dtype(kp.dtype).itemsize  # the scratch, the double-buffered key (and value) blocks, queries, outputs
+    vmem = (Tp // P + Tp // W) * rows * 4 + 2 * (1 + dense) * W * D * item + 2 * (1 + dense) * D * rows * item
+    outs = _call(
+        kernel,
+        name="kascade_pool_scores",
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,
+            grid=(B, G, NQ),
+            in_specs=[qspec, hbm] + ([hbm] if dense else []),
+            out_specs=out_specs,
+            scratch_shapes=scratch,
+        ),
+        out_shape=out_shape,
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",) * 3, vmem_limit_bytes=vmem + (8 << 20)),
+        interpret=_interpret(cfg),
+    )(lengths, qt, kp, *([vp] if dense else []))
+    mass = outs[0].transpose(0, 1, 2, 4, 3).reshape(B, G, NQ * nq, Tp // P)
+    return mass, (outs[1] if dense else None)
+
+
+def _pooled_anchor(
+    q, k, v, lengths, plan: bl.Plan, nq: int, pool_size: int, cfg, *, tenths, min_k, k_max, dense_output
+):
+    """An anchor over pools: the pooled pass, the selection of whole pools (XLA's top-k over a
+    tile's pools), then the sparse pass unless the output is dense."""
+    qp, kp, vp = plan.pack(q, k, v)
+    qt = qp.swapaxes(2, 3)
+    mass, ot = _pool_scores(qt, kp, vp if dense_output else None, lengths, plan, pool_size, nq, cfg=cfg)
+    starts = jnp.arange(plan.NT, dtype=jnp.int32) * plan.tile_size
+    budget = {"tenths": tenths, "min_k": min_k, "k_max": k_max, "pool_size": pool_size}
+    pools = select_pools(mass[:, :, : plan.NT], starts, lengths, **budget)
+    indices = pool_keys(pools, pool_size)
+    if not dense_output:
+        ids, counts = pool_selection(indices, plan, pool_size)
+        ot = _pool_attend(qt, kp, vp, lengths, ids, counts, plan, pool_size, cfg=cfg)
+    return indices, plan.unpack(ot.swapaxes(2, 3))
+
+
+def _pool_block_keys(pool_size: int, cfg) -> int:
+    """Keys a block of the pooled anchor's pass: ``cfg.pool_keys``, at least 8 pools (a block's pool
+    sums are whole sublane tiles)."""
+    return max(cfg.pool_keys, 8 * pool_size)
+
+
+def _pool_plan(q, k, tile_size, pool_size, scale, cfg) -> tuple[bl.Plan, int]:
+    """(the packed geometry of the pooled kernels, the query tiles a program of the anchor's pass
+    takes: about ``cfg.pool_rows`` rows whose pool sums fit ``cfg.pool_scratch`` bytes of VMEM)."""
+    R, T = q.shape[2] // k.shape[2], q.shape[1]
+    Rp = round_up(R, max(1, LANE // tile_size))  # a tile's rows are lanes of the transposed queries
+    W = _pool_block_keys(pool_size, cfg)
+    Tp = round_up(T, max(W, tile_size))
+    nq = max(1, min(cfg.pool_rows // (tile_size * Rp), cfg.pool_scratch // (Tp // pool_size * tile_size * Rp * 4)))
+    nq = min(1 << (nq.bit_length() - 1), -(-T // tile_size))  # a power of two, as tile and W are
+    return bl.Plan.make(q, k, tile_size, scale, Rp=Rp, Dp=q.shape[3], block=max(W, nq * tile_size)), nq
+
+
+def _pooled_reuse(q, k, v, lengths, indices, plan: bl.Plan, pool_size: int, cfg):
+    qp, kp, vp = plan.pack(q, k, v)
+    ids, counts = pool_selection(indices, plan, pool_size)
+    ot = _pool_attend(qp.swapaxes(2, 3), kp, vp, lengths, ids, counts, plan, pool_size, cfg=cfg)
+    return plan.unpack(ot.swapaxes(2, 3))
 
 
 # ----------------------------------------------------------------------------- decode kernels

@@ -54,18 +54,26 @@ def top(P, k_max, keep):
     return jnp.where(order < S, order, -1).astype(jnp.int32)
 
 
-def select(pooled, starts, lengths, *, tenths, min_k, k_max, pool_size=1):
+def select(pooled, starts, lengths, *, pool_size=1, **budget):
     """The selection of query tiles from their pooled probabilities.
 
     pooled [B, G, n, S] per key (entries at keys from the tile's pool boundary on are ignored);
-    starts [n] the tiles' first positions; lengths [B]. Returns indices [B, G, n, k_max] int32:
+    starts [n] the tiles' first positions; lengths [B]; ``budget``: tenths, min_k, k_max. Returns
+    indices [B, G, n, k_max] int32:
     the keys of each tile's budget of pools of largest summed score among the whole pools before
     its pool boundary floor(s_t / P) P, ascending, then -1 (none for tiles at or past a row's length).
     """
-    scores = pool_scores(pooled, pool_size)
-    scores = jnp.where(jnp.arange(scores.shape[-1])[None, :] < (starts // pool_size)[:, None], scores, -jnp.inf)
+    pools = select_pools(pool_scores(pooled, pool_size), starts, lengths, pool_size=pool_size, **budget)
+    return pool_keys(pools, pool_size)
+
+
+def select_pools(scores, starts, lengths, *, tenths, min_k, k_max, pool_size):
+    """:func:`select` from the scores of whole pools [B, G, n, >= S / P]: the selected pools
+    [B, G, n, k_max / P] int32 (their ids, ascending, then -1)."""
+    candidate = jnp.arange(scores.shape[-1])[None, :] < (starts // pool_size)[:, None]
+    scores = jnp.where(candidate, scores, -jnp.inf)
     keep = pool_count(starts, tenths, min_k, pool_size)[None] * (starts[None] < lengths[:, None])  # [B, n]
-    return pool_keys(top(scores, k_max // pool_size, keep[:, None]), pool_size)
+    return top(scores, k_max // pool_size, keep[:, None])
 
 
 def with_tail(indices, starts, *, tile_size: int, pool_size: int):

@@ -113,26 +113,32 @@ def test_decode_matches_definition(backend, dtype):
 
 
 @pytest.mark.parametrize("backend", KERNELS)
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
-def test_pooled_selection_matches_definition(backend, dtype):
-    """Pools of 16 keys under tiles of 32, and of 32 keys in decode: the selection equals the
-    float64 definition's from the same values (the kernels pool in float32), the outputs within
-    bars; reuse with a head map, rows past their length 0."""
-    case = Case("pools", T=100, lengths=(100, 45), tile_size=32)
+@pytest.mark.parametrize(
+    ("dtype", "tile", "pool"), [(jnp.float32, 32, 16), (jnp.bfloat16, 32, 16), (jnp.float32, 16, 64)]
+)
+def test_pooled_selection_matches_definition(backend, dtype, tile, pool):
+    """Pools of 16 keys under tiles of 32 and of 64 under 16, and of 32 keys in decode: the
+    selection equals the float64 definition's from the same values (the kernels pool in float32),
+    the outputs within bars; reuse with a head map, rows past their length 0."""
+    case = Case("pools", T=150, lengths=(150, 45), tile_size=tile)
     (q, k, v), exact = inputs(case, dtype)
     lengths, cfg = _lengths(case), KERNELS[backend]
-    opts = {"topk_percent": 30, "min_k": 16, "tile_size": 32, "pool_size": 16}
+    opts = {"topk_percent": 40 if pool < 64 else 90, "min_k": 16, "tile_size": tile, "pool_size": pool}
     bar = F32["out"] if dtype == jnp.float32 else BF16["out"]
     want_idx, want = reference.naive_kascade_anchor(*exact, **opts, lengths=lengths)
+    assert (np.asarray(want_idx) >= 0).sum(-1).max() >= 2 * pool  # tiles with several pools
     idx, o = kdax.kascade_anchor(q, k, v, **opts, lengths=lengths, backend=backend, config=cfg)
     np.testing.assert_array_equal(idx, want_idx)
     assert rel_rms(o, want) <= bar
-    head_map, pools = np.asarray([1, 0]), {"tile_size": 32, "pool_size": 16}
+    idx, dense = kdax.kascade_anchor(q, k, v, **opts, lengths=lengths, dense_output=True, backend=backend, config=cfg)
+    np.testing.assert_array_equal(idx, want_idx)
+    assert rel_rms(dense, reference.naive_attention(*exact, lengths=lengths)) <= bar
+    head_map, pools = np.asarray([1, 0]), {"tile_size": tile, "pool_size": pool}
     want = reference.naive_kascade_reuse(*exact, want_idx, head_map=head_map, lengths=lengths, **pools)
     o = kdax.kascade_reuse(q, k, v, want_idx, head_map=head_map, lengths=lengths, backend=backend, config=cfg, **pools)
     assert rel_rms(o, want) <= bar and not np.asarray(o)[1, 45:].any()
-    dec = {"topk_percent": 70, "min_k": 16, "pool_size": 32}  # 2 pools of row 0, 1 of row 1
-    rows = jnp.asarray([100, 70], jnp.int32)
+    dec = {"topk_percent": 70, "min_k": 16, "pool_size": 32}  # 3 pools of row 0, 1 of row 1
+    rows = jnp.asarray([150, 70], jnp.int32)
     want_idx, want = reference.naive_kascade_anchor_decode(exact[0][:, 9], *exact[1:], rows, **dec)
     idx, o = kdax.kascade_anchor_decode(q[:, 9], k, v, rows, **dec, backend=backend, config=cfg)
     np.testing.assert_array_equal(idx, want_idx)
