@@ -167,12 +167,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     c.add_argument("--min-k", type=flags.at_least(0), default=128, help="the least keys a tile keeps")
     c.add_argument(
-        "--tile-size", type=int, default=32, choices=(16, 32, 64, 128), help="queries per tile (16, 32, 64 or 128)"
+        "--tile-size", type=int, default=128, choices=(16, 32, 64, 128), help="queries per tile (16, 32, 64 or 128)"
     )
     c.add_argument(
         "--pool-size",
         type=int,
-        default=1,
+        default=128,
         choices=(1, 16, 32, 64, 128, 256),
         help="keys per selected unit: 1 selects tokens, more select whole key blocks",
     )

@@ -523,7 +523,8 @@ def kascade_cases():
         for D in (64, 128)
     ]
     pooled = [("anchor", 16), ("anchor", 128), ("anchor_dense", 64), ("reuse", 16), ("reuse", 128)]
-    pooled += [("anchor_decode", 16), ("reuse_decode", 128)]
+    pooled += [("anchor_decode", 16), ("reuse_decode", 128), ("anchor_decode", 128), ("anchor_decode_heads", 128)]
+    pooled += [("reuse_decode_heads", 128)]
     return cases + [
         (f"kascade {op} {dtype} D=128 pool {P}", op, dtype, 128, P)
         for op, P in pooled
@@ -549,8 +550,16 @@ def kascade_call(op: str, dtype: str, D: int, make, B=1, T=600, H=4, G=2, L=1000
         return anchor, [q, k, v]
     if op == "anchor_dense":
         return lambda q, k, v: kdax.kascade_anchor(q, k, v, topk_percent=pct, dense_output=True, **opts), [q, k, v]
+    heads = [make((B, G, L, D), dt), make((B, G, L, D), dt)]  # heads-first caches
     if op == "anchor_decode":
         return anchor_decode, [qd, kc, vc, lengths]
+    if op == "anchor_decode_heads":
+        f = lambda q, k, v, n: kdax.kascade_anchor_decode(q, k, v, n, topk_percent=20, cache_layout="BGLD", **opts)
+        return f, [qd, *heads, lengths]
+    if op == "reuse_decode_heads":
+        idx = jax.eval_shape(anchor_decode, qd, kc, vc, lengths)[0]
+        f = lambda q, k, v, n, i: kdax.kascade_reuse_decode(q, k, v, n, i, cache_layout="BGLD", **opts)
+        return f, [qd, *heads, lengths, make(idx.shape, idx.dtype)]
     if op == "reuse":
         idx = jax.eval_shape(anchor, q, k, v)[0]
         return lambda q, k, v, i: kdax.kascade_reuse(q, k, v, i, **opts), [q, k, v, make(idx.shape, idx.dtype)]
@@ -632,7 +641,7 @@ def peer_calls(chip: str, make) -> list[Peer]:
 
 
 def kascade_trips(
-    T: int, topk_percent: float = 10, min_k: int = 128, tile_size: int = 32, pool_size: int = 1, R: int = 4
+    T: int, topk_percent: float = 10, min_k: int = 128, tile_size: int = 128, pool_size: int = 128, R: int = 4
 ) -> dict:
     """The mean trips of the prefill kernels' loops of data-dependent trips, over the programs of one
     row of T tokens at the ops' defaults (pallas_tpu.Config's blocks). Tokens: the dense pass
@@ -653,7 +662,8 @@ def kascade_trips(
     tenths = percent_tenths(topk_percent)
     if pool_size > 1:
         P, W = pool_size, max(cfg.pool_keys, 8 * pool_size)
-        chunks = ceil(pool_count(starts, tenths, min_k, P), max(1, cfg.pool_keys // P))
+        pools = pool_count(starts, tenths, min_k, P)
+        chunks = ceil(pools, max(1, cfg.pool_keys // P))
         Rp = -(-R // max(1, 128 // tile_size)) * max(1, 128 // tile_size)
         nq = max(
             1, min(cfg.pool_rows // (tile_size * Rp), cfg.pool_scratch // (-(-T // W) * W // P * tile_size * Rp * 4))
@@ -663,7 +673,7 @@ def kascade_trips(
         before, total = q0 // W, -(-(q0 + nq * tile_size) // W)
         blocks = -(-T // max(W, nq * tile_size)) * max(W, nq * tile_size) // W
         return {
-            "kascade_pool_attend": (mean(pool_count(starts, tenths, min_k, P)), chunks, chunks),
+            "kascade_pool_attend": (mean(pools), chunks, chunks),
             "kascade_pool_scores": (mean(before), mean(total - before), mean(total), mean(blocks - total)),
         }
     budgets = budget(starts, tenths, min_k)
@@ -674,15 +684,23 @@ def kascade_trips(
     }
 
 
-def kascade_decode_trips(L: int, topk_percent: float = 10, min_k: int = 128) -> dict:
-    """The trips of the decode kernels' loops over key blocks for full rows of L keys at the ops'
-    defaults, B * G >= 8 (one split): the scores kernel reads every block of the cache, the attend
-    kernel the blocks of the selection."""
+def kascade_decode_trips(L: int, topk_percent: float = 10, min_k: int = 128, pool_size: int = 128) -> dict:
+    """The trips of the decode kernels' loops of data-dependent trips for full rows of L keys at the
+    ops' defaults, B * G >= 8 (one split). Tokens: the scores kernel reads every block of the cache,
+    the attend kernel the blocks of the selection. Pools: the scores kernel reads every block, turns
+    each into pool masses and zeroes none; the attend kernel issues a copy a selected pool, then
+    folds their whole steps of ``pool_keys`` (the partial step runs apart)."""
     from kdax.ops.kascade import pallas_tpu
-    from kdax.ops.kascade.checks import budget, percent_tenths
+    from kdax.ops.kascade.checks import budget, percent_tenths, pool_count
 
     cfg = pallas_tpu.Config()
-    k = int(budget(L, percent_tenths(topk_percent), min_k))
+    tenths = percent_tenths(topk_percent)
+    if pool_size >= 128:
+        blocks = -(-L // max(8 * pool_size, cfg.block_decode))
+        n = int(pool_count(L, tenths, min_k, pool_size))
+        S = max(1, cfg.pool_keys // pool_size)
+        return {"kascade_pool_decode_scores": (blocks, blocks, 0), "kascade_pool_decode_attend": (n, n // S, n % S)}
+    k = int(budget(L, tenths, min_k))
     return {"kascade_decode_scores": -(-L // cfg.block_decode), "kascade_decode_attend": -(-k // (cfg.block_k or 128))}
 
 
@@ -715,7 +733,7 @@ def _tokamax(shape, make, H, B, T, K) -> list[Peer]:
 
 KASCADE_T = (16384, 65536, 131072)  # prefill: B = 1, H = 32, G = 8, D = 128, 10% of the keys
 KASCADE_L = (32768, 131072)  # decode: B = 16 rows over a full cache of L keys
-KASCADE_POOLS = ((32, 128), (128, 128))  # block selection beside the defaults: (tile size, pool size)
+KASCADE_VARIANTS = ((32, 1), (32, 128))  # beside the defaults: (tile size, pool size)
 # splash attention's blocks tried for the dense yardstick: (queries = keys a grid step, keys a compute step)
 SPLASH_BLOCKS = ((512, 512), (1024, 512), (1024, 1024), (2048, 512), (2048, 1024))
 # jax's paged attention for dense decode: (tokens a page, pages a compute block)
@@ -741,6 +759,7 @@ def kascade_calls(chip: str, make) -> list[Peer]:
     import jax.numpy as jnp
 
     import kdax
+    from kdax.ops.kascade.checks import POOL_SIZE, TILE_SIZE
 
     H, G, D, out = 32, 8, 128, []
     for T in KASCADE_T:
@@ -749,9 +768,10 @@ def kascade_calls(chip: str, make) -> list[Peer]:
             q, k, v = make((1, T, H, D), dt), make((1, T, G, D), dt), make((1, T, G, D), dt)
             shape = prefill_shape(T)
             backends = ("pallas_tpu", "xla") if T == KASCADE_T[0] else ("pallas_tpu",)
-            for backend, (tile, P) in [(b, (32, 1)) for b in backends] + [("pallas_tpu", tp) for tp in KASCADE_POOLS]:
+            defaults = [(b, (TILE_SIZE, POOL_SIZE)) for b in backends]  # the ops' defaults, as "auto" runs them
+            for backend, (tile, P) in defaults + [("pallas_tpu", tp) for tp in KASCADE_VARIANTS]:
                 opts = {"backend": backend, "tile_size": tile, "pool_size": P}
-                variant = backend + (f" tile {tile} pool {P}" if P > 1 else "")
+                variant = backend + ("" if (tile, P) == (TILE_SIZE, POOL_SIZE) else f" tile {tile} pool {P}")
                 trips = kascade_trips(T, tile_size=tile, pool_size=P)
                 anchor = lambda q, k, v, opts=opts: kdax.kascade_anchor(q, k, v, topk_percent=10, **opts)
                 idx = jax.eval_shape(anchor, q, k, v)[0]
@@ -784,18 +804,22 @@ def kascade_calls(chip: str, make) -> list[Peer]:
             dt = jnp.dtype(dtype)
             B, shape = 16, decode_shape(L)
             qd, kc, vc, n = make((B, H, D), dt), make((B, L, G, D), dt), make((B, L, G, D), dt), make((B,), jnp.int32)
-            trips = kascade_decode_trips(L)
-            for backend in ("pallas_tpu", "xla") if L == KASCADE_L[0] else ("pallas_tpu",):
-                ad = lambda q, k, v, n, backend=backend: kdax.kascade_anchor_decode(
-                    q, k, v, n, topk_percent=10, backend=backend
-                )
-                didx = jax.eval_shape(ad, qd, kc, vc, n)[0]
-                rd = lambda q, k, v, n, i, backend=backend: kdax.kascade_reuse_decode(q, k, v, n, i, backend=backend)
-                out.append(
-                    Peer("kascade_anchor_decode", dtype, shape, "fwd", backend, ad, [qd, kc, vc, n], trips=trips)
-                )
-                args = [qd, kc, vc, n, make(didx.shape, didx.dtype)]
-                out.append(Peer("kascade_reuse_decode", dtype, shape, "fwd", backend, rd, args, trips=trips))
+            heads_first = [make((B, G, L, D), dt), make((B, G, L, D), dt)]
+            defaults = [
+                (b, "BLGD", POOL_SIZE) for b in (("pallas_tpu", "xla") if L == KASCADE_L[0] else ("pallas_tpu",))
+            ]
+            for backend, layout, P in defaults + [("pallas_tpu", "BGLD", POOL_SIZE), ("pallas_tpu", "BLGD", 1)]:
+                opts = {"backend": backend, "pool_size": P, "cache_layout": layout}
+                variant = backend + ("" if (layout, P) == ("BLGD", POOL_SIZE) else f" {layout} pool {P}")
+                caches = heads_first if layout == "BGLD" else [kc, vc]
+                trips = kascade_decode_trips(L, pool_size=P)
+                ad = lambda q, k, v, n, opts=opts: kdax.kascade_anchor_decode(q, k, v, n, topk_percent=10, **opts)
+                didx = jax.eval_shape(ad, qd, *caches, n)[0]
+                rd = lambda q, k, v, n, i, opts=opts: kdax.kascade_reuse_decode(q, k, v, n, i, **opts)
+                args = [qd, *caches, n]
+                out.append(Peer("kascade_anchor_decode", dtype, shape, "fwd", variant, ad, args, trips=trips))
+                args = [qd, *caches, n, make(didx.shape, didx.dtype)]
+                out.append(Peer("kascade_reuse_decode", dtype, shape, "fwd", variant, rd, args, trips=trips))
             for page, pages in PAGED_BLOCKS:
                 f, args = _paged(make, dt, B, L, H, G, D, page, pages)
                 out.append(Peer("dense decode", dtype, shape, "fwd", f"paged {page}x{pages}", f, args, False))

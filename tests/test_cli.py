@@ -59,7 +59,8 @@ def test_bench_kascade_table_and_json(capsys):
     assert main(args) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "| phase" in out and "x faster than dense" in out and "32-layer average (5 anchors)" in out
-    assert "# B=1 H=2 G=2 D=16 float32, top-k 10% (at least 8 keys), tile 32; decode: batch 1, cache 128 keys" in out
+    shape = "# B=1 H=2 G=2 D=16 float32, top-k 10% (at least 8 keys), tile 128, pools of 128; decode: batch 1, cache"
+    assert shape + " 128 keys" in out
     assert "| prefill | 96 | - | dense |" in out and "| decode | 128 | - | dense |" in out
     for layer in ("anchor (dense output)", "anchor", "reuse"):  # xla, the CPU's only Kascade backend
         assert f"| prefill | 96 | xla | {layer} |" in out and f"| decode | 128 | xla | {layer} |" in out

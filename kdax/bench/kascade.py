@@ -19,6 +19,7 @@ from kdax.bench import flags
 from kdax.bench.measure import rel_rms, time_calls
 from kdax.ops.common.dispatch import DEVICE_KERNELS
 from kdax.ops.kascade import reference
+from kdax.ops.kascade.checks import POOL_SIZE, POOL_SIZES, TILE_SIZE, TILE_SIZES
 
 LAYERS, ANCHORS = 32, 5  # the model the weighted average stands for (layer 0 a dense-output anchor)
 REFERENCE_MAX_T = 4096  # the float64 reference forms [B, H, T, T]: errors only up to this T
@@ -60,7 +61,8 @@ def run(
     D=128,
     topk_percent=10,
     min_k=128,
-    tile_size=32,
+    tile_size=TILE_SIZE,
+    pool_size=POOL_SIZE,
     dtype="float32",
     repeats=5,
     progress=True,
@@ -79,7 +81,7 @@ def run(
     """
     dtype = jnp.dtype(dtype)
     backends = default_backends() if backends is None else tuple(backends)
-    opts = {"topk_percent": topk_percent, "min_k": min_k}
+    opts = {"topk_percent": topk_percent, "min_k": min_k, "pool_size": pool_size}
     q, k, v = _inputs(B, T, H, G, D, dtype)
     head_map = np.arange(G)[::-1].copy()
     idx, _ = kdax.kascade_anchor(*_inputs(B, T, H, G, D, dtype, seed=1), **opts, tile_size=tile_size)
@@ -90,7 +92,7 @@ def run(
         ),
         "anchor": lambda q, k, v, idx, b: kdax.kascade_anchor(q, k, v, **opts, tile_size=tile_size, backend=b),
         "reuse": lambda q, k, v, idx, b: kdax.kascade_reuse(
-            q, k, v, idx, head_map=head_map, tile_size=tile_size, backend=b
+            q, k, v, idx, head_map=head_map, tile_size=tile_size, pool_size=pool_size, backend=b
         ),
     }
     Bd = B if decode_batch is None else decode_batch
@@ -103,7 +105,9 @@ def run(
             q, k, v, n, **opts, dense_output=True, backend=b
         ),
         "anchor": lambda q, k, v, n, idx, b: kdax.kascade_anchor_decode(q, k, v, n, **opts, backend=b),
-        "reuse": lambda q, k, v, n, idx, b: kdax.kascade_reuse_decode(q, k, v, n, idx, head_map=head_map, backend=b),
+        "reuse": lambda q, k, v, n, idx, b: kdax.kascade_reuse_decode(
+            q, k, v, n, idx, head_map=head_map, pool_size=pool_size, backend=b
+        ),
     }
     jobs = []
     for phase, n, fns, args in (
@@ -155,7 +159,8 @@ def _error(name, o, args, head_map, opts, tile_size):
             if q.shape[1] > REFERENCE_MAX_T:
                 return None
             if name == "reuse":
-                ref = reference.naive_kascade_reuse(q, k, v, idx, head_map=head_map, tile_size=tile_size)
+                pools = {"tile_size": tile_size, "pool_size": opts["pool_size"]}
+                ref = reference.naive_kascade_reuse(q, k, v, idx, head_map=head_map, **pools)
             elif name == "dense":
                 ref = reference.naive_attention(q, k, v)
             else:
@@ -166,7 +171,8 @@ def _error(name, o, args, head_map, opts, tile_size):
             lengths = arrays.pop()
             q, kc, vc = (x.astype(jnp.float64) for x in arrays)
             if name == "reuse":
-                ref = reference.naive_kascade_reuse_decode(q, kc, vc, lengths, idx, head_map=head_map)
+                pools = {"pool_size": opts["pool_size"]}
+                ref = reference.naive_kascade_reuse_decode(q, kc, vc, lengths, idx, head_map=head_map, **pools)
             else:
                 ref = reference.naive_kascade_anchor_decode(q, kc, vc, lengths, **opts, dense_output=name != "anchor")[
                     1
@@ -223,7 +229,8 @@ def register(sub) -> None:
     p.add_argument("--decode-batch", type=flags.at_least(1), help="decode rows (default: --B)")
     p.add_argument("--topk-percent", type=flags.percent, default=10, help="keys kept, percent")
     p.add_argument("--min-k", type=flags.at_least(0), default=128, help="the least keys a tile keeps")
-    p.add_argument("--tile-size", type=int, default=32, choices=(16, 32, 64, 128), help="queries per tile")
+    p.add_argument("--tile-size", type=int, default=TILE_SIZE, choices=TILE_SIZES, help="queries per tile")
+    p.add_argument("--pool-size", type=int, default=POOL_SIZE, choices=POOL_SIZES, help="keys per selected pool")
     p.add_argument("--dtype", default="float32", choices=flags.DTYPES, help="input dtype")
     p.add_argument(
         "--backends",
@@ -255,6 +262,7 @@ def _command(ns, parser) -> int:
         topk_percent=ns.topk_percent,
         min_k=ns.min_k,
         tile_size=ns.tile_size,
+        pool_size=ns.pool_size,
         dtype=ns.dtype,
         repeats=ns.repeats,
         progress=not ns.json,
@@ -263,7 +271,8 @@ def _command(ns, parser) -> int:
     )
     shape = (
         f"# B={ns.B} H={ns.H} G={ns.kv_heads} D={ns.head_dim} {ns.dtype}, top-k {ns.topk_percent:g}% (at least "
-        f"{ns.min_k} keys), tile {ns.tile_size}; decode: batch {ns.decode_batch or ns.B}, cache {ns.cache_len} keys"
+        f"{ns.min_k} keys), tile {ns.tile_size}, pools of {ns.pool_size}; decode: batch {ns.decode_batch or ns.B}, "
+        f"cache {ns.cache_len} keys"
     )
     data = [dataclasses.asdict(r) for r in rows]
     return flags.emit(ns, flags.meta(ns), "kascade", data, f"{shape}\n{format_table(rows)}")

@@ -11,6 +11,7 @@ from kdax.models.kda import KDAForCausalLM, Segments, _arange, _check_ids, full_
 from kdax.nn import KascadeStep
 from kdax.ops.common.validation import fail
 from kdax.ops.kascade import reference
+from kdax.ops.kascade.checks import POOL_SIZE, TILE_SIZE
 from kdax.ops.kascade.schedule import (
     KascadeSchedule,
     build_schedule,
@@ -33,7 +34,9 @@ def _check_layers(model: KDAForCausalLM) -> tuple[list[int], int]:
     return layers, heads.pop()
 
 
-def dense_pass(model: KDAForCausalLM, input_ids, *, topk_percent=10, min_k=128, tile_size=32, pool_size=1):
+def dense_pass(
+    model: KDAForCausalLM, input_ids, *, topk_percent=10, min_k=128, tile_size=TILE_SIZE, pool_size=POOL_SIZE
+):
     """Run ``input_ids`` densely through the model, measuring its full-attention layers.
 
     Memory O(B H T^2) per layer (the pooled probabilities come from the dense reference):
@@ -80,8 +83,8 @@ def layer_statistics(
     *,
     topk_percent=10,
     min_k=128,
-    tile_size=32,
-    pool_size=1,
+    tile_size=TILE_SIZE,
+    pool_size=POOL_SIZE,
     objective: str = "output",
 ):
     """The calibration statistics of a model's full-attention layers.
@@ -183,8 +186,8 @@ def calibrate(
     *,
     topk_percent=10,
     min_k=128,
-    tile_size=32,
-    pool_size=1,
+    tile_size=TILE_SIZE,
+    pool_size=POOL_SIZE,
     objective: str = "output",
 ) -> KascadeSchedule:
     """A Kascade schedule for ``model`` from calibration tokens.

@@ -16,8 +16,8 @@ from tests.tolerances import F32
 FIXTURES = os.path.join(os.path.dirname(__file__), "..", "fixtures", "hf")
 # kimi_a and ling_a have MLA on layers 1 and 3, two heads each; Ling's (RoPE, output gate) by hand
 # with -m slow (its MLA layer runs in CI through tests/nn/test_mla.py and the parity tests)
-FULL = KascadeSchedule((1, 3), (1,), {3: (1, 0)}, topk_percent=100, min_k=10_000, tile_size=16)
-SPARSE = KascadeSchedule((1, 3), (1,), {3: (1, 0)}, topk_percent=10, min_k=2, tile_size=16)
+FULL = KascadeSchedule((1, 3), (1,), {3: (1, 0)}, topk_percent=100, min_k=10_000, tile_size=16, pool_size=1)
+SPARSE = KascadeSchedule((1, 3), (1,), {3: (1, 0)}, topk_percent=10, min_k=2, tile_size=16, pool_size=1)
 
 
 @pytest.fixture(scope="module", params=["kimi_a", pytest.param("ling_a", marks=pytest.mark.slow)])

@@ -23,7 +23,9 @@ CONFIG = KDAConfig(
     vocab_size=64,
     attn={"layers": [0, 1, 3, 4], "num_heads": 4, "num_kv_heads": 2},
 )
-SPARSE = KascadeSchedule((0, 1, 3, 4), (0, 3), {1: (0, 1), 4: (1, 0)}, topk_percent=10, min_k=2, tile_size=16)
+SPARSE = KascadeSchedule(
+    (0, 1, 3, 4), (0, 3), {1: (0, 1), 4: (1, 0)}, topk_percent=10, min_k=2, tile_size=16, pool_size=1
+)
 FULL_TOKENS = KascadeSchedule(
     (0, 1, 3, 4), (0, 3), {1: (0, 1), 4: (1, 0)}, topk_percent=100, min_k=10_000, tile_size=16
 )
@@ -97,7 +99,7 @@ def test_calibration_statistics_and_schedule(model, objective):
     from kdax.models.kascade import calibrate, layer_statistics
 
     ids = _ids(2, 96, seed=3)
-    opts = {"topk_percent": 10, "min_k": 4, "tile_size": 16, "objective": objective}
+    opts = {"topk_percent": 10, "min_k": 4, "tile_size": 16, "pool_size": 1, "objective": objective}
     if objective == "output":  # and selections of whole pools
         opts |= {"topk_percent": 40, "pool_size": 16}
     layers, pairs, importance = layer_statistics(model, ids, **opts)
@@ -110,7 +112,7 @@ def test_calibration_statistics_and_schedule(model, objective):
     assert (pairs[np.triu_indices(4)] <= 1 + 1e-6).all() and (importance > 0).all()
     schedule = calibrate(model, ids, 2, **opts)
     assert schedule.layers == (0, 1, 3, 4) and schedule.anchors[0] == 0 and len(schedule.anchors) == 2
-    assert schedule.pool_size == opts.get("pool_size", 1)
+    assert schedule.pool_size == opts["pool_size"]
     assert np.isfinite(np.asarray(model(ids, kascade=schedule))).all()
 
 

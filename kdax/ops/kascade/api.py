@@ -15,7 +15,7 @@ from kdax.ops.common.dispatch import BACKENDS, OpBackends, register
 from kdax.ops.common.sharding import per_shard
 from kdax.ops.common.validation import fail
 from kdax.ops.kascade import pallas_gpu, pallas_tpu, reference, xla
-from kdax.ops.kascade.checks import check_call, decode_k_max, prefill_k_max, row_lengths
+from kdax.ops.kascade.checks import POOL_SIZE, TILE_SIZE, check_call, decode_k_max, prefill_k_max, row_lengths
 
 CONFIGS = {"xla": xla.Config, "pallas_tpu": pallas_tpu.Config, "pallas_gpu": pallas_gpu.Config}  # per-call configs
 Config = xla.Config | pallas_tpu.Config | pallas_gpu.Config
@@ -59,14 +59,17 @@ _ROLES = {
 }
 
 
-def _core(op: str, backend: str, auto: bool = False):
+def _core(op: str, backend: str, auto: bool = False, cache_layout: str = "BLGD"):
     """The backend's core of ``op``, run per shard of the batch and head axes (where the inputs' types
     shard them): ``core(q, k, v, lengths[, indices], **options)``. ``auto``: the backend is "auto"'s
-    choice, so a derivative of forward-only kernels is taken through xla's core rather than refused."""
+    choice, so a derivative of forward-only kernels is taken through xla's core rather than refused.
+    ``cache_layout``: the decode caches' ("BGLD": heads before keys)."""
     core = _CORES[op][("xla", "pallas_tpu", "pallas_gpu").index(backend)]
     if backend != "xla":
         core = functools.partial(_forward_only, core, f"kascade_{op} ({backend})", _CORES[op][0] if auto else None)
     roles, outs = _ROLES[op]
+    if cache_layout == "BGLD":
+        roles = (roles[0], _BG, _BG, *roles[3:])
     return lambda *arrays, **options: per_shard(functools.partial(core, **options), arrays, roles, outs)
 
 
@@ -112,6 +115,7 @@ class Options:
     tenths: int = 100
     min_k: int = 0
     dense_output: bool = False
+    cache_layout: str = "BLGD"
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
@@ -120,6 +124,8 @@ def _compiled(op: str, o: Options, q, k, v, lengths, indices=None, head_map=None
     decode, anchor = op.endswith("decode"), op.startswith("anchor")
     pools = {"pool_size": o.pool_size}
     if o.backend == "naive":
+        if o.cache_layout == "BGLD":  # the references read the default layout
+            k, v = k.swapaxes(1, 2), v.swapaxes(1, 2)
         budget = {"topk_percent": o.tenths / 10, "min_k": o.min_k, "dense_output": o.dense_output} | pools
         tiles = {"tile_size": o.tile_size, "scale": o.scale, "lengths": lengths}
         if op == "anchor":
@@ -131,15 +137,17 @@ def _compiled(op: str, o: Options, q, k, v, lengths, indices=None, head_map=None
         return reference.naive_kascade_reuse_decode(
             q, k, v, lengths, indices, head_map=head_map, **pools, scale=o.scale
         )
-    options = {"scale": o.scale, "cfg": o.config} | pools | ({} if decode else {"tile_size": o.tile_size})
+    layout = {"cache_layout": o.cache_layout} if decode else {"tile_size": o.tile_size}
+    options = {"scale": o.scale, "cfg": o.config} | pools | layout
+    core = _core(op, o.backend, o.auto, o.cache_layout)
     if not anchor:
-        return _core(op, o.backend, o.auto)(q, k, v, lengths, _remapped(indices, head_map), **options)
+        return core(q, k, v, lengths, _remapped(indices, head_map), **options)
     if decode:
-        k_max = decode_k_max(k.shape[1], o.tenths, o.min_k, o.pool_size)
+        k_max = decode_k_max(k.shape[2 if o.cache_layout == "BGLD" else 1], o.tenths, o.min_k, o.pool_size)
     else:
         k_max = prefill_k_max(q.shape[1], o.tile_size, o.tenths, o.min_k, o.pool_size)
     options |= {"tenths": o.tenths, "min_k": o.min_k, "k_max": k_max, "dense_output": o.dense_output}
-    return _core(op, o.backend, o.auto)(q, k, v, lengths, **options)
+    return core(q, k, v, lengths, **options)
 
 
 def kascade_anchor(
@@ -149,8 +157,8 @@ def kascade_anchor(
     *,
     topk_percent: float = 10,
     min_k: int = 128,
-    tile_size: int = 32,
-    pool_size: int = 1,
+    tile_size: int = TILE_SIZE,
+    pool_size: int = POOL_SIZE,
     scale: float | None = None,
     dense_output: bool = False,
     lengths: jax.Array | None = None,
@@ -213,8 +221,8 @@ def kascade_reuse(
     indices: jax.Array,
     *,
     head_map: jax.Array | None = None,
-    tile_size: int = 32,
-    pool_size: int = 1,
+    tile_size: int = TILE_SIZE,
+    pool_size: int = POOL_SIZE,
     scale: float | None = None,
     lengths: jax.Array | None = None,
     backend: str = "auto",
@@ -261,9 +269,10 @@ def kascade_anchor_decode(
     *,
     topk_percent: float = 10,
     min_k: int = 128,
-    pool_size: int = 1,
+    pool_size: int = POOL_SIZE,
     scale: float | None = None,
     dense_output: bool = False,
+    cache_layout: str = "BLGD",
     backend: str = "auto",
     config: Config | None = None,
 ) -> tuple[jax.Array, jax.Array]:
@@ -276,10 +285,14 @@ def kascade_anchor_decode(
 
     Args:
         q: [B, H, D], the new token's queries.
-        k_cache, v_cache: [B, L, G, D], the new token's keys and values already stored.
+        k_cache, v_cache: [B, L, G, D], the new token's keys and values already stored; [B, G, L, D]
+            with ``cache_layout="BGLD"``.
         lengths: [B] ints, valid keys per row (the new token's included).
         topk_percent, min_k, pool_size, scale, backend, config: as :func:`kascade_anchor`.
         dense_output: return dense attention over the valid keys instead of the sparse output.
+        cache_layout: "BLGD" (flash attention's) or "BGLD" (heads before keys, as TPU paged
+            attention keeps its pages: a head's keys contiguous, so the TPU kernels read a selected
+            pool of one head with one copy).
 
     Returns:
         (indices [B, G, k_max] int32, ascending then -1, k_max the budget of L keys;
@@ -291,12 +304,13 @@ def kascade_anchor_decode(
     """
     _check_common(backend, dense_output, q.dtype)
     options = {"topk_percent": topk_percent, "min_k": min_k, "scale": scale, "pool_size": pool_size}
-    tenths, _ = check_call(q, k_cache, v_cache, lengths, decode=True, **options)
+    tenths, _ = check_call(q, *_logical(k_cache, v_cache, cache_layout), lengths, decode=True, **options)
     auto = backend == "auto"
     backend, config = _OPS["kascade_anchor_decode"].resolve(backend, q.dtype, config)
     budget = {"tenths": tenths, "min_k": int(min_k), "dense_output": bool(dense_output), "pool_size": pool_size}
-    o = Options(backend, config, _scale(q, scale), auto, **budget)
-    return _compiled("anchor_decode", o, q, k_cache, v_cache, row_lengths(lengths, q.shape[0], k_cache.shape[1]))
+    o = Options(backend, config, _scale(q, scale), auto, cache_layout=cache_layout, **budget)
+    lengths = row_lengths(lengths, q.shape[0], _logical(k_cache, v_cache, cache_layout)[0].shape[1])
+    return _compiled("anchor_decode", o, q, k_cache, v_cache, lengths)
 
 
 def kascade_reuse_decode(
@@ -307,8 +321,9 @@ def kascade_reuse_decode(
     indices: jax.Array,
     *,
     head_map: jax.Array | None = None,
-    pool_size: int = 1,
+    pool_size: int = POOL_SIZE,
     scale: float | None = None,
+    cache_layout: str = "BLGD",
     backend: str = "auto",
     config: Config | None = None,
 ) -> jax.Array:
@@ -316,9 +331,11 @@ def kascade_reuse_decode(
     row's last, partial pool), remapped per KV head.
 
     Args:
-        q: [B, H, D]; k_cache, v_cache: [B, L, G, D]; lengths: [B] ints.
+        q: [B, H, D]; k_cache, v_cache: [B, L, G, D] ([B, G, L, D] with ``cache_layout="BGLD"``);
+            lengths: [B] ints.
         indices: [B, G, k] int, an anchor's decode selection (distinct keys, -1 for none).
         head_map, pool_size, scale, backend, config: as :func:`kascade_reuse`.
+        cache_layout: as :func:`kascade_anchor_decode`.
 
     Returns:
         o [B, H, D] in q's dtype (0 in a row with nothing selected).
@@ -328,14 +345,36 @@ def kascade_reuse_decode(
         NotImplementedError: a backend this op lacks.
     """
     _check_common(backend, dtype=q.dtype)
+    caches = _logical(k_cache, v_cache, cache_layout)
     _, head_map = check_call(
-        q, k_cache, v_cache, lengths, decode=True, indices=indices, head_map=head_map, scale=scale, pool_size=pool_size
+        q, *caches, lengths, decode=True, indices=indices, head_map=head_map, scale=scale, pool_size=pool_size
     )
     auto = backend == "auto"
     backend, config = _OPS["kascade_reuse_decode"].resolve(backend, q.dtype, config)
-    lengths = row_lengths(lengths, q.shape[0], k_cache.shape[1])
-    o = Options(backend, config, _scale(q, scale), auto, pool_size=pool_size)
+    lengths = row_lengths(lengths, q.shape[0], caches[0].shape[1])
+    o = Options(backend, config, _scale(q, scale), auto, pool_size=pool_size, cache_layout=cache_layout)
     return _compiled("reuse_decode", o, q, k_cache, v_cache, lengths, jnp.asarray(indices, jnp.int32), head_map)
+
+
+CACHE_LAYOUTS = ("BLGD", "BGLD")
+
+
+def _logical(k_cache, v_cache, cache_layout):
+    """The caches as the checks read them, [B, L, G, D] (shapes and dtypes only).
+
+    Raises:
+        ValueError: ``cache_layout`` is not one of :data:`CACHE_LAYOUTS`.
+    """
+    if cache_layout not in CACHE_LAYOUTS:
+        fail("cache_layout", f"one of {CACHE_LAYOUTS}", repr(cache_layout))
+    if cache_layout == "BLGD" or getattr(k_cache, "ndim", 0) != 4:
+        return k_cache, v_cache
+    swap = lambda x: (
+        jax.ShapeDtypeStruct((x.shape[0], x.shape[2], x.shape[1], *x.shape[3:]), x.dtype)
+        if getattr(x, "ndim", 0) == 4
+        else x
+    )
+    return swap(k_cache), swap(v_cache)
 
 
 def _remapped(indices, head_map):

@@ -11,6 +11,10 @@ from kdax.ops.common.validation import check_array, check_traced, fail
 
 TILE_SIZES = (16, 32, 64, 128)
 POOL_SIZES = (1, 16, 32, 64, 128, 256)  # keys per selected unit: 1 selects tokens, more select key blocks
+# The ops' defaults, by measurement (docs/kascade.md, "Block selection"): query tiles of 128 choosing
+# pools of 128 keys kept the quality study's perplexity of tiles of 32 choosing tokens, and they are
+# what the TPU kernels run fastest (a tile's rows fill the MXU, a pool is one copy).
+TILE_SIZE, POOL_SIZE = 128, 128
 
 
 def percent_tenths(topk_percent) -> int:

@@ -337,9 +337,12 @@ def _partial_specs(B, G, S, Rq, Dp):
 
 
 def kascade_anchor_decode_gpu(
-    q, k_cache, v_cache, lengths, *, tenths, min_k, k_max, pool_size, scale, dense_output, cfg
+    q, k_cache, v_cache, lengths, *, tenths, min_k, k_max, pool_size, scale, dense_output, cache_layout, cfg
 ):
-    """See :func:`kdax.kascade_anchor_decode`. Returns (indices [B, G, k_max] int32, o [B, H, D])."""
+    """See :func:`kdax.kascade_anchor_decode`. Returns (indices [B, G, k_max] int32, o [B, H, D]).
+    Heads-first caches ("BGLD") are read transposed (a copy)."""
+    if cache_layout == "BGLD":
+        k_cache, v_cache = k_cache.swapaxes(1, 2), v_cache.swapaxes(1, 2)
     B, H, _ = q.shape
     L, G = k_cache.shape[1:3]
     Rq, Dp, S, Ls = _decode_plan(q, k_cache, cfg, L)
@@ -380,11 +383,14 @@ def kascade_anchor_decode_gpu(
     )
     if dense_output:
         return idx, bl.decode_output(*parts, q)
-    return idx, kascade_reuse_decode_gpu(q, k_cache, v_cache, lengths, idx, pool_size=pool_size, scale=scale, cfg=cfg)
+    options = {"pool_size": pool_size, "scale": scale, "cache_layout": "BLGD", "cfg": cfg}
+    return idx, kascade_reuse_decode_gpu(q, k_cache, v_cache, lengths, idx, **options)
 
 
-def kascade_reuse_decode_gpu(q, k_cache, v_cache, lengths, indices, *, pool_size, scale, cfg):
+def kascade_reuse_decode_gpu(q, k_cache, v_cache, lengths, indices, *, pool_size, scale, cache_layout, cfg):
     """See :func:`kdax.kascade_reuse_decode`. indices [B, G, k] already remapped. Returns o [B, H, D]."""
+    if cache_layout == "BGLD":
+        k_cache, v_cache = k_cache.swapaxes(1, 2), v_cache.swapaxes(1, 2)
     indices = with_decode_tail(indices, lengths, pool_size)
     B, H, _ = q.shape
     G = k_cache.shape[2]

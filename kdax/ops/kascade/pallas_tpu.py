@@ -38,7 +38,7 @@ from kdax.ops.common import dispatch
 from kdax.ops.common.arrays import LOG2E, round_up
 from kdax.ops.kascade import blocks as bl
 from kdax.ops.kascade.checks import pool_keys
-from kdax.ops.kascade.xla import select_pools, with_decode_tail
+from kdax.ops.kascade.xla import decode_select_pools, select_pools, with_decode_tail
 
 LANE = 128
 
@@ -285,12 +285,12 @@ def _unpack_kv(x):
     return as_bf16(x & jnp.uint32(0xFFFF0000)), as_bf16(x << 16)
 
 
-def _cache_rows(dtype, G: int):
+def _cache_rows(dtype, G: int, cache_layout: str = "BLGD"):
     """How the decode kernels read KV head g of a cache [B, L, G, D]: (whole, pick). Float32 (or
-    G = 1): head g's rows themselves. Narrower with G > 1: one bf16 head is half of a packed
-    sublane, which Mosaic cannot copy alone, so blocks [n, G, D] of every head (``whole``) and
-    ``pick(x, g)`` selecting head g's [n, D] from them in VMEM."""
-    if jnp.dtype(dtype).itemsize >= 4 or G == 1:
+    G = 1, or heads first, [B, G, L, D]): head g's rows themselves. Narrower with G > 1: one bf16
+    head is half of a packed sublane, which Mosaic cannot copy alone, so blocks [n, G, D] of every
+    head (``whole``) and ``pick(x, g)`` selecting head g's [n, D] from them in VMEM."""
+    if jnp.dtype(dtype).itemsize >= 4 or G == 1 or cache_layout == "BGLD":
         return False, None
 
     def pick(x, g):
@@ -299,9 +299,12 @@ def _cache_rows(dtype, G: int):
     return True, pick
 
 
-def _cache_reads(b, g, pick, key0=0):
-    """(src, head) for :class:`_Blocks` reading KV head g of row b of a cache [B, L, G, D] from key
-    ``key0`` on: head g's rows, or with ``pick`` (:func:`_cache_rows`) every head's and the pick."""
+def _cache_reads(b, g, pick, key0=0, cache_layout="BLGD"):
+    """(src, head) for :class:`_Blocks` reading KV head g of row b of a cache [B, L, G, D] (or heads
+    first, [B, G, L, D]) from key ``key0`` on: head g's rows, or with ``pick`` (:func:`_cache_rows`)
+    every head's and the pick."""
+    if cache_layout == "BGLD":
+        return (lambda x, j, n: x.at[b, g, pl.ds(key0 + j, n)]), None
     if pick is None:
         return (lambda x, j, n: x.at[b, pl.ds(key0 + j, n), g]), None
     return (lambda x, j, n: x.at[b, pl.ds(key0 + j, n)]), functools.partial(pick, g=g)
@@ -528,55 +531,51 @@ def _pool_attend_kernel(
     then head); cnt [1, 1] its selected pools, pid [1, NPp] their ids (the first cnt valid, before
     the tile's pool boundary b); ko, vo [own, D] its own keys and values from b (own = max(P, tile));
     k, v [B, G, Tp, D] in HBM. Scratch: kbuf, vbuf [NPc * P, D] the selected pools (every pool one
-    DMA each, all started at once), sbuf [NPc * P, rows] their log2 scores.
+    DMA each, all started at once, a semaphore a chunk), sbuf [NPc * P, rows] their log2 scores.
 
     Two passes over the selection in chunks of S pools, no running rescale: the scores and their
     column max, then exp2 against that max, the sums and the products with V (the last chunk's
     unfilled pools zeroed and masked). The own block, causal, opens both."""
-    b, t = pl.program_id(0), pl.program_id(2)
-    g = pl.program_id(1)
+    b, g, t = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     C = S * P  # keys a chunk
     start = t * tile
-    base = start // P * P if P >= tile else start  # the own block's first key
-    pos = start + lax.broadcasted_iota(jnp.int32, (1, qt_ref.shape[1]), 1) // Rp  # [1, rows]
+    base = bl.div(start, P) * P if P >= tile else start  # the own block's first key
+    pos = start + bl.div(lax.broadcasted_iota(jnp.int32, (1, qt_ref.shape[1]), 1), Rp)  # [1, rows]
     qt = qt_ref[...]
     count = cnt_ref[0, 0]
     chunks = bl.cdiv(count, S)
 
-    def copies(j):
+    def copy(j, which):  # pool j's keys (which 0) or values (1), signalling its chunk's semaphore
+        x, buf = ((k_hbm, kbuf), (v_hbm, vbuf))[which]
         at = pl.ds(pl.multiple_of(pid_ref[0, j] * P, P), P)
         rows = pl.ds(pl.multiple_of(j * P, P), P)
-        return [
-            pltpu.make_async_copy(x.at[b, g, at], buf.at[rows], sems.at[i])
-            for i, (x, buf) in enumerate(((k_hbm, kbuf), (v_hbm, vbuf)))
-        ]
+        return pltpu.make_async_copy(x.at[b, g, at], buf.at[rows], sems.at[which, bl.div(j, S)])
 
     @pl.loop(0, count)
     def _(j):
-        for c in copies(j):
-            c.start()
+        copy(j, 0).start()
+        copy(j, 1).start()
 
     for j in range(1, S):  # the unfilled pools of the last chunk: zeros (masked, weight 0; never NaN)
 
-        @pl.when((count % S != 0) & (count % S <= j))
+        @pl.when((bl.rem(count, S) != 0) & (bl.rem(count, S) <= j))
         def _(j=j):
-            rows = pl.ds(pl.multiple_of((count // S * S + j) * P, P), P)
+            rows = pl.ds(pl.multiple_of((bl.div(count, S) * S + j) * P, P), P)
             for buf in (kbuf, vbuf):
                 buf[rows] = jnp.zeros((P, buf.shape[1]), buf.dtype)
 
     keys = base + lax.broadcasted_iota(jnp.int32, (ko_ref.shape[0], 1), 0)
     s_own = jnp.where(keys <= pos, _dot(ko_ref[...], qt, _NN, prec) * scale2, -jnp.inf)  # [own, rows]
 
-    def wait(c, which):  # the copies of chunk c's pools: 0 keys, 1 values
+    def wait(c, which):  # chunk c's copies of keys (which 0) or values (1)
         for j in range(S):
 
             @pl.when(c * S + j < count)
             def _(j=j):
-                copies(c * S + j)[which].wait()
+                copy(c * S + j, which).wait()
 
     def scores(c, m):
         wait(c, 0)
-
         at = pl.ds(pl.multiple_of(c * C, C), C)
         bias = jnp.where(lax.broadcasted_iota(jnp.int32, (C, 1), 0) < (count - c * S) * P, 0.0, -jnp.inf)
         s2 = _dot(kbuf[at], qt, _NN, prec) * scale2 + bias
@@ -589,7 +588,6 @@ def _pool_attend_kernel(
     def attend(c, state):
         l, acc = state
         wait(c, 1)
-
         at = pl.ds(pl.multiple_of(c * C, C), C)
         p = jnp.exp2(sbuf[at] - m)
         vb = vbuf[at]
@@ -628,13 +626,13 @@ def _pool_attend(qt, kp, vp, lengths, ids, counts, plan: bl.Plan, pool_size: int
         _pool_attend_kernel, tile=plan.tile_size, Rp=plan.Rp, P=P, S=S, scale2=plan.scale2, prec=bl.precision(qt.dtype)
     )
     qspec = pl.BlockSpec((None, None, D, rows), lambda b, g, t, *_: (b, g, 0, t))
-    own_spec = pl.BlockSpec((None, None, own, D), lambda b, g, t, *_: (b, g, t * plan.tile_size // own, 0))
+    own_spec = pl.BlockSpec((None, None, own, D), lambda b, g, t, *_: (b, g, bl.div(t * plan.tile_size, own), 0))
     smem = lambda n: pl.BlockSpec(
         (None, None, None, 1, n), lambda b, g, t, *_: (b, g, t, 0, 0), memory_space=pltpu.SMEM
     )
     hbm = pl.BlockSpec(memory_space=pl.ANY)
     scratch = [pltpu.VMEM((NPc * P, D), kp.dtype), pltpu.VMEM((NPc * P, D), kp.dtype)]
-    scratch += [pltpu.VMEM((NPc * P, rows), jnp.float32), pltpu.SemaphoreType.DMA((2,))]
+    scratch += [pltpu.VMEM((NPc * P, rows), jnp.float32), pltpu.SemaphoreType.DMA((2, NPc // S))]
     item = jnp.dtype(kp.dtype).itemsize  # the scratch, and the double-buffered tiles and own blocks
     vmem = NPc * P * (2 * D * item + rows * 4) + 4 * (D * rows + own * D) * item
     return _call(
@@ -674,9 +672,9 @@ def _pool_scores_kernel(lengths_ref, qt_ref, k_hbm, *rest, tile, Rp, P, W, nq, s
     b, g, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     rows = qt_ref.shape[1]
     q0 = j * nq * tile
-    pos = q0 + lax.broadcasted_iota(jnp.int32, (1, rows), 1) // Rp  # [1, rows]
+    pos = q0 + bl.div(lax.broadcasted_iota(jnp.int32, (1, rows), 1), Rp)  # [1, rows]
     qt = qt_ref[...]
-    before, total = q0 // W, bl.cdiv(q0 + nq * tile, W)  # key blocks wholly before the queries; all
+    before, total = bl.div(q0, W), bl.cdiv(q0 + nq * tile, W)  # key blocks wholly before the queries; all
 
     def fold(masked):
         def step(state, c, _, kb, vb):
@@ -815,7 +813,7 @@ def _pooled_reuse(q, k, v, lengths, indices, plan: bl.Plan, pool_size: int, cfg)
 # ----------------------------------------------------------------------------- decode kernels
 
 
-def _decode_scores_kernel(lengths_ref, q_ref, k_hbm, *rest, R, bd, nl, scale2, prec, with_output, pick):
+def _decode_scores_kernel(lengths_ref, q_ref, k_hbm, *rest, R, bd, nl, scale2, prec, with_output, pick, layout):
     """Grid (B, G, splits). q [Rq, D]; k (and v) [B, Lp, G, D] in HBM; s [Rq, nl, bd]: the
     split's log2 scores, a row per key block (written below the row's length); with_output the
     split's partial acc [Rq, D], m, l [Rq, 1]. ``pick``: see :func:`_cache_rows`."""
@@ -835,7 +833,7 @@ def _decode_scores_kernel(lengths_ref, q_ref, k_hbm, *rest, R, bd, nl, scale2, p
             s_ref[r, pl.ds(i, 1), :] = s2[r : r + 1]
         return bl.softmax_step(state, s2, vb, prec) if with_output else state
 
-    src, head = _cache_reads(b, g, pick, key0)
+    src, head = _cache_reads(b, g, pick, key0, layout)
     reads = _Blocks(k_hbm, v_hbm, src, kbuf, vbuf, sems, bd, pick=head)
     count = jnp.clip(bl.cdiv(jnp.maximum(length - key0, 0), bd), 0, nl)
     state = reads.scan(count, step, bl.start_softmax(*q.shape))
@@ -866,8 +864,9 @@ def _decode_attend_kernel(
     scale2,
     prec,
     pick,
+    layout,
 ):
-    """Grid (B, G, splits). q [Rq, D]; k, v [B, Lp, G, D] and idx [B, G, blocks, S] in HBM
+    """Grid (B, G, splits). q [Rq, D]; k, v [B, Lp, G, D] (or [B, G, Lp, D]) and idx [B, G, blocks, S] in HBM
     (:func:`_index_rows`); out: the split's partial acc [Rq, D], m, l [Rq, 1]. ``pick``: see
     :func:`_cache_rows`."""
     b, g, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -875,7 +874,7 @@ def _decode_attend_kernel(
     q = q_ref[...]
     row_ok = lax.broadcasted_iota(jnp.int32, (q.shape[0], 1), 0) < R
     sel = (lambda i: idx_hbm.at[b, g, pl.ds(sp * per_split + i, 1)], idx_smem, idx_vmem)
-    src, head = _cache_reads(b, g, pick)
+    src, head = _cache_reads(b, g, pick, cache_layout=layout)
     reads = _Blocks(k_hbm, v_hbm, src, kbuf, vbuf, sems, bd, sel, pick=head)
 
     def step(state, i, keys, kb, vb):
@@ -886,10 +885,9 @@ def _decode_attend_kernel(
     m_ref[...], l_ref[...], acc_ref[...] = reads.scan(count, step, bl.start_softmax(*q.shape))
 
 
-def _decode_plan(q, k_cache, cfg, keys):
-    """(Rq, splits, key blocks per split) for ``keys`` keys per row."""
+def _decode_plan(q, G, cfg, keys):
+    """(Rq, splits, key blocks per split) for ``keys`` keys per row of G KV heads."""
     B, H, _ = q.shape
-    G = k_cache.shape[2]
     Rq = round_up(H // G, 8)
     blocks = max(1, -(-keys // cfg.block_decode))
     S = cfg.splits or max(1, -(-8 // (B * G)))
@@ -897,33 +895,46 @@ def _decode_plan(q, k_cache, cfg, keys):
     return Rq, S, -(-blocks // S)
 
 
-def _cache_in_place(x, bd):
-    """The cache [B, L, G, D] as the kernels read it, [B, Lp, G, D]: in place when L is a
-    multiple of the decode block (else a padded copy), so every block lies inside it."""
-    Lp = round_up(x.shape[1], bd)
-    return x if Lp == x.shape[1] else jnp.pad(x, ((0, 0), (0, Lp - x.shape[1]), (0, 0), (0, 0)))
+def _cache_in_place(x, bd, layout="BLGD"):
+    """The cache [B, L, G, D] (or [B, G, L, D]) as the kernels read it, its keys a multiple of the
+    decode block: in place when L is one (else a padded copy), so every block lies inside it."""
+    axis = 2 if layout == "BGLD" else 1
+    pad = round_up(x.shape[axis], bd) - x.shape[axis]
+    return x if not pad else jnp.pad(x, [(0, pad) if d == axis else (0, 0) for d in range(4)])
 
 
 def kascade_anchor_decode_tpu(
-    q, k_cache, v_cache, lengths, *, tenths, min_k, k_max, pool_size, scale, dense_output, cfg
+    q, k_cache, v_cache, lengths, *, tenths, min_k, k_max, pool_size, scale, dense_output, cache_layout, cfg
 ):
     """See :func:`kdax.kascade_anchor_decode`. Returns (indices [B, G, k_max] int32, o [B, H, D])."""
     B, H, D = q.shape
-    L, G = k_cache.shape[1:3]
+    L, G = (k_cache.shape[2], k_cache.shape[1]) if cache_layout == "BGLD" else k_cache.shape[1:3]
+    budget = {"tenths": tenths, "min_k": min_k, "k_max": k_max, "pool_size": pool_size}
+    reuse = {"pool_size": pool_size, "scale": scale, "cache_layout": cache_layout, "cfg": cfg}
+    if _decode_pools(pool_size, L):
+        mass, parts = _pool_decode_scores(
+            q, k_cache, v_cache if dense_output else None, lengths, G, L, pool_size, scale, cache_layout, cfg
+        )
+        idx = pool_keys(decode_select_pools(mass, lengths, **budget), pool_size)
+        return idx, (
+            bl.decode_output(*parts, q)
+            if dense_output
+            else kascade_reuse_decode_tpu(q, k_cache, v_cache, lengths, idx, **reuse)
+        )
     bd = cfg.block_decode
-    Rq, S, nl = _decode_plan(q, k_cache, cfg, L)
+    Rq, S, nl = _decode_plan(q, G, cfg, L)
     hbm = pl.BlockSpec(memory_space=pl.ANY)
     index = lambda b, g, s, *_: (b, g, s, 0, 0, 0)
     in_specs = [pl.BlockSpec((None, None, Rq, D), lambda b, g, s, *_: (b, g, 0, 0)), hbm]
-    args = [bl.pack_decode_queries(q, G, Rq, D), _cache_in_place(k_cache, bd)]
+    args = [bl.pack_decode_queries(q, G, Rq, D), _cache_in_place(k_cache, bd, cache_layout)]
     out_specs = [pl.BlockSpec((None, None, None, Rq, nl, bd), index)]
     out_shape = [jax.ShapeDtypeStruct((B, G, S, Rq, nl, bd), jnp.float32)]
-    whole, pick = _cache_rows(q.dtype, G)
+    whole, pick = _cache_rows(q.dtype, G, cache_layout)
     row = (bd, G, D) if whole else (bd, D)
     scratch = [pltpu.VMEM((2, *row), q.dtype)]
     if dense_output:
         in_specs.append(hbm)
-        args.append(_cache_in_place(v_cache, bd))
+        args.append(_cache_in_place(v_cache, bd, cache_layout))
         specs, shapes = bl.decode_partials(B, G, S, Rq, D, lambda b, g, s, *_: (b, g, s, 0, 0))
         out_specs, out_shape = out_specs + specs, out_shape + shapes
         scratch.append(pltpu.VMEM((2, *row), q.dtype))
@@ -936,6 +947,7 @@ def kascade_anchor_decode_tpu(
         prec=bl.precision(q.dtype),
         with_output=dense_output,
         pick=pick,
+        layout=cache_layout,
     )
     s2, *parts = _call(
         kernel,
@@ -952,24 +964,26 @@ def kascade_anchor_decode_tpu(
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",) * 3),
     )(lengths, *args)
     s2 = s2.transpose(0, 1, 3, 2, 4, 5).reshape(B, G, Rq, S * nl * bd)
-    idx, _ = bl.decode_selection(
-        s2, lengths, R=H // G, L=L, tenths=tenths, min_k=min_k, k_max=k_max, pool_size=pool_size
-    )
+    idx, _ = bl.decode_selection(s2, lengths, R=H // G, L=L, **budget)
     if dense_output:
         return idx, bl.decode_output(*parts, q)
-    return idx, kascade_reuse_decode_tpu(q, k_cache, v_cache, lengths, idx, pool_size=pool_size, scale=scale, cfg=cfg)
+    return idx, kascade_reuse_decode_tpu(q, k_cache, v_cache, lengths, idx, **reuse)
 
 
-def kascade_reuse_decode_tpu(q, k_cache, v_cache, lengths, indices, *, pool_size, scale, cfg):
+def kascade_reuse_decode_tpu(q, k_cache, v_cache, lengths, indices, *, pool_size, scale, cache_layout, cfg):
     """See :func:`kdax.kascade_reuse_decode`. indices [B, G, k] already remapped. Returns o [B, H, D]."""
-    indices = with_decode_tail(indices, lengths, pool_size)
     B, H, D = q.shape
-    G = k_cache.shape[2]
+    L, G = (k_cache.shape[2], k_cache.shape[1]) if cache_layout == "BGLD" else k_cache.shape[1:3]
+    if _decode_pools(pool_size, L):
+        return bl.decode_output(
+            *_pool_decode_attend(q, k_cache, v_cache, lengths, indices, G, L, pool_size, scale, cache_layout, cfg), q
+        )
+    indices = with_decode_tail(indices, lengths, pool_size)
     bd = min(cfg.block_k or LANE, round_up(max(indices.shape[-1], 1), 8))
-    Rq, S, per_split = _decode_plan(q, k_cache, dataclasses.replace(cfg, block_decode=bd), indices.shape[-1])
+    Rq, S, per_split = _decode_plan(q, G, dataclasses.replace(cfg, block_decode=bd), indices.shape[-1])
     hbm = pl.BlockSpec(memory_space=pl.ANY)
     specs, shapes = bl.decode_partials(B, G, S, Rq, D, lambda b, g, s, *_: (b, g, s, 0, 0))
-    whole, pick = _cache_rows(q.dtype, G)
+    whole, pick = _cache_rows(q.dtype, G, cache_layout)
     kernel = functools.partial(
         _decode_attend_kernel,
         R=H // G,
@@ -978,6 +992,7 @@ def kascade_reuse_decode_tpu(q, k_cache, v_cache, lengths, indices, *, pool_size
         scale2=scale * LOG2E,
         prec=bl.precision(q.dtype),
         pick=pick,
+        layout=cache_layout,
     )
     idx = _index_rows(indices, bd, S * per_split)
     parts = _call(
@@ -995,3 +1010,247 @@ def kascade_reuse_decode_tpu(q, k_cache, v_cache, lengths, indices, *, pool_size
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",) * 3),
     )(lengths, bl.selection_blocks(indices, bd), bl.pack_decode_queries(q, G, Rq, D), k_cache, v_cache, idx)
     return bl.decode_output(*parts, q)
+
+
+# ----------------------------------------------------------------------------- decode over pools
+
+
+def _decode_pools(pool_size: int, L: int) -> bool:
+    """Whether the decode ops run the pooled kernels: pools of whole lane tiles (128 keys or more)
+    and a cache of at least one pool; else the token kernels with each row's last pool's keys."""
+    return pool_size >= LANE and L >= pool_size
+
+
+def _pool_decode_scores_kernel(lengths_ref, q_ref, k_hbm, *rest, R, P, W, scale2, prec, dense, pick, layout):
+    """Grid (B, G): one token's queries q [Rq, D] (R real rows) over a row's valid keys in blocks of
+    W (k, and with ``dense`` v, in HBM). Out: mass [Lp / W, W / P], the token's attention mass on
+    each pool (pooled over its R query heads; 0 past the row's keys); with ``dense`` the softmax
+    partials acc [Rq, D], m, l [Rq, 1]. As the prefill pass (:func:`_pool_scores_kernel`): each
+    block's pool sums at the running max, made exact once the log-sum-exp is known."""
+    if dense:
+        v_hbm, mass_ref, acc_ref, m_ref, l_ref, kbuf, vbuf, sems, c_ref, mh_ref = rest
+    else:
+        (mass_ref, kbuf, sems, c_ref, mh_ref), v_hbm, vbuf = rest, None, None
+    b, g = pl.program_id(0), pl.program_id(1)
+    length = lengths_ref[b]
+    q = q_ref[...]
+    row_ok = lax.broadcasted_iota(jnp.int32, (q.shape[0], 1), 0) < R
+
+    def step(state, c, keys, kb, vb):
+        m, l, acc = state
+        s2 = jnp.where(keys < length, bl.dot_nt(q, kb, prec) * scale2, -jnp.inf)  # [Rq, W]
+        m_new = jnp.maximum(m, jnp.max(s2, axis=1, keepdims=True))
+        alpha = jnp.exp2(m - m_new)
+        p = jnp.exp2(s2 - m_new)
+        l = l * alpha + jnp.sum(p, axis=1, keepdims=True)
+        c_ref[c] = jnp.sum(p.reshape(p.shape[0], W // P, P), axis=2)
+        mh_ref[c] = m_new
+        if dense:
+            acc = acc * alpha + bl.dot_nn(p.astype(vb.dtype), vb, prec)
+        return m_new, l, acc
+
+    src, head = _cache_reads(b, g, pick, cache_layout=layout)
+    reads = _Blocks(k_hbm, v_hbm, src, kbuf, vbuf, sems, W, pick=head)
+    count = bl.cdiv(length, W)
+    init = jnp.full((q.shape[0], 1), -jnp.inf, jnp.float32), jnp.zeros((q.shape[0], 1), jnp.float32)
+    init += (jnp.zeros(q.shape, jnp.float32),)
+    m, l, acc = reads.scan(count, step, init)
+    lse = jnp.where(row_ok, m + jnp.log2(jnp.where(l > 0, l, 1.0)), jnp.inf)  # padding rows weigh 0
+
+    @pl.loop(0, count)
+    def _(c):
+        mass_ref[pl.ds(c, 1)] = jnp.sum(c_ref[c] * jnp.exp2(mh_ref[c] - lse), axis=0, keepdims=True)
+
+    @pl.loop(count, mass_ref.shape[0])
+    def _(c):
+        mass_ref[pl.ds(c, 1)] = jnp.zeros((1, mass_ref.shape[1]), jnp.float32)
+
+    if dense:
+        acc_ref[...], m_ref[...], l_ref[...] = acc, m, l
+
+
+def _pool_decode_scores(q, k_cache, v_cache, lengths, G, L, pool_size, scale, layout, cfg):
+    """The anchor decode's pass over the caches: (mass [B, G, L // P] float32, the dense output's
+    softmax partials (acc, m, l) with ``v_cache``, else None)."""
+    B, H, D = q.shape
+    P, W, dense = pool_size, max(8 * pool_size, cfg.block_decode), v_cache is not None
+    Rq = round_up(H // G, 8)
+    kc = _cache_in_place(k_cache, W, layout)
+    nb = kc.shape[2 if layout == "BGLD" else 1] // W
+    whole, pick = _cache_rows(q.dtype, G, layout)
+    hbm = pl.BlockSpec(memory_space=pl.ANY)
+    mass_spec = pl.BlockSpec((None, None, nb, W // P), lambda b, g, *_: (b, g, 0, 0))
+    out_specs, out_shape = [mass_spec], [jax.ShapeDtypeStruct((B, G, nb, W // P), jnp.float32)]
+    args = [bl.pack_decode_queries(q, G, Rq, D), kc]
+    if dense:
+        args.append(_cache_in_place(v_cache, W, layout))
+        specs, shapes = bl.decode_partials(B, G, 1, Rq, D, lambda b, g, *_: (b, g, 0, 0, 0))
+        out_specs, out_shape = out_specs + specs, out_shape + shapes
+    scratch = _scratch((W, G, D) if whole else (W, D), q.dtype, False, values=dense)
+    scratch += [pltpu.VMEM((nb, Rq, W // P), jnp.float32), pltpu.VMEM((nb, Rq, 1), jnp.float32)]
+    kernel = functools.partial(
+        _pool_decode_scores_kernel,
+        R=H // G,
+        P=P,
+        W=W,
+        scale2=scale * LOG2E,
+        prec=bl.precision(q.dtype),
+        dense=dense,
+        pick=pick,
+        layout=layout,
+    )
+    mass, *parts = _call(
+        kernel,
+        name="kascade_pool_decode_scores",
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,
+            grid=(B, G),
+            in_specs=[pl.BlockSpec((None, None, Rq, D), lambda b, g, *_: (b, g, 0, 0)), hbm] + ([hbm] if dense else []),
+            out_specs=out_specs,
+            scratch_shapes=scratch,
+        ),
+        out_shape=out_shape,
+        interpret=_interpret(cfg),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",) * 2),
+    )(lengths, *args)
+    return mass.reshape(B, G, nb * W // P)[:, :, : L // P], (parts if dense else None)
+
+
+def _pool_decode_attend_kernel(
+    lengths_ref,
+    cnt_ref,
+    q_ref,
+    ids_ref,
+    k_hbm,
+    v_hbm,
+    acc_ref,
+    m_ref,
+    l_ref,
+    kbuf,
+    vbuf,
+    sems,
+    *,
+    R,
+    P,
+    S,
+    L,
+    scale2,
+    prec,
+    pick,
+    layout,
+):
+    """Grid (B, G): one token's queries q [Rq, D] over the row's selected pools (ids [1, NPp], the
+    first cnt[b, g] valid) and its last, partial pool [floor(len / P) P, len), each one copy of P
+    keys and values from the caches in HBM into kbuf, vbuf [(NPc + 1) P, ...], all started at
+    once; out the softmax partials acc [Rq, D], m, l [Rq, 1]. The partial pool first (its copy
+    starts at most at L - P, masked to its keys), then the selection S pools a step."""
+    b, g = pl.program_id(0), pl.program_id(1)
+    length, count = lengths_ref[b], cnt_ref[b, g]
+    q = q_ref[...]
+    src, head = _cache_reads(b, g, pick, cache_layout=layout)
+    head = head or (lambda x: x)
+    tail = bl.div(length, P) * P
+    at = jnp.minimum(tail, L - P)
+
+    def copies(j, key):  # slot j (0 the partial pool) from key ``key``, a semaphore a step (waits are exact)
+        rows = pl.ds(pl.multiple_of(j * P, P), P)
+        return [
+            pltpu.make_async_copy(src(x, key, P), buf.at[rows], sems.at[i, bl.div(j + S - 1, S)])
+            for i, (x, buf) in enumerate(((k_hbm, kbuf), (v_hbm, vbuf)))
+        ]
+
+    for c in copies(0, at):
+        c.start()
+
+    @pl.loop(0, count)
+    def _(j):
+        for c in copies(j + 1, pl.multiple_of(ids_ref[0, j] * P, P)):
+            c.start()
+
+    full, rem = bl.div(count, S), bl.rem(count, S)
+    for j in range(1, S):  # the last step's unfilled pools: zeros (masked; never NaN)
+
+        @pl.when((rem != 0) & (rem <= j))
+        def _(j=j):
+            rows = pl.ds(pl.multiple_of((1 + full * S + j) * P, P), P)
+            for buf in (kbuf, vbuf):
+                buf[rows] = jnp.zeros((P, *buf.shape[1:]), buf.dtype)
+
+    for c in copies(0, at):
+        c.wait()
+    keys = at + lax.broadcasted_iota(jnp.int32, (1, P), 1)
+    kb, vb = head(kbuf[pl.ds(0, P)]), head(vbuf[pl.ds(0, P)])
+    s2 = jnp.where((keys >= tail) & (keys < length), bl.dot_nt(q, kb, prec) * scale2, -jnp.inf)
+    state = bl.softmax_step(bl.start_softmax(*q.shape), s2, vb, prec)
+
+    def step(i, state, whole):
+        rows = pl.ds(pl.multiple_of((1 + i * S) * P, P), S * P)
+        if whole:  # all S copies: one wait each for keys and values
+            for k, (x, buf) in enumerate(((k_hbm, kbuf), (v_hbm, vbuf))):
+                pltpu.make_async_copy(src(x, 0, S * P), buf.at[rows], sems.at[k, 1 + i]).wait()
+        else:  # the partial step's, one at a time
+
+            @pl.loop(i * S, count)
+            def _(j):
+                for c in copies(1 + j, 0):
+                    c.wait()
+
+        kb, vb = head(kbuf[rows]), head(vbuf[rows])
+        s2 = bl.dot_nt(q, kb, prec) * scale2
+        if not whole:
+            s2 = jnp.where(lax.broadcasted_iota(jnp.int32, (1, S * P), 1) < rem * P, s2, -jnp.inf)
+        return bl.softmax_step(state, s2, vb, prec)
+
+    state = lax.fori_loop(0, full, lambda i, st: step(i, st, True), state)
+    m, l, acc = lax.cond(rem > 0, lambda st: step(full, st, False), lambda st: st, state)
+    acc_ref[...], m_ref[...], l_ref[...] = acc, m, l
+
+
+def _pool_decode_attend(q, k_cache, v_cache, lengths, indices, G, L, pool_size, scale, layout, cfg):
+    """The pooled sparse decode: softmax partials (acc, m, l) of one split."""
+    B, H, D = q.shape
+    P = pool_size
+    S = max(1, cfg.pool_keys // P)
+    Rq = round_up(H // G, 8)
+    ids = jnp.where(indices[..., ::P] >= 0, indices[..., ::P] // P, -1)  # the pools, whole ones of the row
+    valid = (ids >= 0) & (ids < (lengths // P)[:, None, None])
+    counts = jnp.sum(valid, axis=-1, dtype=jnp.int32)
+    ids = jnp.sort(jnp.where(valid, ids, L // P), axis=-1)
+    ids = jnp.where(ids < L // P, ids, 0).astype(jnp.int32)
+    if ids.shape[-1] == 0:
+        ids = jnp.zeros((B, G, 1), jnp.int32)
+    NPc = -(-ids.shape[-1] // S) * S
+    k_cache, v_cache = (_cache_in_place(x, P, layout) for x in (k_cache, v_cache))  # whole pools
+    L = k_cache.shape[2 if layout == "BGLD" else 1]
+    whole, pick = _cache_rows(q.dtype, G, layout)
+    row = (G, D) if whole else (D,)
+    specs, shapes = bl.decode_partials(B, G, 1, Rq, D, lambda b, g, *_: (b, g, 0, 0, 0))
+    hbm = pl.BlockSpec(memory_space=pl.ANY)
+    kernel = functools.partial(
+        _pool_decode_attend_kernel,
+        R=H // G,
+        P=P,
+        S=S,
+        L=L,
+        scale2=scale * LOG2E,
+        prec=bl.precision(q.dtype),
+        pick=pick,
+        layout=layout,
+    )
+    ids_spec = pl.BlockSpec((None, None, 1, ids.shape[-1]), lambda b, g, *_: (b, g, 0, 0), memory_space=pltpu.SMEM)
+    return _call(
+        kernel,
+        name="kascade_pool_decode_attend",
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2,
+            grid=(B, G),
+            in_specs=[pl.BlockSpec((None, None, Rq, D), lambda b, g, *_: (b, g, 0, 0)), ids_spec, hbm, hbm],
+            out_specs=specs,
+            scratch_shapes=[pltpu.VMEM(((NPc + 1) * P, *row), q.dtype) for _ in range(2)]
+            + [pltpu.SemaphoreType.DMA((2, 1 + NPc // S))],
+        ),
+        out_shape=shapes,
+        interpret=_interpret(cfg),
+        # every copy is in range: the ids are clamped, the partial pool's copy starts at most at L - P
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",) * 2, disable_bounds_checks=True),
+    )(lengths, counts, bl.pack_decode_queries(q, G, Rq, D), ids[:, :, None, :], k_cache, v_cache)

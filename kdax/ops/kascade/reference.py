@@ -20,6 +20,8 @@ from jax import lax
 
 from kdax.ops.common.arrays import masked_softmax
 from kdax.ops.kascade.checks import (
+    POOL_SIZE,
+    TILE_SIZE,
     check_call,
     check_options,
     decode_k_max,
@@ -72,7 +74,7 @@ def naive_attention(q, k, v, *, scale=None, lengths=None) -> jax.Array:
     return _attend(qg, kc, vc, _causal(B, T, row_lengths(lengths, B, T))).astype(q.dtype)
 
 
-def pooled_probabilities(q, k, *, tile_size=32, scale=None, lengths=None) -> jax.Array:
+def pooled_probabilities(q, k, *, tile_size=TILE_SIZE, scale=None, lengths=None) -> jax.Array:
     """The anchor's scores: dense causal attention probabilities, summed over each KV head's
     query heads and over each query tile's valid queries.
 
@@ -165,7 +167,17 @@ def sparse_mask(indices, *, T, tile_size, head_map=None, lengths=None, pool_size
 
 
 def naive_kascade_anchor(
-    q, k, v, *, topk_percent=10, min_k=128, tile_size=32, pool_size=1, scale=None, dense_output=False, lengths=None
+    q,
+    k,
+    v,
+    *,
+    topk_percent=10,
+    min_k=128,
+    tile_size=TILE_SIZE,
+    pool_size=POOL_SIZE,
+    scale=None,
+    dense_output=False,
+    lengths=None,
 ) -> tuple[jax.Array, jax.Array]:
     """A Kascade anchor layer (prefill): select each query tile's keys from exact attention.
 
@@ -196,7 +208,7 @@ def naive_kascade_anchor(
 
 
 def naive_kascade_reuse(
-    q, k, v, indices, *, head_map=None, tile_size=32, pool_size=1, scale=None, lengths=None
+    q, k, v, indices, *, head_map=None, tile_size=TILE_SIZE, pool_size=POOL_SIZE, scale=None, lengths=None
 ) -> jax.Array:
     """A Kascade reuse layer (prefill): attend an anchor's selection, remapped per KV head.
 
@@ -227,7 +239,7 @@ def _decode_scores(q, k_cache, lengths, scale):
 
 
 def naive_kascade_anchor_decode(
-    q, k_cache, v_cache, lengths, *, topk_percent=10, min_k=128, pool_size=1, scale=None, dense_output=False
+    q, k_cache, v_cache, lengths, *, topk_percent=10, min_k=128, pool_size=POOL_SIZE, scale=None, dense_output=False
 ) -> tuple[jax.Array, jax.Array]:
     """A Kascade anchor layer (one decode step): select keys from the exact attention of the token.
 
@@ -263,7 +275,7 @@ def _decode_attend(scores, allowed, v_cache, dtype):
 
 
 def naive_kascade_reuse_decode(
-    q, k_cache, v_cache, lengths, indices, *, head_map=None, pool_size=1, scale=None
+    q, k_cache, v_cache, lengths, indices, *, head_map=None, pool_size=POOL_SIZE, scale=None
 ) -> jax.Array:
     """A Kascade reuse layer (one decode step): attend an anchor's selection (and, with pools, the
     row's last partial pool) only.

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kdax.ops.common.validation import fail
-from kdax.ops.kascade.checks import check_options
+from kdax.ops.kascade.checks import POOL_SIZE, TILE_SIZE, check_options
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,8 +46,8 @@ class KascadeSchedule:
     head_maps: dict[int, tuple[int, ...]]
     topk_percent: float = 10
     min_k: int = 128
-    tile_size: int = 32
-    pool_size: int = 1
+    tile_size: int = TILE_SIZE
+    pool_size: int = POOL_SIZE
 
     def __post_init__(self):
         layers, anchors = tuple(int(x) for x in self.layers), tuple(int(x) for x in self.anchors)
@@ -110,6 +110,8 @@ class KascadeSchedule:
         known = {f.name for f in dataclasses.fields(cls)}
         if not isinstance(d, dict) or set(d) - known or not {"layers", "anchors", "head_maps"} <= set(d):
             fail("schedule", f"a JSON object with the keys {sorted(known)}", sorted(d) if isinstance(d, dict) else d)
+        if "tile_size" in d:  # written before block selection: tokens
+            d.setdefault("pool_size", 1)
         return cls(**d)
 
     def save(self, path: str | os.PathLike) -> None:
@@ -305,7 +307,15 @@ def layer_importance(x, attn) -> float:
 
 
 def build_schedule(
-    layers, pairs, importance, n_anchors: int, *, topk_percent=10, min_k=128, tile_size=32, pool_size=1
+    layers,
+    pairs,
+    importance,
+    n_anchors: int,
+    *,
+    topk_percent=10,
+    min_k=128,
+    tile_size=TILE_SIZE,
+    pool_size=POOL_SIZE,
 ) -> KascadeSchedule:
     """A schedule from calibration statistics.
 

@@ -208,52 +208,68 @@ def _unblock(o, T):
     return jnp.moveaxis(o, 0, 1).reshape(B, NB * nb * tile, G * R, D)[:, :T]
 
 
-def _decode_scores(q, k_cache, lengths, scale):
+def _heads_first(x, cache_layout: str):
+    """A decode cache as [B, G, L, D] (a "BLGD" one transposed)."""
+    return x if cache_layout == "BGLD" else x.transpose(0, 2, 1, 3)
+
+
+def _decode_scores(q, k_cache, lengths, scale, cache_layout):
     """Scores [B, G, R, L] (float32) of one token per row and the valid keys [B, L]."""
     B, H, D = q.shape
-    G = k_cache.shape[2]
+    layout = "bgsd" if cache_layout == "BGLD" else "bsgd"
+    G = k_cache.shape[1 if cache_layout == "BGLD" else 2]
     s = jnp.einsum(
-        "bgrd,bsgd->bgrs",
+        f"bgrd,{layout}->bgrs",
         q.reshape(B, G, H // G, D),
         k_cache,
         preferred_element_type=_acc(q.dtype),
         precision=_precision(q.dtype),
     )
-    return s * scale, jnp.arange(k_cache.shape[1])[None, :] < lengths[:, None]
+    return s * scale, jnp.arange(s.shape[-1])[None, :] < lengths[:, None]
 
 
 def decode_select(P, lengths, *, tenths, min_k, k_max, pool_size=1):
     """A decode selection from the pooled probabilities P [B, G, >= L] of rows of ``lengths`` [B]
     valid keys: the keys of each row's budget of pools of largest summed P among its whole pools,
     ascending, then -1: indices [B, G, k_max] int32."""
-    scores = pool_scores(P, pool_size)
+    pools = decode_select_pools(
+        pool_scores(P, pool_size), lengths, tenths=tenths, min_k=min_k, k_max=k_max, pool_size=pool_size
+    )
+    return pool_keys(pools, pool_size)
+
+
+def decode_select_pools(scores, lengths, *, tenths, min_k, k_max, pool_size):
+    """:func:`decode_select` from the scores of whole pools [B, G, >= L // P]: the selected pools
+    [B, G, k_max / P] int32 (ids ascending, then -1)."""
     candidate = jnp.arange(scores.shape[-1])[None, :] < (lengths // pool_size)[:, None]  # [B, pools]
     scores = jnp.where(candidate[:, None], scores, -jnp.inf)
     keep = pool_count(lengths, tenths, min_k, pool_size)[:, None]
-    return pool_keys(top(scores, k_max // pool_size, keep), pool_size)
+    return top(scores, k_max // pool_size, keep)
 
 
 def kascade_anchor_decode_xla(
-    q, k_cache, v_cache, lengths, *, tenths, min_k, k_max, pool_size, scale, dense_output, cfg
+    q, k_cache, v_cache, lengths, *, tenths, min_k, k_max, pool_size, scale, dense_output, cache_layout, cfg
 ):
     """See :func:`kdax.kascade_anchor_decode`. Returns (indices [B, G, k_max] int32, o [B, H, D])."""
     acc, prec = _acc(q.dtype), _precision(q.dtype)
-    s, valid = _decode_scores(q, k_cache, lengths, scale)
+    s, valid = _decode_scores(q, k_cache, lengths, scale, cache_layout)
     p = masked_softmax(s, valid[:, None, None])
     idx = decode_select(p.sum(axis=2), lengths, tenths=tenths, min_k=min_k, k_max=k_max, pool_size=pool_size)
     if dense_output:
-        o = jnp.einsum("bgrs,bsgd->bgrd", p, v_cache.astype(acc), precision=prec)
+        layout = "bgsd" if cache_layout == "BGLD" else "bsgd"
+        o = jnp.einsum(f"bgrs,{layout}->bgrd", p, v_cache.astype(acc), precision=prec)
         return idx, o.reshape(q.shape).astype(q.dtype)
-    return idx, kascade_reuse_decode_xla(q, k_cache, v_cache, lengths, idx, pool_size=pool_size, scale=scale, cfg=cfg)
+    options = {"pool_size": pool_size, "scale": scale, "cache_layout": cache_layout, "cfg": cfg}
+    return idx, kascade_reuse_decode_xla(q, k_cache, v_cache, lengths, idx, **options)
 
 
-def kascade_reuse_decode_xla(q, k_cache, v_cache, lengths, indices, *, pool_size, scale, cfg):
+def kascade_reuse_decode_xla(q, k_cache, v_cache, lengths, indices, *, pool_size, scale, cache_layout, cfg):
     """See :func:`kdax.kascade_reuse_decode`. indices [B, G, k] already remapped. Returns o [B, H, D]."""
     B, H, D = q.shape
-    G = k_cache.shape[2]
+    kt, vt = (_heads_first(x, cache_layout) for x in (k_cache, v_cache))  # [B, G, L, D]
+    G = kt.shape[1]
     indices = with_decode_tail(indices, lengths, pool_size)
     acc, prec = _acc(q.dtype), _precision(q.dtype)
-    kt, vt = (x.transpose(0, 2, 1, 3) for x in (k_cache, v_cache))  # [B, G, L, D]
     ks, vs = (_gather(x, indices[:, :, None])[:, :, 0] for x in (kt, vt))  # [B, G, k, D]
     s = jnp.einsum("bgrd,bgkd->bgrk", q.reshape(B, G, H // G, D), ks, preferred_element_type=acc, precision=prec)
     s = s * scale

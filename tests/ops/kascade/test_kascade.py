@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -47,6 +48,10 @@ CASES = [
 ]
 
 
+TOKENS = {"pool_size": 1}  # token selection, where a test is about it (the ops' default selects pools)
+TILES32 = {"tile_size": 32, "pool_size": 1}  # tiles of 32 selecting tokens (T = 100: 4 tiles)
+
+
 def inputs(case: Case, dtype=jnp.float64, seed=0):
     r = np.random.default_rng(seed)
     B, T, H, G, D = case.B, case.T, case.H, case.G, case.D
@@ -57,8 +62,12 @@ def inputs(case: Case, dtype=jnp.float64, seed=0):
 
 
 def options(case: Case):
-    opts = {"topk_percent": case.topk_percent, "min_k": case.min_k, "tile_size": case.tile_size}
-    return opts | ({"pool_size": case.pool_size} if case.pool_size > 1 else {})
+    return {
+        "topk_percent": case.topk_percent,
+        "min_k": case.min_k,
+        "tile_size": case.tile_size,
+        "pool_size": case.pool_size,
+    }
 
 
 # Block selection: pools of P keys, P above and below the tile, T and the rows' lengths off the pools.
@@ -175,6 +184,25 @@ def test_pooled_decode_matches_definition(pool_size, lengths):
     np.testing.assert_allclose(got, want, atol=F64["same"])
 
 
+@pytest.mark.parametrize("backend", ["xla", "naive"])
+def test_heads_first_caches_decode_as_the_default_layout(backend):
+    """cache_layout="BGLD" ([B, G, L, D], as TPU paged attention keeps its pages) gives what the
+    default [B, L, G, D] layout gives, token and pool selections alike."""
+    case = Case("decode", B=3, G=2)
+    q, k, v, _ = inputs(case)
+    lengths = jnp.asarray([100, 1, 37], jnp.int32)
+    heads = {"cache_layout": "BGLD", "backend": backend}
+    for opts in ({"topk_percent": 20, "min_k": 4, **TOKENS}, {"topk_percent": 50, "min_k": 4, "pool_size": 16}):
+        idx, o = kdax.kascade_anchor_decode(q[:, 3], k, v, lengths, **opts)
+        got_idx, got = kdax.kascade_anchor_decode(q[:, 3], k.swapaxes(1, 2), v.swapaxes(1, 2), lengths, **opts, **heads)
+        np.testing.assert_array_equal(got_idx, idx)
+        np.testing.assert_allclose(got, o, atol=F64["same"])
+        reuse = {"pool_size": opts["pool_size"], "head_map": [1, 0]}
+        want = kdax.kascade_reuse_decode(q[:, 3], k, v, lengths, idx, **reuse)
+        got = kdax.kascade_reuse_decode(q[:, 3], k.swapaxes(1, 2), v.swapaxes(1, 2), lengths, idx, **reuse, **heads)
+        np.testing.assert_allclose(got, want, atol=F64["same"])
+
+
 def test_full_budget_is_dense_attention_and_reuse_of_own_selection_is_the_anchor():
     case = Case("full", min_k=10_000)
     q, k, v, _ = inputs(case)
@@ -182,7 +210,8 @@ def test_full_budget_is_dense_attention_and_reuse_of_own_selection_is_the_anchor
     np.testing.assert_allclose(o, reference.naive_attention(q, k, v), atol=F64["same"])
     case = Case("sparse")
     idx, o = kdax.kascade_anchor(q, k, v, **options(case))
-    np.testing.assert_allclose(kdax.kascade_reuse(q, k, v, idx, tile_size=case.tile_size), o, atol=F64["same"])
+    reused = kdax.kascade_reuse(q, k, v, idx, tile_size=case.tile_size, pool_size=case.pool_size)
+    np.testing.assert_allclose(reused, o, atol=F64["same"])
     assert np.abs(np.asarray(o - reference.naive_attention(q, k, v))).max() > 1e-3  # it is sparse
 
 
@@ -194,9 +223,9 @@ def test_low_precision_within_bars(dtype):
     case = Case("prec", T=130, lengths=(130, 77))
     q, k, v, lengths = inputs(case)
     idx64, _ = reference.naive_kascade_anchor(q, k, v, **options(case), lengths=lengths)
-    want = reference.naive_kascade_reuse(q, k, v, idx64, tile_size=case.tile_size, lengths=lengths)
+    want = reference.naive_kascade_reuse(q, k, v, idx64, tile_size=case.tile_size, pool_size=1, lengths=lengths)
     low = [x.astype(dtype) for x in (q, k, v)]
-    o = kdax.kascade_reuse(*low, idx64, tile_size=case.tile_size, lengths=lengths)
+    o = kdax.kascade_reuse(*low, idx64, tile_size=case.tile_size, pool_size=1, lengths=lengths)
     assert o.dtype == dtype
     assert rel_rms(o, want) < (1e-5 if dtype == jnp.float32 else 1e-2)
     idx, _ = kdax.kascade_anchor(*low, **options(case), lengths=lengths)
@@ -220,9 +249,11 @@ def test_decode_matches_definition(lengths, dense_output):
     lengths = jnp.asarray(lengths, jnp.int32)
     qt = q[:, 7]
     want_idx, want = reference.naive_kascade_anchor_decode(
-        qt, k, v, lengths, topk_percent=20, min_k=4, dense_output=dense_output
+        qt, k, v, lengths, topk_percent=20, min_k=4, dense_output=dense_output, **TOKENS
     )
-    idx, o = kdax.kascade_anchor_decode(qt, k, v, lengths, topk_percent=20, min_k=4, dense_output=dense_output)
+    idx, o = kdax.kascade_anchor_decode(
+        qt, k, v, lengths, **TOKENS, topk_percent=20, min_k=4, dense_output=dense_output
+    )
     np.testing.assert_array_equal(idx, want_idx)
     np.testing.assert_allclose(o, want, atol=F64["same"])
     assert idx.shape == (3, 2, 20)
@@ -230,9 +261,9 @@ def test_decode_matches_definition(lengths, dense_output):
     if lengths[0] == 0:
         assert not np.asarray(o[0]).any()
     head_map = jnp.asarray([1, 0])
-    want = reference.naive_kascade_reuse_decode(qt, k, v, lengths, want_idx, head_map=head_map)
+    want = reference.naive_kascade_reuse_decode(qt, k, v, lengths, want_idx, head_map=head_map, **TOKENS)
     np.testing.assert_allclose(
-        kdax.kascade_reuse_decode(qt, k, v, lengths, idx, head_map=head_map), want, atol=F64["same"]
+        kdax.kascade_reuse_decode(qt, k, v, lengths, idx, head_map=head_map, **TOKENS), want, atol=F64["same"]
     )
 
 
@@ -240,8 +271,8 @@ def test_decode_with_the_whole_cache_selected_is_dense():
     case = Case("decode")
     q, k, v, _ = inputs(case)
     lengths = jnp.asarray([100, 40], jnp.int32)
-    _, dense = kdax.kascade_anchor_decode(q[:, 3], k, v, lengths, dense_output=True)
-    _, sparse = kdax.kascade_anchor_decode(q[:, 3], k, v, lengths, topk_percent=100, min_k=0)
+    _, dense = kdax.kascade_anchor_decode(q[:, 3], k, v, lengths, dense_output=True, **TOKENS)
+    _, sparse = kdax.kascade_anchor_decode(q[:, 3], k, v, lengths, topk_percent=100, min_k=0, **TOKENS)
     np.testing.assert_allclose(sparse, dense, atol=F64["same"])
 
 
@@ -255,7 +286,8 @@ def test_jit_vmap_and_grad():
     np.testing.assert_allclose(mapped, o, atol=F64["same"])
 
     def loss(backend):
-        return lambda q, k, v: jnp.sum(jnp.sin(kdax.kascade_reuse(q, k, v, idx, tile_size=16, backend=backend)))
+        reuse = functools.partial(kdax.kascade_reuse, tile_size=16, pool_size=1, backend=backend)
+        return lambda q, k, v: jnp.sum(jnp.sin(reuse(q, k, v, idx)))
 
     grads = jax.grad(loss("xla"), argnums=(0, 1, 2))(q, k, v)  # differentiable with the selection held fixed
     want = jax.grad(loss("naive"), argnums=(0, 1, 2))(q, k, v)
@@ -323,7 +355,8 @@ def test_debug_checks_raise_on_traced_lengths_out_of_range():
         np.testing.assert_allclose(
             o, kdax.kascade_anchor(q, k, v, lengths=[3, 100])[1], rtol=F64["same"], atol=F64["same"] / 100
         )
-        g = checkify.checkify(jax.jit(lambda n: kdax.kascade_reuse_decode(q[:, 0], k, v, n, jnp.zeros((2, 2, 4), int))))
+        reuse = lambda n: kdax.kascade_reuse_decode(q[:, 0], k, v, n, jnp.zeros((2, 2, 4), int), **TOKENS)
+        g = checkify.checkify(jax.jit(reuse))
         assert "lengths: expected ints in [0, 100]" in g(jnp.asarray([-1, 5]))[0].get()
 
 
@@ -346,11 +379,13 @@ def _f32(*xs):  # the kernels' configs are checked for inputs the kernels take (
         (lambda q, k, v: kdax.kascade_anchor(q, k, v, tile_size=24), "tile_size"),
         (lambda q, k, v: kdax.kascade_anchor(q, k, v, pool_size=8), "pool_size: expected one of"),
         (
-            lambda q, k, v: kdax.kascade_reuse(q, k, v, jnp.zeros((2, 2, 4, 16), jnp.int32), pool_size=16),
+            lambda q, k, v: kdax.kascade_reuse(
+                q, k, v, jnp.zeros((2, 2, 4, 16), jnp.int32), tile_size=32, pool_size=16
+            ),
             "indices: expected whole pools of 16 keys",
         ),
         (
-            lambda q, k, v: kdax.kascade_reuse(q, k, v, jnp.full((2, 2, 4, 24), -1), pool_size=16),
+            lambda q, k, v: kdax.kascade_reuse(q, k, v, jnp.full((2, 2, 4, 24), -1), tile_size=32, pool_size=16),
             "indices: expected shape",
         ),
         (lambda q, k, v: kdax.kascade_anchor(q, k, v, dense_output=1), "dense_output"),
@@ -378,19 +413,33 @@ def _f32(*xs):  # the kernels' configs are checked for inputs the kernels take (
             lambda q, k, v: kdax.kascade_reuse(
                 *_f32(q, k, v),
                 jnp.zeros((2, 2, 4, 4), jnp.int32),
+                **TILES32,
                 backend="pallas_tpu",
                 config=pallas_tpu.Config(resident_bytes=-1),
             ),
             "config.resident_bytes: expected an int >= 0",
         ),
-        (lambda q, k, v: kdax.kascade_reuse(q, k, v, jnp.zeros((2, 2, 3, 4), jnp.int32)), "indices: expected shape"),
-        (lambda q, k, v: kdax.kascade_reuse(q, k, v, jnp.full((2, 2, 4, 4), 100)), "indices: expected values"),
-        (lambda q, k, v: kdax.kascade_reuse(q, k, v, jnp.zeros((2, 2, 4, 4), jnp.int32), head_map=[0, 2]), "head_map"),
+        (
+            lambda q, k, v: kdax.kascade_reuse(q, k, v, jnp.zeros((2, 2, 3, 4), jnp.int32), **TILES32),
+            "indices: expected shape",
+        ),
+        (
+            lambda q, k, v: kdax.kascade_reuse(q, k, v, jnp.full((2, 2, 4, 4), 100), **TILES32),
+            "indices: expected values",
+        ),
+        (
+            lambda q, k, v: kdax.kascade_reuse(q, k, v, jnp.zeros((2, 2, 4, 4), jnp.int32), head_map=[0, 2], **TILES32),
+            "head_map",
+        ),
         (lambda q, k, v: kdax.kascade_anchor_decode(q, k, v, jnp.asarray([1, 1])), "q: expected a 3-d"),
+        (
+            lambda q, k, v: kdax.kascade_anchor_decode(q[:, 0], k, v, [1, 1], cache_layout="LBGD"),
+            "cache_layout: expected one of",
+        ),
         (lambda q, k, v: kdax.kascade_anchor_decode(q[:, 0], k, v, jnp.asarray([1])), "lengths: expected shape"),
         (
             lambda q, k, v: kdax.kascade_reuse_decode(
-                q[:, 0], k, v, jnp.asarray([1, 1]), jnp.zeros((2, 1, 3), jnp.int32)
+                q[:, 0], k, v, jnp.asarray([1, 1]), jnp.zeros((2, 1, 3), jnp.int32), **TOKENS
             ),
             "indices: expected shape",
         ),
@@ -425,7 +474,7 @@ def test_auto_picks_the_devices_kernels_and_names_kascade_ops():
         assert kdax.explain_backend(op="kascade_reuse")[0] == ("pallas_gpu" if pallas_gpu.VERIFIED_ON_GPU else "xla")
     with pytest.raises(ValueError, match="q: expected float32 or bfloat16 inputs with backend='pallas_tpu'"):
         kdax.kascade_reuse(
-            *inputs(Case("x"))[:3], jnp.zeros((2, 2, 7, 4), jnp.int32), tile_size=16, backend="pallas_tpu"
+            *inputs(Case("x"))[:3], jnp.zeros((2, 2, 7, 4), jnp.int32), tile_size=16, pool_size=1, backend="pallas_tpu"
         )
 
 
@@ -446,13 +495,13 @@ def test_a_planted_key_is_kept_by_kascade_and_lost_by_a_window():
         return [jnp.asarray(x, jnp.float32) for x in (q, k, v)]
 
     first, second = layer(), layer()
-    idx, o_anchor = kdax.kascade_anchor(*first, topk_percent=10, min_k=0, tile_size=tile)
+    idx, o_anchor = kdax.kascade_anchor(*first, topk_percent=10, min_k=0, tile_size=tile, **TOKENS)
     assert p in np.asarray(idx[0, 0, -1])
-    o_reuse = kdax.kascade_reuse(*second, idx, tile_size=tile)
+    o_reuse = kdax.kascade_reuse(*second, idx, tile_size=tile, **TOKENS)
     k_last = int((np.asarray(idx[0, 0, -1]) >= 0).sum())
     window = np.full(idx.shape, -1, np.int32)
     window[0, 0, -1, :k_last] = np.arange(T - tile - k_last, T - tile)
-    o_window = kdax.kascade_reuse(*second, jnp.asarray(window), tile_size=tile)
+    o_window = kdax.kascade_reuse(*second, jnp.asarray(window), tile_size=tile, **TOKENS)
 
     def retrieved(o):  # the planted value's share in the last tile's outputs
         return float(np.mean(np.asarray(o)[0, -tile:, :, 0])) / 5

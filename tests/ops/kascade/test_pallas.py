@@ -4,6 +4,7 @@ definitions (small shapes: CI time), and lowered for their platform on this mach
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import subprocess
 import sys
@@ -44,7 +45,7 @@ class Case:
 
 
 CASES = [Case("gqa_lengths_40_23", lengths=(40, 23)), Case("mha_D60", B=1, T=50, G=4, D=60)]
-OPTIONS = {"topk_percent": 20, "min_k": 4}
+OPTIONS = {"topk_percent": 20, "min_k": 4, "pool_size": 1}  # token selection (pools: the tests below)
 
 
 def inputs(case: Case, dtype, seed=0):
@@ -69,7 +70,7 @@ def test_prefill_matches_definition_in_fp32(backend, case):
     want_idx, want = reference.naive_kascade_anchor(*exact, **opts, lengths=lengths)
     head_map = np.arange(case.G)[::-1].copy()
     want_reuse = reference.naive_kascade_reuse(
-        *exact, want_idx, head_map=head_map, tile_size=case.tile_size, lengths=lengths
+        *exact, want_idx, head_map=head_map, tile_size=case.tile_size, pool_size=1, lengths=lengths
     )
     want_dense = reference.naive_attention(*exact, lengths=lengths)
     cfg = KERNELS[backend]
@@ -80,7 +81,16 @@ def test_prefill_matches_definition_in_fp32(backend, case):
         _, dense = kdax.kascade_anchor(q, k, v, **opts, lengths=lengths, dense_output=True, backend=backend, config=cfg)
         assert rel_rms(dense, want_dense) <= F32["out"]
     o = kdax.kascade_reuse(
-        q, k, v, want_idx, head_map=head_map, tile_size=case.tile_size, lengths=lengths, backend=backend, config=cfg
+        q,
+        k,
+        v,
+        want_idx,
+        head_map=head_map,
+        tile_size=case.tile_size,
+        pool_size=1,
+        lengths=lengths,
+        backend=backend,
+        config=cfg,
     )
     assert rel_rms(o, want_reuse) <= F32["out"]
     if lengths is not None:
@@ -99,7 +109,9 @@ def test_decode_matches_definition(backend, dtype):
     _, want_dense = reference.naive_kascade_anchor_decode(
         exact[0][:, 9], *exact[1:], lengths, **OPTIONS, dense_output=True
     )
-    want_reuse = reference.naive_kascade_reuse_decode(exact[0][:, 9], *exact[1:], lengths, want_idx, head_map=head_map)
+    want_reuse = reference.naive_kascade_reuse_decode(
+        exact[0][:, 9], *exact[1:], lengths, want_idx, head_map=head_map, pool_size=1
+    )
     cfg, bar = KERNELS[backend], 1e-5 if dtype == jnp.float32 else 1e-2
     idx, o = kdax.kascade_anchor_decode(q[:, 9], k, v, lengths, **OPTIONS, backend=backend, config=cfg)
     np.testing.assert_array_equal(idx, want_idx)
@@ -108,7 +120,9 @@ def test_decode_matches_definition(backend, dtype):
         q[:, 9], k, v, lengths, **OPTIONS, dense_output=True, backend=backend, config=cfg
     )
     assert rel_rms(dense, want_dense) <= bar
-    o = kdax.kascade_reuse_decode(q[:, 9], k, v, lengths, want_idx, head_map=head_map, backend=backend, config=cfg)
+    o = kdax.kascade_reuse_decode(
+        q[:, 9], k, v, lengths, want_idx, head_map=head_map, pool_size=1, backend=backend, config=cfg
+    )
     assert rel_rms(o, want_reuse) <= bar
 
 
@@ -148,6 +162,35 @@ def test_pooled_selection_matches_definition(backend, dtype, tile, pool):
     assert rel_rms(o, want) <= bar
 
 
+@pytest.mark.parametrize("backend", KERNELS)
+@pytest.mark.parametrize("layout", ["BLGD", "BGLD"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+def test_decode_over_pools_of_128_matches_definition(backend, layout, dtype):
+    """Decode with pools of 128 keys (the TPU's pooled kernels: a copy a pool of one head), both cache
+    layouts, rows of different lengths (the last pool partial or empty, an empty row), the dense
+    output too; a cache not a multiple of the pool."""
+    case = Case("decode", B=4, T=600, G=2, D=32)
+    (q, k, v), exact = inputs(case, dtype)
+    lengths = jnp.asarray([600, 384, 131, 0], jnp.int32)
+    opts = {"topk_percent": 40, "min_k": 0, "pool_size": 128}
+    cfg, bar = KERNELS[backend], 1e-5 if dtype == jnp.float32 else 1e-2
+    caches = (k, v) if layout == "BLGD" else (k.swapaxes(1, 2), v.swapaxes(1, 2))
+    qt, layouts = q[:, 9], {"cache_layout": layout, "backend": backend, "config": cfg}
+    for dense in (False, True):
+        want_idx, want = reference.naive_kascade_anchor_decode(
+            exact[0][:, 9], *exact[1:], lengths, **opts, dense_output=dense
+        )
+        idx, o = kdax.kascade_anchor_decode(qt, *caches, lengths, **opts, dense_output=dense, **layouts)
+        np.testing.assert_array_equal(idx, want_idx)
+        assert rel_rms(o, want) <= bar and not np.asarray(o[3]).any()
+    head_map = np.asarray([1, 0])
+    want = reference.naive_kascade_reuse_decode(
+        exact[0][:, 9], *exact[1:], lengths, want_idx, head_map=head_map, pool_size=128
+    )
+    o = kdax.kascade_reuse_decode(qt, *caches, lengths, want_idx, head_map=head_map, pool_size=128, **layouts)
+    assert rel_rms(o, want) <= bar
+
+
 # The GQA case where bf16 pooled scores changed the selection: H = 8 over G = 2 at top-k 10%.
 BF16_CASES = [
     Case("bf16_gqa_300", B=1, T=300, H=8, G=2, D=32, tile_size=32),
@@ -162,7 +205,7 @@ def test_bf16_selections_equal_the_definitions(backend, case):
     same bf16 values (the kernels pool in float32), and the sparse output is within 1e-2."""
     (q, k, v), exact = inputs(case, jnp.bfloat16)
     lengths = _lengths(case)
-    opts = {"topk_percent": 10, "min_k": 8, "tile_size": case.tile_size}
+    opts = {"topk_percent": 10, "min_k": 8, "tile_size": case.tile_size, "pool_size": 1}
     want_idx, want = reference.naive_kascade_anchor(*exact, **opts, lengths=lengths)
     cfg = {"config": KERNELS[backend]} if backend in KERNELS else {}
     idx, o = kdax.kascade_anchor(q, k, v, **opts, lengths=lengths, backend=backend, **cfg)
@@ -181,11 +224,11 @@ def test_tpu_sparse_gathers_from_vmem_and_by_dma(dtype):
     lengths, opts = _lengths(case), dict(OPTIONS, tile_size=case.tile_size)
     idx, _ = reference.naive_kascade_anchor(*exact, **opts, lengths=lengths)
     assert (np.asarray(idx) < 0).any()
-    want = reference.naive_kascade_reuse(*exact, idx, tile_size=case.tile_size, lengths=lengths)
+    want = reference.naive_kascade_reuse(*exact, idx, tile_size=case.tile_size, pool_size=1, lengths=lengths)
     bar = F32["out"] if dtype == jnp.float32 else BF16["out"]
     for cfg in (KERNELS["pallas_tpu"], dataclasses.replace(KERNELS["pallas_tpu"], resident_bytes=0)):
         o = kdax.kascade_reuse(
-            q, k, v, idx, tile_size=case.tile_size, lengths=lengths, backend="pallas_tpu", config=cfg
+            q, k, v, idx, tile_size=case.tile_size, pool_size=1, lengths=lengths, backend="pallas_tpu", config=cfg
         )
         assert rel_rms(o, want) <= bar, cfg
 
@@ -231,43 +274,52 @@ def test_kernels_are_forward_only_with_a_clear_error():
     (q, k, v), _ = inputs(case, jnp.float32)
     idx = -jnp.ones((1, case.G, 1, 4), jnp.int32)
     loss = lambda q: kdax.kascade_reuse(
-        q, k, v, idx, tile_size=16, backend="pallas_gpu", config=KERNELS["pallas_gpu"]
+        q, k, v, idx, tile_size=16, pool_size=1, backend="pallas_gpu", config=KERNELS["pallas_gpu"]
     ).sum()
     with pytest.raises(NotImplementedError, match="forward-only"):
         jax.grad(loss)(q)
 
 
-def _all_ops(q, k, v, qt, kc, vc, lengths):
-    idx, o = kdax.kascade_anchor(q, k, v)
-    dense = kdax.kascade_anchor(q, k, v, dense_output=True)[1]
-    reuse = kdax.kascade_reuse(q, k, v, idx)
-    d_idx, d = kdax.kascade_anchor_decode(qt, kc, vc, lengths)
-    return o, dense, reuse, d, kdax.kascade_reuse_decode(qt, kc, vc, lengths, d_idx)
+def _all_ops(q, k, v, qt, kc, vc, lengths, *, tiles, layout):
+    idx, o = kdax.kascade_anchor(q, k, v, **tiles)
+    dense = kdax.kascade_anchor(q, k, v, dense_output=True, **tiles)[1]
+    reuse = kdax.kascade_reuse(q, k, v, idx, **tiles)
+    decode = {"pool_size": tiles["pool_size"], "cache_layout": layout}
+    d_idx, d = kdax.kascade_anchor_decode(qt, kc, vc, lengths, **decode)
+    return o, dense, reuse, d, kdax.kascade_reuse_decode(qt, kc, vc, lengths, d_idx, **decode)
 
 
+# per (platform, selection): the kernels the four ops call, and how many calls in all
+LOWERED = {
+    ("tpu", "tokens"): (("kascade_attend", "kascade_scores", "kascade_decode_scores", "kascade_decode_attend"), 9),
+    ("tpu", "pools"): (("kascade_pool_scores", "kascade_pool_attend", "kascade_pool_decode_scores"), 7),
+    ("cuda", "tokens"): (("kascade_attend", "kascade_scores", "kascade_decode_scores", "kascade_decode_attend"), 9),
+    ("cuda", "pools"): (("kascade_attend", "kascade_scores", "kascade_decode_scores", "kascade_decode_attend"), 9),
+}
+
+
+@pytest.mark.parametrize("selection", ["tokens", "pools"])
 @pytest.mark.parametrize(
     ("dtype", "D", "G"), [(jnp.bfloat16, 128, 4), (jnp.float32, 64, 1)], ids=["bf16_D128_G4", "fp32_D64_G1"]
 )
 @pytest.mark.parametrize(("platform", "marker"), [("tpu", "tpu_custom_call"), ("cuda", "__gpu$xla.gpu.triton")])
-def test_every_kernel_lowers_for_its_platform(platform, marker, dtype, D, G):
+def test_every_kernel_lowers_for_its_platform(platform, marker, dtype, D, G, selection):
     """The four ops with the platform's kernels asked for (on a GPU they are not yet verified, and
     on a TPU "auto" takes them only where they cost less than xla), lowered from this CPU-only
-    machine."""
+    machine: token selection (tiles of 32), and the defaults (tiles of 128 choosing pools of 128,
+    heads-first decode caches on the TPU: its pooled kernels; the GPU's token kernels)."""
     B, T, H, L = 1, 1000, 8, 4096
     s = lambda *shape: jax.ShapeDtypeStruct(shape, dtype)
-    args = (
-        s(B, T, H, D),
-        s(B, T, G, D),
-        s(B, T, G, D),
-        s(2, H, D),
-        s(2, L, G, D),
-        s(2, L, G, D),
-        jax.ShapeDtypeStruct((2,), jnp.int32),
-    )
+    heads_first = platform == "tpu" and selection == "pools"
+    cache = (2, G, L, D) if heads_first else (2, L, G, D)
+    args = (s(B, T, H, D), s(B, T, G, D), s(B, T, G, D), s(2, H, D), s(*cache), s(*cache))
+    args += (jax.ShapeDtypeStruct((2,), jnp.int32),)
+    tiles = {"tile_size": 32, "pool_size": 1} if selection == "tokens" else {"tile_size": 128, "pool_size": 128}
+    fn = functools.partial(_all_ops, tiles=tiles, layout="BGLD" if heads_first else "BLGD")
     with kdax.use_backend("pallas_gpu" if platform == "cuda" else "pallas_tpu"):
-        text = kdax.lower(_all_ops, *args, platform=platform).as_text()
-    names = ("kascade_attend", "kascade_scores", "kascade_decode_scores", "kascade_decode_attend")
-    assert text.count(marker) == 9 and all(n in text for n in names)  # anchors 3 + 2, reuse 1, decode 2 + 1
+        text = kdax.lower(fn, *args, platform=platform).as_text()
+    names, calls = LOWERED[platform, selection]
+    assert text.count(marker) == calls and all(n in text for n in names)
 
 
 @pytest.mark.slow  # compiles every kernel for sm_90a with the triton package: about a minute with float32
@@ -302,7 +354,8 @@ def test_auto_differentiates_forward_only_kernels_through_xla(monkeypatch):
     idx, _ = kdax.kascade_anchor(q, k, v, **opts, lengths=lengths, backend="xla")
     loss = lambda backend: (
         lambda q, k, v: jnp.sum(
-            kdax.kascade_reuse(q, k, v, idx, tile_size=case.tile_size, lengths=lengths, backend=backend) ** 2
+            kdax.kascade_reuse(q, k, v, idx, tile_size=case.tile_size, pool_size=1, lengths=lengths, backend=backend)
+            ** 2
         )
     )
     want = jax.grad(loss("xla"), argnums=(0, 1, 2))(q, k, v)

@@ -105,6 +105,15 @@ def test_schedule_round_trips_through_json(tmp_path):
     assert KascadeSchedule.load(path) == schedule
     assert hash(KascadeSchedule.load(path)) == hash(schedule)  # a static argument of jit
     assert kdax.KascadeSchedule is KascadeSchedule
+    assert (schedule.tile_size, schedule.pool_size) == (128, 128)  # the ops' defaults
+
+
+def test_a_schedule_written_before_block_selection_loads_as_token_selection():
+    """Its JSON has a tile size and no pool size: it selected tokens, and still does."""
+    text = (
+        '{"layers": [0, 1], "anchors": [0], "head_maps": {"1": [0]}, "topk_percent": 10, "min_k": 128, "tile_size": 32}'
+    )
+    assert KascadeSchedule.from_json(text).pool_size == 1
 
 
 @pytest.mark.parametrize(
@@ -115,6 +124,7 @@ def test_schedule_round_trips_through_json(tmp_path):
         ({"layers": (0, 1, 2), "anchors": (0,), "head_maps": {1: (0,)}}, "head_maps"),
         ({"layers": (0, 1), "anchors": (0,), "head_maps": {1: (2, 0)}}, "head_maps"),
         ({"layers": (0,), "anchors": (0,), "head_maps": {}, "tile_size": 8}, "tile_size"),
+        ({"layers": (0,), "anchors": (0,), "head_maps": {}, "pool_size": 8}, "pool_size"),
     ],
 )
 def test_bad_schedules_raise_value_errors_naming_the_field(kwargs, match):
@@ -156,7 +166,7 @@ def test_output_error_and_mass_disagree_and_output_picks_the_output_better_head(
     own = anchor[:, [0, 0]]  # the layer's own top 2: key 7, then 3 (ties toward the smaller index)
 
     def run(l, indices):
-        return kdax.kascade_reuse(q, k, v, indices, tile_size=tile, backend="xla")
+        return kdax.kascade_reuse(q, k, v, indices, tile_size=tile, pool_size=1, backend="xla")
 
     out = output_similarity(run, [anchor, own], tile)[0, 1]  # anchor layer 0 serving layer 1
     P = reference.pooled_probabilities(q, k, tile_size=tile)
@@ -167,4 +177,6 @@ def test_output_error_and_mass_disagree_and_output_picks_the_output_better_head(
         full = np.zeros((2, 2, 2, 2))
         full[0, 1] = pairs
         full[0, 0] = full[1, 1] = 1.0
-        assert build_schedule([0, 1], full, [1.0, 1.0], 1, min_k=2, tile_size=tile).head_maps == {1: (head, head)}
+        assert build_schedule([0, 1], full, [1.0, 1.0], 1, min_k=2, tile_size=tile, pool_size=1).head_maps == {
+            1: (head, head)
+        }
