@@ -60,7 +60,9 @@ class Config:
             DMA, row by row (docs/kascade_tpu.md, "Gathers").
         pool_keys: keys a step of the pooled kernels (block selection): pools a chunk of the sparse
             pass times the pool size, and the key blocks of the anchor's pass (at least one pool).
-        pool_rows: query rows (tiles times query heads) a program of the pooled anchor's pass takes.
+        pool_rows: query rows (tiles times query heads) a program of the pooled anchor's pass takes
+            (512: one tile of the default 128 at four query heads a KV head, whose masses are a row
+            of the output as they are; several tiles a program leave XLA a transpose).
         pool_scratch: the most VMEM bytes of that pass's pool sums (Tp / pool_size x its rows floats).
         interpret: run in the Pallas TPU interpreter; None: unless on a TPU (or lowering for one).
         detect_races: in the interpreter, check the kernels for data races.
@@ -76,7 +78,7 @@ class Config:
     splits: int | None = None
     resident_bytes: int = 24 << 20
     pool_keys: int = 512
-    pool_rows: int = 1024
+    pool_rows: int = 512
     pool_scratch: int = 16 << 20
     interpret: bool | None = None
     detect_races: bool = False
@@ -600,18 +602,22 @@ def _pool_attend_kernel(
 
 def pool_selection(indices, plan: bl.Plan, pool_size: int):
     """A selection of whole pools [B, G, NT, k] (keys, -1 for none) as the pooled kernels read it:
-    (ids [B, G, NT, max(1, k / P)] int32, each tile's pools before its pool boundary first, ascending,
-    the rest 0 (in range); counts [B, G, NT] int32 of those)."""
+    (ids [B, G, NT, max(1, k / P)] int32, each tile's pools before its pool boundary first, in the
+    selection's order, the rest 0 (in range); counts [B, G, NT] int32 of those)."""
     P = pool_size
-    ids = indices[..., ::P]
-    ids = jnp.where(ids >= 0, ids // P, -1)
+    ids = jnp.where(indices[..., ::P] >= 0, indices[..., ::P] // P, -1)
     first = jnp.arange(plan.NT, dtype=jnp.int32) * plan.tile_size // P  # pools before the boundary
-    valid = (ids >= 0) & (ids < first[:, None])
-    ids = jnp.sort(jnp.where(valid, ids, plan.Tp // P), axis=-1)
-    ids = jnp.where(ids < plan.Tp // P, ids, 0).astype(jnp.int32)
-    if ids.shape[-1] == 0:
-        ids = jnp.zeros((*ids.shape[:-1], 1), jnp.int32)
-    return ids, jnp.sum(valid, axis=-1, dtype=jnp.int32)
+    return _compact(ids, (ids >= 0) & (ids < first[:, None]))
+
+
+def _compact(ids, valid):
+    """(ids [..., n] with the valid ones first, in order, the rest 0; their counts [...]), with no
+    sort: each valid id's slot is the count of valid ids before it."""
+    n = max(1, ids.shape[-1])
+    slot = jnp.where(valid, jnp.cumsum(valid, axis=-1, dtype=jnp.int32) - 1, -1)
+    hit = slot[..., None, :] == jnp.arange(n, dtype=jnp.int32)[:, None]  # [..., n, n]
+    compact = jnp.max(jnp.where(hit, ids[..., None, :], 0), axis=-1, initial=0)
+    return compact.astype(jnp.int32), jnp.sum(valid, axis=-1, dtype=jnp.int32)
 
 
 def _pool_attend(qt, kp, vp, lengths, ids, counts, plan: bl.Plan, pool_size: int, *, cfg):
@@ -666,9 +672,9 @@ def _pool_scores_kernel(lengths_ref, qt_ref, k_hbm, *rest, tile, Rp, P, W, nq, s
     every block is in, each query's weights exp2(m_c - lse) turn C into exact probability masses,
     summed over each tile's queries (lanes). The key blocks before the query block need no mask."""
     if dense:
-        v_hbm, mass_ref, o_ref, lse_ref, kbuf, vbuf, sems, c_ref, mh_ref = rest
+        v_hbm, ms_ref, o_ref, lse_ref, kbuf, vbuf, sems, c_ref, mh_ref = rest
     else:
-        (mass_ref, kbuf, sems, c_ref, mh_ref), v_hbm, vbuf = rest, None, None
+        (ms_ref, kbuf, sems, c_ref, mh_ref), v_hbm, vbuf = rest, None, None
     b, g, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     rows = qt_ref.shape[1]
     q0 = j * nq * tile
@@ -705,11 +711,11 @@ def _pool_scores_kernel(lengths_ref, qt_ref, k_hbm, *rest, tile, Rp, P, W, nq, s
     def _(c):
         at = pl.ds(pl.multiple_of(c * (W // P), 8), W // P)
         mass = c_ref[at] * jnp.exp2(mh_ref[pl.ds(c, 1)] - lse)  # [W / P, rows]
-        mass_ref[at] = jnp.sum(mass.reshape(W // P, nq, rows // nq), axis=2)
+        ms_ref[at, pl.ds(0, nq)] = jnp.sum(mass.reshape(W // P, nq, rows // nq), axis=2)
 
-    @pl.loop(total, mass_ref.shape[0] // (W // P))
+    @pl.loop(total, ms_ref.shape[0] // (W // P))
     def _(c):
-        mass_ref[pl.ds(pl.multiple_of(c * (W // P), 8), W // P)] = jnp.zeros((W // P, nq), jnp.float32)
+        ms_ref[pl.ds(pl.multiple_of(c * (W // P), 8), W // P), pl.ds(0, nq)] = jnp.zeros((W // P, nq), jnp.float32)
 
     if dense:
         o_ref[...] = jnp.where(pos < lengths_ref[b], acc / l, 0.0).astype(o_ref.dtype)
@@ -737,8 +743,9 @@ def _pool_scores(qt, kp, vp, lengths, plan: bl.Plan, pool_size: int, nq: int, *,
     )
     qspec = pl.BlockSpec((None, None, D, rows), lambda b, g, j, *_: (b, g, 0, j))
     hbm = pl.BlockSpec(memory_space=pl.ANY)
-    mass = pl.BlockSpec((None, None, None, Tp // P, nq), lambda b, g, j, *_: (b, g, j, 0, 0))
-    out_specs, out_shape = [mass], [jax.ShapeDtypeStruct((B, G, NQ, Tp // P, nq), jnp.float32)]
+    # a tile's masses a lane (of 128: whole vregs; XLA takes the nq and transposes)
+    mass = pl.BlockSpec((None, None, None, Tp // P, LANE), lambda b, g, j, *_: (b, g, j, 0, 0))
+    out_specs, out_shape = [mass], [jax.ShapeDtypeStruct((B, G, NQ, Tp // P, LANE), jnp.float32)]
     if dense:
         out_specs += [qspec, pl.BlockSpec((None, None, 1, rows), lambda b, g, j, *_: (b, g, 0, j))]
         out_shape += [
@@ -763,7 +770,7 @@ def _pool_scores(qt, kp, vp, lengths, plan: bl.Plan, pool_size: int, nq: int, *,
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",) * 3, vmem_limit_bytes=vmem + (8 << 20)),
         interpret=_interpret(cfg),
     )(lengths, qt, kp, *([vp] if dense else []))
-    mass = outs[0].transpose(0, 1, 2, 4, 3).reshape(B, G, NQ * nq, Tp // P)
+    mass = outs[0][..., :nq].transpose(0, 1, 2, 4, 3).reshape(B, G, NQ * nq, Tp // P)
     return mass, (outs[1] if dense else None)
 
 
@@ -911,7 +918,7 @@ def kascade_anchor_decode_tpu(
     L, G = (k_cache.shape[2], k_cache.shape[1]) if cache_layout == "BGLD" else k_cache.shape[1:3]
     budget = {"tenths": tenths, "min_k": min_k, "k_max": k_max, "pool_size": pool_size}
     reuse = {"pool_size": pool_size, "scale": scale, "cache_layout": cache_layout, "cfg": cfg}
-    if _decode_pools(pool_size, L):
+    if _decode_pools(pool_size, L, q.dtype, G, cache_layout):
         mass, parts = _pool_decode_scores(
             q, k_cache, v_cache if dense_output else None, lengths, G, L, pool_size, scale, cache_layout, cfg
         )
@@ -974,7 +981,7 @@ def kascade_reuse_decode_tpu(q, k_cache, v_cache, lengths, indices, *, pool_size
     """See :func:`kdax.kascade_reuse_decode`. indices [B, G, k] already remapped. Returns o [B, H, D]."""
     B, H, D = q.shape
     L, G = (k_cache.shape[2], k_cache.shape[1]) if cache_layout == "BGLD" else k_cache.shape[1:3]
-    if _decode_pools(pool_size, L):
+    if _decode_pools(pool_size, L, q.dtype, G, cache_layout):
         return bl.decode_output(
             *_pool_decode_attend(q, k_cache, v_cache, lengths, indices, G, L, pool_size, scale, cache_layout, cfg), q
         )
@@ -1015,10 +1022,12 @@ def kascade_reuse_decode_tpu(q, k_cache, v_cache, lengths, indices, *, pool_size
 # ----------------------------------------------------------------------------- decode over pools
 
 
-def _decode_pools(pool_size: int, L: int) -> bool:
-    """Whether the decode ops run the pooled kernels: pools of whole lane tiles (128 keys or more)
-    and a cache of at least one pool; else the token kernels with each row's last pool's keys."""
-    return pool_size >= LANE and L >= pool_size
+def _decode_pools(pool_size: int, L: int, dtype, G: int, cache_layout: str) -> bool:
+    """Whether the decode ops run the pooled kernels: pools of whole lane tiles (128 keys or more),
+    a cache of at least one pool, and a head's rows its own (not a bf16 cache [B, L, G, D] of
+    several heads, whose rows come with every head's: :func:`_cache_rows`); else the token kernels
+    with each row's last pool's keys."""
+    return pool_size >= LANE and L >= pool_size and not _cache_rows(dtype, G, cache_layout)[0]
 
 
 def _pool_decode_scores_kernel(lengths_ref, q_ref, k_hbm, *rest, R, P, W, scale2, prec, dense, pick, layout):
@@ -1213,12 +1222,7 @@ def _pool_decode_attend(q, k_cache, v_cache, lengths, indices, G, L, pool_size, 
     S = max(1, cfg.pool_keys // P)
     Rq = round_up(H // G, 8)
     ids = jnp.where(indices[..., ::P] >= 0, indices[..., ::P] // P, -1)  # the pools, whole ones of the row
-    valid = (ids >= 0) & (ids < (lengths // P)[:, None, None])
-    counts = jnp.sum(valid, axis=-1, dtype=jnp.int32)
-    ids = jnp.sort(jnp.where(valid, ids, L // P), axis=-1)
-    ids = jnp.where(ids < L // P, ids, 0).astype(jnp.int32)
-    if ids.shape[-1] == 0:
-        ids = jnp.zeros((B, G, 1), jnp.int32)
+    ids, counts = _compact(ids, (ids >= 0) & (ids < (lengths // P)[:, None, None]))
     NPc = -(-ids.shape[-1] // S) * S
     k_cache, v_cache = (_cache_in_place(x, P, layout) for x in (k_cache, v_cache))  # whole pools
     L = k_cache.shape[2 if layout == "BGLD" else 1]

@@ -54,6 +54,32 @@ def top(P, k_max, keep):
     return jnp.where(order < S, order, -1).astype(jnp.int32)
 
 
+def threshold_top(scores, k_max, keep):
+    """:func:`top` without a sort, for the pools' few hundred scores a row: each row's ``keep``-th
+    largest value found by bisection on its float32 bits (32 passes of a compare and a count),
+    the values above it taken and the ties at it toward the smaller index (a running count), then
+    the taken positions listed in order (a compare of every slot with every position). Every step
+    is a fixed-size array op, so a compiled program's cost is static (XLA's sort loops are not)."""
+    if k_max == 0:
+        return jnp.zeros((*scores.shape[:-1], 0), jnp.int32)
+    bits = lax.bitcast_convert_type(scores.astype(jnp.float32), jnp.int32)
+    key = jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)  # ordered as the floats are
+    keep = jnp.broadcast_to(keep, scores.shape[:-1]).astype(jnp.int32)
+    lo = jnp.full(scores.shape[:-1], jnp.iinfo(jnp.int32).min, jnp.int32)  # count(key >= lo) >= keep
+    hi = jnp.full(scores.shape[:-1], jnp.iinfo(jnp.int32).max, jnp.int32)
+    for _ in range(32):  # the largest lo with count(key >= lo) >= keep
+        mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1)
+        enough = jnp.sum(key >= mid[..., None], axis=-1, dtype=jnp.int32) >= keep
+        lo, hi = jnp.where(enough, mid, lo), jnp.where(enough, hi, mid)
+    above, tied = key > lo[..., None], key == lo[..., None]
+    need = keep - jnp.sum(above, axis=-1, dtype=jnp.int32)
+    taken = (above | (tied & (jnp.cumsum(tied, axis=-1, dtype=jnp.int32) <= need[..., None]))) & (keep > 0)[..., None]
+    slot = jnp.where(taken, jnp.cumsum(taken, axis=-1, dtype=jnp.int32) - 1, -1)  # [..., n]
+    hit = slot[..., None, :] == jnp.arange(k_max, dtype=jnp.int32)[:, None]  # [..., k_max, n]
+    position = jnp.arange(scores.shape[-1], dtype=jnp.int32)
+    return jnp.where(hit.any(-1), jnp.max(jnp.where(hit, position, -1), axis=-1), -1).astype(jnp.int32)
+
+
 def select(pooled, starts, lengths, *, pool_size=1, **budget):
     """The selection of query tiles from their pooled probabilities.
 
@@ -73,7 +99,7 @@ def select_pools(scores, starts, lengths, *, tenths, min_k, k_max, pool_size):
     candidate = jnp.arange(scores.shape[-1])[None, :] < (starts // pool_size)[:, None]
     scores = jnp.where(candidate, scores, -jnp.inf)
     keep = pool_count(starts, tenths, min_k, pool_size)[None] * (starts[None] < lengths[:, None])  # [B, n]
-    return top(scores, k_max // pool_size, keep[:, None])
+    return (threshold_top if pool_size > 1 else top)(scores, k_max // pool_size, keep[:, None])
 
 
 def with_tail(indices, starts, *, tile_size: int, pool_size: int):
@@ -244,7 +270,7 @@ def decode_select_pools(scores, lengths, *, tenths, min_k, k_max, pool_size):
     candidate = jnp.arange(scores.shape[-1])[None, :] < (lengths // pool_size)[:, None]  # [B, pools]
     scores = jnp.where(candidate[:, None], scores, -jnp.inf)
     keep = pool_count(lengths, tenths, min_k, pool_size)[:, None]
-    return top(scores, k_max // pool_size, keep)
+    return (threshold_top if pool_size > 1 else top)(scores, k_max // pool_size, keep)
 
 
 def kascade_anchor_decode_xla(

@@ -509,3 +509,16 @@ def test_a_planted_key_is_kept_by_kascade_and_lost_by_a_window():
     assert retrieved(reference.naive_attention(*second)) > 0.9  # dense attention finds it
     assert retrieved(o_anchor) > 0.9 and retrieved(o_reuse) > 0.9
     assert retrieved(o_window) < 0.1
+
+
+def test_threshold_selection_equals_the_sorting_one():
+    """The pools' selection without a sort (bisection on the scores' bits, ties toward the smaller
+    index) picks what a sort picks: rows of ties, -inf entries, budgets from 0 to the width."""
+    r = np.random.default_rng(0)
+    for _ in range(50):
+        n = int(r.integers(1, 300))
+        k = int(r.integers(0, n + 1))
+        x = np.where(r.random((4, n)) < 0.5, r.integers(-3, 3, (4, n)), r.standard_normal((4, n))).astype(np.float32)
+        x[r.random((4, n)) < 0.2] = -np.inf
+        keep = jnp.asarray(r.integers(0, k + 1, (4,)))
+        np.testing.assert_array_equal(xla.threshold_top(jnp.asarray(x), k, keep), xla.top(jnp.asarray(x), k, keep))
