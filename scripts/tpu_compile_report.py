@@ -759,6 +759,7 @@ def kascade_calls(chip: str, make) -> list[Peer]:
     import jax.numpy as jnp
 
     import kdax
+    from kdax.ops.kascade import pallas_tpu
     from kdax.ops.kascade.checks import POOL_SIZE, TILE_SIZE
 
     H, G, D, out = 32, 8, 128, []
@@ -812,7 +813,8 @@ def kascade_calls(chip: str, make) -> list[Peer]:
                 opts = {"backend": backend, "pool_size": P, "cache_layout": layout}
                 variant = backend + ("" if (layout, P) == ("BLGD", POOL_SIZE) else f" {layout} pool {P}")
                 caches = heads_first if layout == "BGLD" else [kc, vc]
-                trips = kascade_decode_trips(L, pool_size=P)
+                pooled = pallas_tpu._decode_pools(P, L, dt, G, layout)  # else the token kernels
+                trips = kascade_decode_trips(L, pool_size=P if pooled else 1)
                 ad = lambda q, k, v, n, opts=opts: kdax.kascade_anchor_decode(q, k, v, n, topk_percent=10, **opts)
                 didx = jax.eval_shape(ad, qd, *caches, n)[0]
                 rd = lambda q, k, v, n, i, opts=opts: kdax.kascade_reuse_decode(q, k, v, n, i, **opts)
@@ -931,22 +933,21 @@ def kascade_summary(rows: list[Row], peers: dict[str, Peer], rates: dict[str, Ra
         "| chip | dtype | shape | op | static cycles | HBM bytes | roofline | vs dense: cycles | vs dense: bytes |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    gb = lambda n: f"{n / 1e9:,.3f} GB"
+    ge = lambda unknown: " (≥)" if unknown else ""  # a lower bound: loops, or DMA waits, of unknown size
+    gb = lambda r: f"{r.hbm_bytes / 1e9:,.3f} GB{ge(r.unknown_dmas)}"
     us = lambda t, b: f"{t * 1e6:,.0f} us ({b})"
     for key in sorted(best):
         d, td, bd, name = best[key]
-        lb = " (≥)" if d.unknown_loops else ""
         out.append(
-            f"| {' | '.join(key)} | dense ({name}) | {_m(d.cycles)}{lb} | {gb(d.hbm_bytes)} | {us(td, bd)} | 1 | 1 |"
+            f"| {' | '.join(key)} | dense ({name}) | {_m(d.cycles)}{ge(d.unknown_loops)} | {gb(d)} | {us(td, bd)} | 1 | 1 |"
         )
         ops = {}
         for k2, op, r, t, bound in mine:
             if k2 == key:
                 ops[op] = r
-                lb = " (≥)" if r.unknown_loops or r.unknown_dmas else ""
                 ratio_c, ratio_b = r.cycles / d.cycles, r.hbm_bytes / max(d.hbm_bytes, 1)
                 out.append(
-                    f"| {' | '.join(key)} | {op} | {_m(r.cycles)}{lb} | {gb(r.hbm_bytes)} | {us(t, bound)} "
+                    f"| {' | '.join(key)} | {op} | {_m(r.cycles)}{ge(r.unknown_loops)} | {gb(r)} | {us(t, bound)} "
                     f"| {ratio_c:.2f} | {ratio_b:.2f} |"
                 )
         for name, anchor in ops.items():

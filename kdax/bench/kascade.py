@@ -68,11 +68,14 @@ def run(
     progress=True,
     backends=None,
     decode_batch=None,
+    cache_layout="BLGD",
 ) -> list[Row]:
     """Time each layer kind at prefill length T (batch B) and decode cache length L.
 
     Args:
         decode_batch: the decode rows (None: B).
+        cache_layout: the Kascade decode ops' caches, "BLGD" [B, L, G, D] or "BGLD" [B, G, L, D]
+            (dense decode reads [B, L, G, D]).
         backends: the Kascade ops' backends to time, each against the same dense rows; None:
             :func:`default_backends`.
 
@@ -99,33 +102,35 @@ def run(
     qd, kc, vc = _inputs(Bd, L, H, G, D, dtype, seed=2)
     qd, lengths = qd[:, -1], jnp.full((Bd,), L, jnp.int32)
     didx, _ = kdax.kascade_anchor_decode(qd * 0.5, kc, vc, lengths, **opts)
+    layout = {"cache_layout": cache_layout}
     decode = {
         "dense": lambda q, k, v, n, idx, b: jax.nn.dot_product_attention(q[:, None], k, v)[:, 0],
         "anchor (dense output)": lambda q, k, v, n, idx, b: kdax.kascade_anchor_decode(
-            q, k, v, n, **opts, dense_output=True, backend=b
+            q, k, v, n, **opts, **layout, dense_output=True, backend=b
         ),
-        "anchor": lambda q, k, v, n, idx, b: kdax.kascade_anchor_decode(q, k, v, n, **opts, backend=b),
+        "anchor": lambda q, k, v, n, idx, b: kdax.kascade_anchor_decode(q, k, v, n, **opts, **layout, backend=b),
         "reuse": lambda q, k, v, n, idx, b: kdax.kascade_reuse_decode(
-            q, k, v, n, idx, head_map=head_map, pool_size=pool_size, backend=b
+            q, k, v, n, idx, head_map=head_map, pool_size=pool_size, **layout, backend=b
         ),
     }
+    caches = (kc, vc) if cache_layout == "BLGD" else (kc.swapaxes(1, 2), vc.swapaxes(1, 2))
     jobs = []
-    for phase, n, fns, args in (
-        ("prefill", T, prefill, (q, k, v, idx)),
-        ("decode", L, decode, (qd, kc, vc, lengths, didx)),
+    for phase, n, fns, args, kargs in (
+        ("prefill", T, prefill, (q, k, v, idx), (q, k, v, idx)),
+        ("decode", L, decode, (qd, kc, vc, lengths, didx), (qd, *caches, lengths, didx)),
     ):
-        jobs.append((phase, n, "-", "dense", fns["dense"], args))
-        jobs += [(phase, n, b, name, fn, args) for b in backends for name, fn in fns.items() if name != "dense"]
+        jobs.append((phase, n, "-", "dense", fns["dense"], args, args))
+        jobs += [(phase, n, b, name, fn, kargs, args) for b in backends for name, fn in fns.items() if name != "dense"]
     bar = tqdm(jobs, desc="kdax bench kascade", disable=not progress)
     rows, dense_ms = [], {}
-    for phase, n, backend, name, fn, args in bar:
+    for phase, n, backend, name, fn, args, checked in bar:  # checked: args in the reference's layout
         bar.set_postfix_str(f"{phase} {backend} {name}: compiling, then {repeats} timed calls")
         f = jax.jit(functools.partial(fn, b=backend))
         t = time_calls(lambda f=f, args=args: f(*args), repeats)
         out = f(*args)
         o = out[1] if isinstance(out, tuple) else out
         dense_ms.setdefault(phase, t.median)
-        err = _error(name, o, args, head_map, opts, tile_size)
+        err = _error(name, o, checked, head_map, opts, tile_size)
         rows.append(Row(phase, n, backend, name, t.median, (t.q25, t.q75), dense_ms[phase] / t.median, err))
         if name == "reuse":  # the backend's last layer kind of this phase
             ms = {r.layer: r for r in rows if r.phase == phase and r.backend == backend}
@@ -233,6 +238,13 @@ def register(sub) -> None:
     p.add_argument("--pool-size", type=int, default=POOL_SIZE, choices=POOL_SIZES, help="keys per selected pool")
     p.add_argument("--dtype", default="float32", choices=flags.DTYPES, help="input dtype")
     p.add_argument(
+        "--cache-layout",
+        default="BLGD",
+        choices=("BLGD", "BGLD"),
+        help="the Kascade decode caches: [B, L, G, D] or [B, G, L, D] (heads first; on a TPU a bf16 cache's "
+        "pools are single copies only so)",
+    )
+    p.add_argument(
         "--backends",
         type=flags.names(("xla", "pallas_tpu", "pallas_gpu")),
         help="the Kascade ops' backends to time (default: xla and the device's kernels)",
@@ -268,11 +280,12 @@ def _command(ns, parser) -> int:
         progress=not ns.json,
         backends=ns.backends,
         decode_batch=ns.decode_batch,
+        cache_layout=ns.cache_layout,
     )
     shape = (
         f"# B={ns.B} H={ns.H} G={ns.kv_heads} D={ns.head_dim} {ns.dtype}, top-k {ns.topk_percent:g}% (at least "
         f"{ns.min_k} keys), tile {ns.tile_size}, pools of {ns.pool_size}; decode: batch {ns.decode_batch or ns.B}, "
-        f"cache {ns.cache_len} keys"
+        f"cache {ns.cache_len} keys ({ns.cache_layout})"
     )
     data = [dataclasses.asdict(r) for r in rows]
     return flags.emit(ns, flags.meta(ns), "kascade", data, f"{shape}\n{format_table(rows)}")

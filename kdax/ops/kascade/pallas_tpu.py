@@ -1,26 +1,25 @@
-"""Kascade as Mosaic TPU kernels (``backend="pallas_tpu"``): forward only.
+"""Kascade as Mosaic TPU kernels (``backend="pallas_tpu"``): forward only (docs/kascade_tpu.md).
 
-The same four kernels as the GPU backend (docs/kascade_tpu.md), on the packed layout of
-:mod:`kdax.ops.kascade.blocks`; K and V stay in HBM and the kernels copy what they read
-into VMEM by DMA, two blocks in flight:
+Over pools (``pool_size`` > 1, the default 128; block selection):
 
-- ``kascade_attend`` (grid B, G, NT): a query tile attends key blocks, then its own causal
-  block (a VMEM block of the grid). Dense: each block one strided DMA. Sparse: each block's
-  indices copied to SMEM (to drive the copies) and VMEM (for the masks), then one DMA per
-  selected row, ``block_k`` rows a block.
-- ``kascade_scores`` (grid B, G, NT): a tile's pooled probabilities, key block by key block
-  up to the tile (blocks past it are neither read nor computed).
-- ``kascade_decode_scores`` (grid B, G, splits): one token's log2 scores over a split of the
-  cache read in place ``[B, L, G, D]`` (a strided DMA per block) and, for a dense output,
-  the split's partial softmax.
+- ``kascade_pool_scores`` (grid B, G, query blocks): one flash-style pass over the keys up to
+  the block's last query that sums each tile's probability mass on each pool at the running
+  max and makes the sums exact once each query's log-sum-exp is known; with a dense output,
+  also the exact attention.
+- ``kascade_pool_attend`` (grid B, G, NT): a tile's selected pools, one DMA each from K and V
+  as the callers lay them out ([B, T, G, D]), and its own causal block, on its queries
+  [B, T, H, D] in place.
+- ``kascade_pool_decode_scores`` / ``kascade_pool_decode_attend`` (grid B, G): the same for one
+  token over the cache, each pool one DMA.
+
+Over tokens (``pool_size=1``), on the packed layout of :mod:`kdax.ops.kascade.blocks`, as the
+GPU backend: ``kascade_attend`` (dense, or sparse with the selected rows gathered from the KV
+head kept in VMEM or by DMA), ``kascade_scores`` (a tile's pooled probabilities, key block by
+key block), ``kascade_decode_scores`` and ``kascade_decode_attend`` (split-K over the cache).
 
 Work loops inside programs rather than over grid steps (each TPU grid step costs about
-0.35 us, more than a [128, 128] x [128, 512] product), so the grids stay at one program per
-query tile or cache split.
-- ``kascade_decode_attend`` (grid B, G, splits): split-K over the selected rows, gathered as
-  in the sparse attend.
-
-Off TPU the kernels run in the Pallas TPU interpreter (for tests; slow).
+0.35 us, more than a [128, 128] x [128, 512] product). Off TPU the kernels run in the Pallas
+TPU interpreter (for tests; slow).
 """
 
 from __future__ import annotations
@@ -57,7 +56,7 @@ class Config:
         resident_bytes: the most bytes of a KV head's keys and values (as gathered: bfloat16 K and V
             as one uint32 array, other narrow dtypes as float32) the sparse prefill kernel keeps in
             VMEM to gather selected rows with vector loads; longer heads are gathered from HBM by
-            DMA, row by row (docs/kascade_tpu.md, "Gathers").
+            DMA, row by row (docs/kascade_tpu.md, "The token kernels").
         pool_keys: keys a step of the pooled kernels (block selection): pools a chunk of the sparse
             pass times the pool size, and the key blocks of the anchor's pass (at least one pool).
         pool_rows: query rows (tiles times query heads) a program of the pooled anchor's pass takes
@@ -491,7 +490,7 @@ def kascade_reuse_tpu(q, k, v, lengths, indices, *, tile_size, pool_size, scale,
     """See :func:`kdax.kascade_reuse`. indices [B, G, NT, k] already remapped. Returns o [B, T, H, D]."""
     if pool_size > 1:
         plan, _ = _pool_plan(q, k, tile_size, pool_size, scale, cfg)
-        return _pooled_reuse(q, k, v, lengths, indices, plan, pool_size, cfg)
+        return _pool_attend(q, k, v, lengths, *pool_selection(indices, plan, pool_size), plan, pool_size, cfg=cfg)
     return bl.reuse(
         functools.partial(_attend, cfg=cfg), q, k, v, lengths, indices, _plan(q, k, tile_size, scale, cfg), pool_size
     )
@@ -509,7 +508,7 @@ def _dot(a, b, dims, prec):
 
 def _pool_attend_kernel(
     lengths_ref,
-    qt_ref,
+    q_ref,
     cnt_ref,
     pid_ref,
     ko_ref,
@@ -523,35 +522,42 @@ def _pool_attend_kernel(
     sems,
     *,
     tile,
-    Rp,
+    R,
+    D,
     P,
     S,
     scale2,
     prec,
 ):
-    """Grid (B, G, NT). A query tile transposed, qt, o [D, rows] (rows = tile * Rp lanes, token-major
-    then head); cnt [1, 1] its selected pools, pid [1, NPp] their ids (the first cnt valid, before
-    the tile's pool boundary b); ko, vo [own, D] its own keys and values from b (own = max(P, tile));
-    k, v [B, G, Tp, D] in HBM. Scratch: kbuf, vbuf [NPc * P, D] the selected pools (every pool one
-    DMA each, all started at once, a semaphore a chunk), sbuf [NPc * P, rows] their log2 scores.
+    """Grid (B, G, NT), on the callers' layouts: a query tile q, o [tile, R * D] (its KV head's R
+    query heads side by side); cnt [1, 1] its selected pools, pid [1, NPp] their ids (the first cnt
+    valid, before the tile's pool boundary b); ko, vo [own, D] its own keys and values from b
+    (own = max(P, tile)); k, v [B, Tp, G * D] in HBM. Scratch: kbuf, vbuf [NPc * P, D] the selected
+    pools (every pool one DMA each, all started at once, a semaphore a chunk), sbuf
+    [NPc * P, R * tile] their log2 scores.
 
-    Two passes over the selection in chunks of S pools, no running rescale: the scores and their
-    column max, then exp2 against that max, the sums and the products with V (the last chunk's
-    unfilled pools zeroed and masked). The own block, causal, opens both."""
+    The R heads' queries are stacked as rows [R * tile, D] (head-major); the scores are taken
+    transposed, keys by rows (the MXU reads the queries transposed), so a row's max and sum are
+    sublane reductions and the output is transposed once at the end. Two passes over the
+    selection in chunks of S pools, no running rescale (an online softmax's rescale of the
+    accumulator costs more than storing the scores): the scores and their max, then exp2 against
+    that max, the sums and the products with V (the last chunk's unfilled pools zeroed and
+    masked). The own block, causal, opens both."""
     b, g, t = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    C = S * P  # keys a chunk
+    C, rows = S * P, R * tile  # keys a chunk, query rows
     start = t * tile
     base = bl.div(start, P) * P if P >= tile else start  # the own block's first key
-    pos = start + bl.div(lax.broadcasted_iota(jnp.int32, (1, qt_ref.shape[1]), 1), Rp)  # [1, rows]
-    qt = qt_ref[...]
+    pos = start + bl.rem(lax.broadcasted_iota(jnp.int32, (1, rows), 1), tile)  # [1, rows]
+    q = jnp.concatenate([q_ref[:, r * D : (r + 1) * D] for r in range(R)], axis=0)  # [rows, D]
+    q = (q.astype(jnp.float32) * scale2).astype(q.dtype)  # the scores come in log2 units
     count = cnt_ref[0, 0]
     chunks = bl.cdiv(count, S)
 
     def copy(j, which):  # pool j's keys (which 0) or values (1), signalling its chunk's semaphore
         x, buf = ((k_hbm, kbuf), (v_hbm, vbuf))[which]
         at = pl.ds(pl.multiple_of(pid_ref[0, j] * P, P), P)
-        rows = pl.ds(pl.multiple_of(j * P, P), P)
-        return pltpu.make_async_copy(x.at[b, g, at], buf.at[rows], sems.at[which, bl.div(j, S)])
+        dst = pl.ds(pl.multiple_of(j * P, P), P)
+        return pltpu.make_async_copy(x.at[b, at, pl.ds(g * D, D)], buf.at[dst], sems.at[which, bl.div(j, S)])
 
     @pl.loop(0, count)
     def _(j):
@@ -562,12 +568,12 @@ def _pool_attend_kernel(
 
         @pl.when((bl.rem(count, S) != 0) & (bl.rem(count, S) <= j))
         def _(j=j):
-            rows = pl.ds(pl.multiple_of((bl.div(count, S) * S + j) * P, P), P)
+            dst = pl.ds(pl.multiple_of((bl.div(count, S) * S + j) * P, P), P)
             for buf in (kbuf, vbuf):
-                buf[rows] = jnp.zeros((P, buf.shape[1]), buf.dtype)
+                buf[dst] = jnp.zeros((P, D), buf.dtype)
 
     keys = base + lax.broadcasted_iota(jnp.int32, (ko_ref.shape[0], 1), 0)
-    s_own = jnp.where(keys <= pos, _dot(ko_ref[...], qt, _NN, prec) * scale2, -jnp.inf)  # [own, rows]
+    s_own = jnp.where(keys <= pos, bl.dot_nt(ko_ref[...], q, prec), -jnp.inf)  # [own, rows]
 
     def wait(c, which):  # chunk c's copies of keys (which 0) or values (1)
         for j in range(S):
@@ -580,7 +586,7 @@ def _pool_attend_kernel(
         wait(c, 0)
         at = pl.ds(pl.multiple_of(c * C, C), C)
         bias = jnp.where(lax.broadcasted_iota(jnp.int32, (C, 1), 0) < (count - c * S) * P, 0.0, -jnp.inf)
-        s2 = _dot(kbuf[at], qt, _NN, prec) * scale2 + bias
+        s2 = bl.dot_nt(kbuf[at], q, prec) + bias  # [C, rows]
         sbuf[at] = s2
         return jnp.maximum(m, jnp.max(s2, axis=0, keepdims=True))
 
@@ -596,18 +602,26 @@ def _pool_attend_kernel(
         return l + jnp.sum(p, axis=0, keepdims=True), acc + _dot(vb, p.astype(vb.dtype), _TN, prec)
 
     init = jnp.sum(p, axis=0, keepdims=True), _dot(vo_ref[...], p.astype(vo_ref.dtype), _TN, prec)
-    l, acc = lax.fori_loop(0, chunks, attend, init)
-    o_ref[...] = jnp.where(pos < lengths_ref[b], acc / l, 0.0).astype(o_ref.dtype)
+    l, acc = lax.fori_loop(0, chunks, attend, init)  # acc [D, rows]
+    o = jnp.where(pos < lengths_ref[b], acc / l, 0.0).T.astype(o_ref.dtype)  # [rows, D]
+    for r in range(R):
+        o_ref[:, r * D : (r + 1) * D] = o[r * tile : (r + 1) * tile]
 
 
 def pool_selection(indices, plan: bl.Plan, pool_size: int):
     """A selection of whole pools [B, G, NT, k] (keys, -1 for none) as the pooled kernels read it:
     (ids [B, G, NT, max(1, k / P)] int32, each tile's pools before its pool boundary first, in the
     selection's order, the rest 0 (in range); counts [B, G, NT] int32 of those)."""
-    P = pool_size
-    ids = jnp.where(indices[..., ::P] >= 0, indices[..., ::P] // P, -1)
-    first = jnp.arange(plan.NT, dtype=jnp.int32) * plan.tile_size // P  # pools before the boundary
+    ids = _pool_ids(indices, pool_size)
+    first = jnp.arange(plan.NT, dtype=jnp.int32) * plan.tile_size // pool_size  # pools before the boundary
     return _compact(ids, (ids >= 0) & (ids < first[:, None]))
+
+
+def _pool_ids(indices, pool_size: int):
+    """A selection of whole pools [..., k] (keys, -1 for none) as pool ids [..., k / P] (-1 for none):
+    each pool's least key, by a reduce (a strided slice compiles to loops of unknown trips)."""
+    first = jnp.min(indices.reshape(*indices.shape[:-1], -1, pool_size), axis=-1)
+    return jnp.where(first >= 0, first // pool_size, -1)
 
 
 def _compact(ids, valid):
@@ -620,28 +634,33 @@ def _compact(ids, valid):
     return compact.astype(jnp.int32), jnp.sum(valid, axis=-1, dtype=jnp.int32)
 
 
-def _pool_attend(qt, kp, vp, lengths, ids, counts, plan: bl.Plan, pool_size: int, *, cfg):
-    """The pooled sparse pass: qt [B, G, Dp, Tp * Rp] (queries transposed), kp, vp [B, G, Tp, Dp],
-    ids, counts (:func:`pool_selection`). Returns o transposed [B, G, Dp, Tp * Rp]."""
-    B, G, Tp, D = kp.shape
-    P = pool_size
-    S = max(1, cfg.pool_keys // P)
-    rows, own, NPp = plan.rows, max(P, plan.tile_size), ids.shape[-1]
+def _pool_attend(q, k, v, lengths, ids, counts, plan: bl.Plan, pool_size: int, *, cfg):
+    """The pooled sparse pass on the callers' layouts: q [B, T, H, D], k, v [B, T, G, D], ids,
+    counts (:func:`pool_selection`). Returns o [B, T, H, D]. Only a T off whole own blocks or a D
+    off whole lanes costs a padded copy."""
+    B, T, H, D = q.shape
+    G, P, tile = k.shape[2], pool_size, plan.tile_size
+    R, S = H // G, max(1, cfg.pool_keys // P)
+    own, NPp = max(P, tile), ids.shape[-1]
     NPc = -(-NPp // S) * S
+    Tp, Dp = round_up(T, own), round_up(D, LANE)
+    if (Tp, Dp) != (T, D):
+        q, k, v = (jnp.pad(x, ((0, 0), (0, Tp - T), (0, 0), (0, Dp - D))) for x in (q, k, v))
+    q, k, v = q.reshape(B, Tp, H * Dp), k.reshape(B, Tp, G * Dp), v.reshape(B, Tp, G * Dp)
     kernel = functools.partial(
-        _pool_attend_kernel, tile=plan.tile_size, Rp=plan.Rp, P=P, S=S, scale2=plan.scale2, prec=bl.precision(qt.dtype)
+        _pool_attend_kernel, tile=tile, R=R, D=Dp, P=P, S=S, scale2=plan.scale2, prec=bl.precision(q.dtype)
     )
-    qspec = pl.BlockSpec((None, None, D, rows), lambda b, g, t, *_: (b, g, 0, t))
-    own_spec = pl.BlockSpec((None, None, own, D), lambda b, g, t, *_: (b, g, bl.div(t * plan.tile_size, own), 0))
+    qspec = pl.BlockSpec((None, tile, R * Dp), lambda b, g, t, *_: (b, t, g))
+    own_spec = pl.BlockSpec((None, own, Dp), lambda b, g, t, *_: (b, bl.div(t * tile, own), g))
     smem = lambda n: pl.BlockSpec(
         (None, None, None, 1, n), lambda b, g, t, *_: (b, g, t, 0, 0), memory_space=pltpu.SMEM
     )
     hbm = pl.BlockSpec(memory_space=pl.ANY)
-    scratch = [pltpu.VMEM((NPc * P, D), kp.dtype), pltpu.VMEM((NPc * P, D), kp.dtype)]
-    scratch += [pltpu.VMEM((NPc * P, rows), jnp.float32), pltpu.SemaphoreType.DMA((2, NPc // S))]
-    item = jnp.dtype(kp.dtype).itemsize  # the scratch, and the double-buffered tiles and own blocks
-    vmem = NPc * P * (2 * D * item + rows * 4) + 4 * (D * rows + own * D) * item
-    return _call(
+    scratch = [pltpu.VMEM((NPc * P, Dp), k.dtype), pltpu.VMEM((NPc * P, Dp), k.dtype)]
+    scratch += [pltpu.VMEM((NPc * P, R * tile), jnp.float32), pltpu.SemaphoreType.DMA((2, NPc // S))]
+    item = jnp.dtype(k.dtype).itemsize  # the scratch, and the double-buffered tiles and own blocks
+    vmem = NPc * P * (2 * Dp * item + R * tile * 4) + 4 * (tile * R * Dp + own * Dp) * item
+    o = _call(
         kernel,
         name="kascade_pool_attend",
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -651,20 +670,22 @@ def _pool_attend(qt, kp, vp, lengths, ids, counts, plan: bl.Plan, pool_size: int
             out_specs=qspec,
             scratch_shapes=scratch,
         ),
-        out_shape=jax.ShapeDtypeStruct(qt.shape, qt.dtype),
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         # every copy is in range: pool_selection clamps the ids
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel",) * 3, disable_bounds_checks=True, vmem_limit_bytes=vmem + (8 << 20)
         ),
         interpret=_interpret(cfg),
-    )(lengths, qt, counts[..., None, None], ids[..., None, :], kp, vp, kp, vp)
+    )(lengths, q, counts[..., None, None], ids[..., None, :], k, v, k, v)
+    return o.reshape(B, Tp, H, Dp)[:, :T, :, :D]
 
 
-def _pool_scores_kernel(lengths_ref, qt_ref, k_hbm, *rest, tile, Rp, P, W, nq, scale2, prec, dense):
+def _pool_scores_kernel(lengths_ref, qt_ref, k_hbm, *rest, tile, R, Rp, P, W, nq, scale2, prec, dense):
     """Grid (B, G, NQ): a block of nq query tiles, transposed, qt [D, rows] (rows = nq * tile * Rp
     lanes), against every key block of W keys (W / P a multiple of 8) up to its last query (k, and
     with ``dense`` v, [B, G, Tp, D] in HBM). Out: mass [Tp / P, nq], the attention mass each tile's
-    queries put on each pool (0 past the block's keys); with ``dense`` also o [D, rows] (dense
+    queries (those before the row's length, of the R real heads) put on each pool (0 past the
+    block's keys); with ``dense`` also o [D, rows] (dense
     causal attention) and lse [1, rows].
 
     One pass, flash-style: a block's probabilities are taken at the running max m_c of each query,
@@ -706,11 +727,12 @@ def _pool_scores_kernel(lengths_ref, qt_ref, k_hbm, *rest, tile, Rp, P, W, nq, s
     state = reads.scan(before, fold(False), state)
     m, l, acc = reads.scan(total - before, fold(True), state, first=before)
     lse = m + jnp.log2(l)
+    counted = (pos < lengths_ref[b]) & (bl.rem(lax.broadcasted_iota(jnp.int32, (1, rows), 1), Rp) < R)
 
     @pl.loop(0, total)
     def _(c):
         at = pl.ds(pl.multiple_of(c * (W // P), 8), W // P)
-        mass = c_ref[at] * jnp.exp2(mh_ref[pl.ds(c, 1)] - lse)  # [W / P, rows]
+        mass = c_ref[at] * jnp.where(counted, jnp.exp2(mh_ref[pl.ds(c, 1)] - lse), 0.0)  # [W / P, rows]
         ms_ref[at, pl.ds(0, nq)] = jnp.sum(mass.reshape(W // P, nq, rows // nq), axis=2)
 
     @pl.loop(total, ms_ref.shape[0] // (W // P))
@@ -733,6 +755,7 @@ def _pool_scores(qt, kp, vp, lengths, plan: bl.Plan, pool_size: int, nq: int, *,
     kernel = functools.partial(
         _pool_scores_kernel,
         tile=plan.tile_size,
+        R=plan.R,
         Rp=plan.Rp,
         P=P,
         W=W,
@@ -786,10 +809,9 @@ def _pooled_anchor(
     budget = {"tenths": tenths, "min_k": min_k, "k_max": k_max, "pool_size": pool_size}
     pools = select_pools(mass[:, :, : plan.NT], starts, lengths, **budget)
     indices = pool_keys(pools, pool_size)
-    if not dense_output:
-        ids, counts = pool_selection(indices, plan, pool_size)
-        ot = _pool_attend(qt, kp, vp, lengths, ids, counts, plan, pool_size, cfg=cfg)
-    return indices, plan.unpack(ot.swapaxes(2, 3))
+    if dense_output:
+        return indices, plan.unpack(ot.swapaxes(2, 3))
+    return indices, _pool_attend(q, k, v, lengths, *pool_selection(indices, plan, pool_size), plan, pool_size, cfg=cfg)
 
 
 def _pool_block_keys(pool_size: int, cfg) -> int:
@@ -808,13 +830,6 @@ def _pool_plan(q, k, tile_size, pool_size, scale, cfg) -> tuple[bl.Plan, int]:
     nq = max(1, min(cfg.pool_rows // (tile_size * Rp), cfg.pool_scratch // (Tp // pool_size * tile_size * Rp * 4)))
     nq = min(1 << (nq.bit_length() - 1), -(-T // tile_size))  # a power of two, as tile and W are
     return bl.Plan.make(q, k, tile_size, scale, Rp=Rp, Dp=q.shape[3], block=max(W, nq * tile_size)), nq
-
-
-def _pooled_reuse(q, k, v, lengths, indices, plan: bl.Plan, pool_size: int, cfg):
-    qp, kp, vp = plan.pack(q, k, v)
-    ids, counts = pool_selection(indices, plan, pool_size)
-    ot = _pool_attend(qp.swapaxes(2, 3), kp, vp, lengths, ids, counts, plan, pool_size, cfg=cfg)
-    return plan.unpack(ot.swapaxes(2, 3))
 
 
 # ----------------------------------------------------------------------------- decode kernels
@@ -1221,7 +1236,7 @@ def _pool_decode_attend(q, k_cache, v_cache, lengths, indices, G, L, pool_size, 
     P = pool_size
     S = max(1, cfg.pool_keys // P)
     Rq = round_up(H // G, 8)
-    ids = jnp.where(indices[..., ::P] >= 0, indices[..., ::P] // P, -1)  # the pools, whole ones of the row
+    ids = _pool_ids(indices, P)  # the pools, whole ones of the row
     ids, counts = _compact(ids, (ids >= 0) & (ids < (lengths // P)[:, None, None]))
     NPc = -(-ids.shape[-1] // S) * S
     k_cache, v_cache = (_cache_in_place(x, P, layout) for x in (k_cache, v_cache))  # whole pools

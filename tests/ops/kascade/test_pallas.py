@@ -126,6 +126,31 @@ def test_decode_matches_definition(backend, dtype):
     assert rel_rms(o, want_reuse) <= bar
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+def test_tpu_pooled_pass_on_whole_blocks_reads_the_inputs_in_place(dtype):
+    """At the defaults (tiles and pools of 128) with T a multiple of them and D = 128, the TPU
+    sparse pass reads q, k, v as the caller lays them out (no padded copy) and equals the float64
+    definition: anchor and reuse, tiles choosing several pools, a row cut short."""
+    case = Case("whole", B=2, T=512, H=4, G=2, D=128)
+    (q, k, v), exact = inputs(case, dtype)
+    lengths = jnp.asarray([512, 300], jnp.int32)
+    opts = {"topk_percent": 70, "min_k": 0}
+    bar = F32["out"] if dtype == jnp.float32 else BF16["out"]
+    want_idx, want = reference.naive_kascade_anchor(*exact, **opts, lengths=lengths)
+    assert (np.asarray(want_idx) >= 0).sum(-1).max() >= 2 * 128  # a tile with two pools
+    idx, o = kdax.kascade_anchor(q, k, v, **opts, lengths=lengths, backend="pallas_tpu")
+    np.testing.assert_array_equal(idx, want_idx)
+    assert rel_rms(o, want) <= bar
+    head_map = np.asarray([1, 0])
+    want = reference.naive_kascade_reuse(*exact, want_idx, head_map=head_map, lengths=lengths)
+    reuse = lambda q, k, v: kdax.kascade_reuse(
+        q, k, v, want_idx, head_map=head_map, lengths=lengths, backend="pallas_tpu"
+    )
+    o = reuse(q, k, v)
+    assert rel_rms(o, want) <= bar and not np.asarray(o)[1, 300:].any()
+    assert "stablehlo.pad" not in kdax.lower(reuse, q, k, v, platform="tpu").as_text()
+
+
 @pytest.mark.parametrize("backend", KERNELS)
 @pytest.mark.parametrize(
     ("dtype", "tile", "pool"), [(jnp.float32, 32, 16), (jnp.bfloat16, 32, 16), (jnp.float32, 16, 64)]
@@ -235,7 +260,7 @@ def test_tpu_sparse_gathers_from_vmem_and_by_dma(dtype):
 
 def test_tpu_sparse_block_follows_the_selection_width():
     """The TPU sparse pass's default keys a step: a third of the widest tile's selection, in
-    multiples of 128 from 128 to 512 (docs/kascade_tpu.md, Cost per layer)."""
+    multiples of 128 from 128 to 512 (its docstring)."""
     got = [pallas_tpu.sparse_block(k) for k in (1, 409, 767, 768, 1638, 1 << 20)]
     assert got == [128, 128, 128, 256, 512, 512]
 
