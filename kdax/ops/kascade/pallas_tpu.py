@@ -37,7 +37,7 @@ from kdax.ops.common import dispatch
 from kdax.ops.common.arrays import LOG2E, round_up
 from kdax.ops.kascade import blocks as bl
 from kdax.ops.kascade.checks import pool_keys
-from kdax.ops.kascade.xla import decode_select_pools, select_pools, with_decode_tail
+from kdax.ops.kascade.xla import compact, decode_select_pools, select_pools, with_decode_tail
 
 LANE = 128
 
@@ -625,13 +625,9 @@ def _pool_ids(indices, pool_size: int):
 
 
 def _compact(ids, valid):
-    """(ids [..., n] with the valid ones first, in order, the rest 0; their counts [...]), with no
-    sort: each valid id's slot is the count of valid ids before it."""
-    n = max(1, ids.shape[-1])
-    slot = jnp.where(valid, jnp.cumsum(valid, axis=-1, dtype=jnp.int32) - 1, -1)
-    hit = slot[..., None, :] == jnp.arange(n, dtype=jnp.int32)[:, None]  # [..., n, n]
-    compact = jnp.max(jnp.where(hit, ids[..., None, :], 0), axis=-1, initial=0)
-    return compact.astype(jnp.int32), jnp.sum(valid, axis=-1, dtype=jnp.int32)
+    """(ids [..., max(1, n)] with the valid ones first, in order, the rest 0 (in range); their
+    counts [...]), with no sort (:func:`xla.compact`)."""
+    return compact(ids, valid, max(1, ids.shape[-1]), 0), jnp.sum(valid, axis=-1, dtype=jnp.int32)
 
 
 def _pool_attend(q, k, v, lengths, ids, counts, plan: bl.Plan, pool_size: int, *, cfg):

@@ -74,10 +74,17 @@ def threshold_top(scores, k_max, keep):
     above, tied = key > lo[..., None], key == lo[..., None]
     need = keep - jnp.sum(above, axis=-1, dtype=jnp.int32)
     taken = (above | (tied & (jnp.cumsum(tied, axis=-1, dtype=jnp.int32) <= need[..., None]))) & (keep > 0)[..., None]
-    slot = jnp.where(taken, jnp.cumsum(taken, axis=-1, dtype=jnp.int32) - 1, -1)  # [..., n]
-    hit = slot[..., None, :] == jnp.arange(k_max, dtype=jnp.int32)[:, None]  # [..., k_max, n]
-    position = jnp.arange(scores.shape[-1], dtype=jnp.int32)
-    return jnp.where(hit.any(-1), jnp.max(jnp.where(hit, position, -1), axis=-1), -1).astype(jnp.int32)
+    return compact(jnp.arange(scores.shape[-1], dtype=jnp.int32), taken, k_max, -1)
+
+
+def compact(x, valid, width: int, fill: int):
+    """x [..., n] (non-negative ints) where ``valid``, in order, in ``width`` slots [..., width]
+    int32, the rest ``fill``; with no sort: each valid entry's slot is the count of valid entries
+    before it (a compare of every slot with every entry)."""
+    slot = jnp.where(valid, jnp.cumsum(valid, axis=-1, dtype=jnp.int32) - 1, -1)  # [..., n]
+    hit = slot[..., None, :] == jnp.arange(width, dtype=jnp.int32)[:, None]  # [..., width, n]
+    x = jnp.broadcast_to(x, valid.shape)[..., None, :]
+    return jnp.where(hit.any(-1), jnp.max(jnp.where(hit, x, -1), axis=-1), fill).astype(jnp.int32)
 
 
 def select(pooled, starts, lengths, *, pool_size=1, **budget):
