@@ -28,6 +28,24 @@ def _fresh_compiled_ops(request):
     api._compiled.clear_cache()
 
 
+MAPS_LIMIT = 30_000  # of Linux's vm.max_map_count, 65,530 by default
+
+
+@pytest.fixture(autouse=True)
+def _bounded_code_maps():
+    """Each program XLA compiles keeps its machine code in a few memory maps, and the Pallas
+    interpreter compiles thousands a test: a worker past Linux's map limit aborts inside XLA's
+    compiler. Once a worker holds MAPS_LIMIT maps, jax's caches are cleared (their code unmapped)."""
+    yield
+    try:
+        with open("/proc/self/maps") as f:
+            maps = sum(1 for _ in f)
+    except OSError:  # not Linux
+        return
+    if maps > MAPS_LIMIT:
+        jax.clear_caches()
+
+
 def pytest_runtest_logreport(report):
     """With KDAX_FAILURE_LOG set, each failure's report is appended to that file as it happens
     (by the xdist controller, not its workers), so a run cut short by a time limit still shows

@@ -36,7 +36,7 @@ from jax.experimental.pallas import tpu as pltpu
 from kdax.ops.common import dispatch
 from kdax.ops.common.arrays import LOG2E, round_up
 from kdax.ops.kascade import blocks as bl
-from kdax.ops.kascade.checks import pool_keys
+from kdax.ops.kascade.checks import pool_count, pool_keys
 from kdax.ops.kascade.xla import compact, decode_select_pools, select_pools, with_decode_tail
 
 LANE = 128
@@ -63,6 +63,9 @@ class Config:
             (512: one tile of the default 128 at four query heads a KV head, whose masses are a row
             of the output as they are; several tiles a program leave XLA a transpose).
         pool_scratch: the most VMEM bytes of that pass's pool sums (Tp / pool_size x its rows floats).
+        decode_keys_bytes: the most VMEM bytes of a row's keys (one KV head) the pooled anchor
+            decode keeps while it selects, so that its sparse pass reads only values from HBM;
+            longer rows run two kernels and read the selected pools' keys again.
         interpret: run in the Pallas TPU interpreter; None: unless on a TPU (or lowering for one).
         detect_races: in the interpreter, check the kernels for data races.
 
@@ -79,6 +82,7 @@ class Config:
     pool_keys: int = 512
     pool_rows: int = 512
     pool_scratch: int = 16 << 20
+    decode_keys_bytes: int = 40 << 20
     interpret: bool | None = None
     detect_races: bool = False
 
@@ -93,8 +97,9 @@ class Config:
                 raise ValueError(f"config.{name}: expected a multiple of {LANE}, got {n}")
         if self.splits is not None and (isinstance(self.splits, bool) or self.splits < 1):
             raise ValueError(f"config.splits: expected None or an int >= 1, got {self.splits!r}")
-        if self.resident_bytes < 0:
-            raise ValueError(f"config.resident_bytes: expected an int >= 0, got {self.resident_bytes}")
+        for name in ("resident_bytes", "decode_keys_bytes"):
+            if (n := getattr(self, name)) < 0:
+                raise ValueError(f"config.{name}: expected an int >= 0, got {n}")
         interpret = dispatch.platform() != "tpu" if self.interpret is None else self.interpret
         return dataclasses.replace(self, interpret=interpret)
 
@@ -930,6 +935,12 @@ def kascade_anchor_decode_tpu(
     budget = {"tenths": tenths, "min_k": min_k, "k_max": k_max, "pool_size": pool_size}
     reuse = {"pool_size": pool_size, "scale": scale, "cache_layout": cache_layout, "cfg": cfg}
     if _decode_pools(pool_size, L, q.dtype, G, cache_layout):
+        if not dense_output and _resident_keys(L, D, q.dtype, pool_size, cfg):
+            sel = {"tenths": tenths, "min_k": min_k, "k_max": k_max}
+            ids, parts = _pool_decode_anchor(
+                q, k_cache, v_cache, lengths, G, pool_size, scale, cache_layout, cfg, **sel
+            )
+            return pool_keys(ids, pool_size), bl.decode_output(*parts, q)
         mass, parts = _pool_decode_scores(
             q, k_cache, v_cache if dense_output else None, lengths, G, L, pool_size, scale, cache_layout, cfg
         )
@@ -1041,20 +1052,10 @@ def _decode_pools(pool_size: int, L: int, dtype, G: int, cache_layout: str) -> b
     return pool_size >= LANE and L >= pool_size and not _cache_rows(dtype, G, cache_layout)[0]
 
 
-def _pool_decode_scores_kernel(lengths_ref, q_ref, k_hbm, *rest, R, P, W, scale2, prec, dense, pick, layout):
-    """Grid (B, G): one token's queries q [Rq, D] (R real rows) over a row's valid keys in blocks of
-    W (k, and with ``dense`` v, in HBM). Out: mass [Lp / W, W / P], the token's attention mass on
-    each pool (pooled over its R query heads; 0 past the row's keys); with ``dense`` the softmax
-    partials acc [Rq, D], m, l [Rq, 1]. As the prefill pass (:func:`_pool_scores_kernel`): each
-    block's pool sums at the running max, made exact once the log-sum-exp is known."""
-    if dense:
-        v_hbm, mass_ref, acc_ref, m_ref, l_ref, kbuf, vbuf, sems, c_ref, mh_ref = rest
-    else:
-        (mass_ref, kbuf, sems, c_ref, mh_ref), v_hbm, vbuf = rest, None, None
-    b, g = pl.program_id(0), pl.program_id(1)
-    length = lengths_ref[b]
-    q = q_ref[...]
-    row_ok = lax.broadcasted_iota(jnp.int32, (q.shape[0], 1), 0) < R
+def _mass_step(q, length, c_ref, mh_ref, *, P, W, scale2, prec, dense):
+    """The anchor decode's step over key block c (keys [1, W], kb [W, D], vb [W, D] with ``dense``)
+    for :meth:`_Blocks.scan`: the online softmax's (m, l, acc) and the block's pool sums
+    c_ref[c] [Rq, W / P] at its running max mh_ref[c] [Rq, 1]."""
 
     def step(state, c, keys, kb, vb):
         m, l, acc = state
@@ -1069,22 +1070,84 @@ def _pool_decode_scores_kernel(lengths_ref, q_ref, k_hbm, *rest, R, P, W, scale2
             acc = acc * alpha + bl.dot_nn(p.astype(vb.dtype), vb, prec)
         return m_new, l, acc
 
+    return step
+
+
+def _pool_masses(c_ref, mh_ref, m, l, count, R):
+    """[nb, W / P] the token's attention mass on each pool of the first ``count`` key blocks (0 in
+    the rest), pooled over its R query heads: each block's sums rescaled from the running max they
+    were taken at to the rows' final log-sum-exp (padding rows weigh 0)."""
+    row_ok = lax.broadcasted_iota(jnp.int32, m.shape, 0) < R
+    lse = jnp.where(row_ok, m + jnp.log2(jnp.where(l > 0, l, 1.0)), jnp.inf)
+    mass = jnp.sum(c_ref[...] * jnp.exp2(mh_ref[...] - lse[None]), axis=1)
+    return jnp.where(lax.broadcasted_iota(jnp.int32, mass.shape, 0) < count, mass, 0.0)
+
+
+def _before(x):
+    """For a bool [n, w], the count of true entries before each in row-major order (int32)."""
+    x = x.astype(jnp.float32)
+    n, w = x.shape
+    lane = lax.broadcasted_iota(jnp.int32, (1, w), 1)
+    in_row = functools.reduce(lambda acc, i: acc + jnp.where(lane > i, x[:, i : i + 1], 0.0), range(w), 0.0)
+    lower = (lax.broadcasted_iota(jnp.int32, (n, n), 1) < lax.broadcasted_iota(jnp.int32, (n, n), 0)).astype(x.dtype)
+    rows = jnp.broadcast_to(jnp.sum(x, axis=1, keepdims=True), (n, w))
+    earlier = bl.dot_nn(lower, rows, lax.Precision.HIGHEST)  # counts < 2^24: exact
+    return (in_row + earlier).astype(jnp.int32)
+
+
+def _take_pools(mass, candidates, keep, width):
+    """The selection of :func:`xla.threshold_top` inside a kernel: of the first ``candidates`` pools
+    of mass [n, w] (pool id row-major), the ``keep`` of largest mass, ties toward the smaller id
+    (bisection on the float bits, then a running count of the ties). Returns ids [1, width] int32,
+    ascending, then -1."""
+    n, w = mass.shape
+    pid = lax.broadcasted_iota(jnp.int32, mass.shape, 0) * w + lax.broadcasted_iota(jnp.int32, mass.shape, 1)
+    bits = lax.bitcast_convert_type(mass, jnp.int32)
+    key = jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)  # ordered as the floats are
+    low = jnp.iinfo(jnp.int32).min
+    key = jnp.where(pid < candidates, key, low)
+    total = lambda x: jnp.sum(jnp.sum(x.astype(jnp.int32), axis=1, keepdims=True), axis=0, keepdims=True)
+
+    def bisect(_, bounds):  # the largest lo with count(key >= lo) >= keep
+        lo, hi = bounds
+        mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1)
+        enough = total(key >= mid) >= keep
+        return jnp.where(enough, mid, lo), jnp.where(enough, hi, mid)
+
+    full = lambda v: jnp.full((1, 1), v, jnp.int32)
+    lo, _ = lax.fori_loop(0, 32, bisect, (full(low), full(jnp.iinfo(jnp.int32).max)))
+    above, tied = key > lo, key == lo
+    taken = (above | (tied & (_before(tied) < keep - total(above)))) & (keep > 0)
+    slot = jnp.where(taken, _before(taken), -1)
+    at = lax.broadcasted_iota(jnp.int32, (1, width), 1)
+    ids = jnp.full((1, width), -1, jnp.int32)
+    for i in range(w):  # each slot's pool: the one whose running count is the slot
+        hit = slot[:, i : i + 1] == at  # [n, width]
+        ids = jnp.maximum(ids, jnp.max(jnp.where(hit, pid[:, i : i + 1], -1), axis=0, keepdims=True))
+    return ids
+
+
+def _pool_decode_scores_kernel(lengths_ref, q_ref, k_hbm, *rest, R, P, W, scale2, prec, dense, pick, layout):
+    """Grid (B, G): one token's queries q [Rq, D] (R real rows) over a row's valid keys in blocks of
+    W (k, and with ``dense`` v, in HBM). Out: mass [Lp / W, W / P] (:func:`_pool_masses`); with
+    ``dense`` the softmax partials acc [Rq, D], m, l [Rq, 1]. As the prefill pass
+    (:func:`_pool_scores_kernel`): each block's pool sums at the running max, made exact once the
+    log-sum-exp is known."""
+    if dense:
+        v_hbm, mass_ref, acc_ref, m_ref, l_ref, kbuf, vbuf, sems, c_ref, mh_ref = rest
+    else:
+        (mass_ref, kbuf, sems, c_ref, mh_ref), v_hbm, vbuf = rest, None, None
+    b, g = pl.program_id(0), pl.program_id(1)
+    length = lengths_ref[b]
+    q = q_ref[...]
+    step = _mass_step(q, length, c_ref, mh_ref, P=P, W=W, scale2=scale2, prec=prec, dense=dense)
     src, head = _cache_reads(b, g, pick, cache_layout=layout)
     reads = _Blocks(k_hbm, v_hbm, src, kbuf, vbuf, sems, W, pick=head)
     count = bl.cdiv(length, W)
     init = jnp.full((q.shape[0], 1), -jnp.inf, jnp.float32), jnp.zeros((q.shape[0], 1), jnp.float32)
     init += (jnp.zeros(q.shape, jnp.float32),)
     m, l, acc = reads.scan(count, step, init)
-    lse = jnp.where(row_ok, m + jnp.log2(jnp.where(l > 0, l, 1.0)), jnp.inf)  # padding rows weigh 0
-
-    @pl.loop(0, count)
-    def _(c):
-        mass_ref[pl.ds(c, 1)] = jnp.sum(c_ref[c] * jnp.exp2(mh_ref[c] - lse), axis=0, keepdims=True)
-
-    @pl.loop(count, mass_ref.shape[0])
-    def _(c):
-        mass_ref[pl.ds(c, 1)] = jnp.zeros((1, mass_ref.shape[1]), jnp.float32)
-
+    mass_ref[...] = _pool_masses(c_ref, mh_ref, m, l, count, R)
     if dense:
         acc_ref[...], m_ref[...], l_ref[...] = acc, m, l
 
@@ -1136,47 +1199,22 @@ def _pool_decode_scores(q, k_cache, v_cache, lengths, G, L, pool_size, scale, la
     return mass.reshape(B, G, nb * W // P)[:, :, : L // P], (parts if dense else None)
 
 
-def _pool_decode_attend_kernel(
-    lengths_ref,
-    cnt_ref,
-    q_ref,
-    ids_ref,
-    k_hbm,
-    v_hbm,
-    acc_ref,
-    m_ref,
-    l_ref,
-    kbuf,
-    vbuf,
-    sems,
-    *,
-    R,
-    P,
-    S,
-    L,
-    scale2,
-    prec,
-    pick,
-    layout,
-):
-    """Grid (B, G): one token's queries q [Rq, D] over the row's selected pools (ids [1, NPp], the
-    first cnt[b, g] valid) and its last, partial pool [floor(len / P) P, len), each one copy of P
-    keys and values from the caches in HBM into kbuf, vbuf [(NPc + 1) P, ...], all started at
-    once; out the softmax partials acc [Rq, D], m, l [Rq, 1]. The partial pool first (its copy
-    starts at most at L - P, masked to its keys), then the selection S pools a step."""
-    b, g = pl.program_id(0), pl.program_id(1)
-    length, count = lengths_ref[b], cnt_ref[b, g]
-    q = q_ref[...]
-    src, head = _cache_reads(b, g, pick, cache_layout=layout)
+def _attend_pools(q, length, count, id_of, src, head, pairs, sems, *, P, S, L, scale2, prec, kres=None):
+    """The sparse decode's fold: one token's queries q [Rq, D] over a row's selected pools (the j-th
+    of ``count`` is pool ``id_of(j)``) and its last, partial pool [floor(len / P) P, len). ``pairs``
+    (cache in HBM, VMEM buffer [(NPc + 1) P, ...]): keys and values, or with ``kres`` (the row's
+    keys resident in VMEM, [>= L, D]) values alone, each pool one copy, all started at once. The
+    partial pool first (its copy starts at most at L - P, masked to its keys), then S pools a
+    step. Returns the softmax state (m, l, acc)."""
     head = head or (lambda x: x)
     tail = bl.div(length, P) * P
-    at = jnp.minimum(tail, L - P)
+    at = pl.multiple_of(jnp.minimum(tail, L - P), P)
 
     def copies(j, key):  # slot j (0 the partial pool) from key ``key``, a semaphore a step (waits are exact)
         rows = pl.ds(pl.multiple_of(j * P, P), P)
         return [
             pltpu.make_async_copy(src(x, key, P), buf.at[rows], sems.at[i, bl.div(j + S - 1, S)])
-            for i, (x, buf) in enumerate(((k_hbm, kbuf), (v_hbm, vbuf)))
+            for i, (x, buf) in enumerate(pairs)
         ]
 
     for c in copies(0, at):
@@ -1184,7 +1222,7 @@ def _pool_decode_attend_kernel(
 
     @pl.loop(0, count)
     def _(j):
-        for c in copies(j + 1, pl.multiple_of(ids_ref[0, j] * P, P)):
+        for c in copies(j + 1, pl.multiple_of(id_of(j) * P, P)):
             c.start()
 
     full, rem = bl.div(count, S), bl.rem(count, S)
@@ -1193,20 +1231,30 @@ def _pool_decode_attend_kernel(
         @pl.when((rem != 0) & (rem <= j))
         def _(j=j):
             rows = pl.ds(pl.multiple_of((1 + full * S + j) * P, P), P)
-            for buf in (kbuf, vbuf):
+            for _, buf in pairs:
                 buf[rows] = jnp.zeros((P, *buf.shape[1:]), buf.dtype)
+
+    def rows_of(first, n):  # keys [n P, D] and values of slots first .. first + n - 1 (slot 0: the partial pool)
+        rows = pl.ds(pl.multiple_of(first * P, P), n * P)
+        vb = head(pairs[-1][1][rows])
+        if kres is None:
+            return head(pairs[0][1][rows]), vb
+        if n == 1 and isinstance(first, int) and first == 0:
+            return kres[pl.ds(at, P)], vb
+        kb = [kres[pl.ds(pl.multiple_of(jnp.maximum(id_of(first - 1 + j), 0) * P, P), P)] for j in range(n)]
+        return (kb[0] if n == 1 else jnp.concatenate(kb, axis=0)), vb
 
     for c in copies(0, at):
         c.wait()
     keys = at + lax.broadcasted_iota(jnp.int32, (1, P), 1)
-    kb, vb = head(kbuf[pl.ds(0, P)]), head(vbuf[pl.ds(0, P)])
+    kb, vb = rows_of(0, 1)
     s2 = jnp.where((keys >= tail) & (keys < length), bl.dot_nt(q, kb, prec) * scale2, -jnp.inf)
     state = bl.softmax_step(bl.start_softmax(*q.shape), s2, vb, prec)
 
     def step(i, state, whole):
-        rows = pl.ds(pl.multiple_of((1 + i * S) * P, P), S * P)
-        if whole:  # all S copies: one wait each for keys and values
-            for k, (x, buf) in enumerate(((k_hbm, kbuf), (v_hbm, vbuf))):
+        if whole:  # all S copies: one wait for each cache
+            rows = pl.ds(pl.multiple_of((1 + i * S) * P, P), S * P)
+            for k, (x, buf) in enumerate(pairs):
                 pltpu.make_async_copy(src(x, 0, S * P), buf.at[rows], sems.at[k, 1 + i]).wait()
         else:  # the partial step's, one at a time
 
@@ -1215,15 +1263,29 @@ def _pool_decode_attend_kernel(
                 for c in copies(1 + j, 0):
                     c.wait()
 
-        kb, vb = head(kbuf[rows]), head(vbuf[rows])
+        kb, vb = rows_of(1 + i * S, S)
         s2 = bl.dot_nt(q, kb, prec) * scale2
         if not whole:
             s2 = jnp.where(lax.broadcasted_iota(jnp.int32, (1, S * P), 1) < rem * P, s2, -jnp.inf)
         return bl.softmax_step(state, s2, vb, prec)
 
     state = lax.fori_loop(0, full, lambda i, st: step(i, st, True), state)
-    m, l, acc = lax.cond(rem > 0, lambda st: step(full, st, False), lambda st: st, state)
-    acc_ref[...], m_ref[...], l_ref[...] = acc, m, l
+    return lax.cond(rem > 0, lambda st: step(full, st, False), lambda st: st, state)
+
+
+def _pool_decode_attend_kernel(
+    lengths_ref, cnt_ref, q_ref, ids_ref, k_hbm, v_hbm, acc_ref, m_ref, l_ref, kbuf, vbuf, sems, *, pick, layout, **kw
+):
+    """Grid (B, G): one token's queries q [Rq, D] over the row's selected pools (ids [1, NPp], the
+    first cnt[b, g] valid) and its last, partial pool (:func:`_attend_pools`, keys and values
+    copied from the caches in HBM into kbuf, vbuf [(NPc + 1) P, ...]); out the softmax partials
+    acc [Rq, D], m, l [Rq, 1]."""
+    b, g = pl.program_id(0), pl.program_id(1)
+    src, head = _cache_reads(b, g, pick, cache_layout=layout)
+    pairs = ((k_hbm, kbuf), (v_hbm, vbuf))
+    id_of = lambda j: ids_ref[0, j]
+    state = _attend_pools(q_ref[...], lengths_ref[b], cnt_ref[b, g], id_of, src, head, pairs, sems, **kw)
+    acc_ref[...], m_ref[...], l_ref[...] = state[2], state[0], state[1]
 
 
 def _pool_decode_attend(q, k_cache, v_cache, lengths, indices, G, L, pool_size, scale, layout, cfg):
@@ -1243,7 +1305,6 @@ def _pool_decode_attend(q, k_cache, v_cache, lengths, indices, G, L, pool_size, 
     hbm = pl.BlockSpec(memory_space=pl.ANY)
     kernel = functools.partial(
         _pool_decode_attend_kernel,
-        R=H // G,
         P=P,
         S=S,
         L=L,
@@ -1269,3 +1330,141 @@ def _pool_decode_attend(q, k_cache, v_cache, lengths, indices, G, L, pool_size, 
         # every copy is in range: the ids are clamped, the partial pool's copy starts at most at L - P
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",) * 2, disable_bounds_checks=True),
     )(lengths, counts, bl.pack_decode_queries(q, G, Rq, D), ids[:, :, None, :], k_cache, v_cache)
+
+
+def _pool_decode_anchor_kernel(
+    lengths_ref,
+    keep_ref,
+    q_ref,
+    k_hbm,
+    v_hbm,
+    ids_ref,
+    acc_ref,
+    m_ref,
+    l_ref,
+    kres,
+    vbuf,
+    c_ref,
+    mh_ref,
+    ids_vmem,
+    ids_smem,
+    ksems,
+    vsems,
+    lsem,
+    *,
+    R,
+    P,
+    W,
+    S,
+    Lv,
+    scale2,
+    prec,
+    layout,
+):
+    """Grid (B, G): the anchor decode of one KV head in one program, each key read from HBM once.
+    The row's valid keys in blocks of W land in kres [Lp, D] and the token's queries q [Rq, D]
+    pool their attention mass over them (:func:`_mass_step`); the keep[b] pools of largest mass
+    are taken in the kernel (:func:`_take_pools`): ids [1, NPl], ascending, then -1, which go to
+    SMEM; then the sparse fold (:func:`_attend_pools`) copies the values of those pools and of the
+    partial pool from HBM and reads their keys from kres. Out: ids, the softmax partials acc
+    [Rq, D], m, l [Rq, 1]."""
+    b, g = pl.program_id(0), pl.program_id(1)
+    length, keep = lengths_ref[b], keep_ref[b]
+    q = q_ref[...]
+    src, _ = _cache_reads(b, g, None, cache_layout=layout)
+    count = bl.cdiv(length, W)
+
+    def block(i):
+        rows = pl.ds(pl.multiple_of(i * W, W), W)
+        return rows, pltpu.make_async_copy(src(k_hbm, i * W, W), kres.at[rows], ksems.at[bl.rem(i, 2)])
+
+    @pl.when(count > 0)
+    def _():
+        block(0)[1].start()
+
+    step = _mass_step(q, length, c_ref, mh_ref, P=P, W=W, scale2=scale2, prec=prec, dense=False)
+
+    def body(i, state):
+        @pl.when(i + 1 < count)
+        def _():
+            block(i + 1)[1].start()
+
+        rows, copy = block(i)
+        copy.wait()
+        return step(state, i, i * W + lax.broadcasted_iota(jnp.int32, (1, W), 1), kres[rows], None)
+
+    rows = q.shape[0]
+    init = jnp.full((rows, 1), -jnp.inf, jnp.float32), jnp.zeros((rows, 1), jnp.float32), None
+    m, l, _ = lax.fori_loop(0, count, body, init)
+    mass = _pool_masses(c_ref, mh_ref, m, l, count, R)
+    ids_ref[...] = ids_vmem[...] = _take_pools(mass, bl.div(length, P), keep, ids_ref.shape[-1])
+    copy = pltpu.make_async_copy(ids_vmem, ids_smem, lsem.at[0])
+    copy.start()
+    copy.wait()
+    kw = {"P": P, "S": S, "L": Lv, "scale2": scale2, "prec": prec}
+    m, l, acc = _attend_pools(
+        q, length, keep, lambda j: ids_smem[0, j], src, None, ((v_hbm, vbuf),), vsems, kres=kres, **kw
+    )
+    acc_ref[...], m_ref[...], l_ref[...] = acc, m, l
+
+
+def _resident_keys(L: int, D: int, dtype, pool_size: int, cfg) -> int:
+    """The VMEM bytes of a row's keys held by the one-program anchor decode (0: too many for
+    ``cfg.decode_keys_bytes``, the two passes run)."""
+    W = max(8 * pool_size, cfg.block_decode)
+    n = round_up(L, W) * round_up(D, LANE) * jnp.dtype(dtype).itemsize
+    return n if n <= cfg.decode_keys_bytes else 0
+
+
+def _pool_decode_anchor(q, k_cache, v_cache, lengths, G, pool_size, scale, layout, cfg, *, tenths, min_k, k_max):
+    """The anchor decode over pools in one kernel (:func:`_pool_decode_anchor_kernel`): (pool ids
+    [B, G, k_max / P] int32, ascending then -1; the softmax partials of one split)."""
+    B, H, D = q.shape
+    P, Rq = pool_size, round_up(H // G, 8)
+    W, S = max(8 * P, cfg.block_decode), max(1, cfg.pool_keys // P)
+    NPo = k_max // P
+    NPl, NPc = round_up(max(NPo, 1), LANE), -(-max(NPo, 1) // S) * S
+    kc, vc = _cache_in_place(k_cache, W, layout), _cache_in_place(v_cache, P, layout)
+    axis = 2 if layout == "BGLD" else 1
+    Lp, Lv = kc.shape[axis], vc.shape[axis]
+    nb, item = Lp // W, jnp.dtype(q.dtype).itemsize
+    keep = pool_count(lengths, tenths, min_k, P).astype(jnp.int32)
+    specs, shapes = bl.decode_partials(B, G, 1, Rq, D, lambda b, g, *_: (b, g, 0, 0, 0))
+    ids_spec = pl.BlockSpec((None, None, 1, NPl), lambda b, g, *_: (b, g, 0, 0))
+    scratch = [pltpu.VMEM((Lp, D), q.dtype), pltpu.VMEM(((NPc + 1) * P, D), q.dtype)]
+    scratch += [pltpu.VMEM((nb, Rq, W // P), jnp.float32), pltpu.VMEM((nb, Rq, 1), jnp.float32)]
+    scratch += [pltpu.VMEM((1, NPl), jnp.int32), pltpu.SMEM((1, NPl), jnp.int32), pltpu.SemaphoreType.DMA((2,))]
+    scratch += [pltpu.SemaphoreType.DMA((1, 1 + NPc // S)), pltpu.SemaphoreType.DMA((1,))]
+    Dp = round_up(D, LANE)
+    vmem = (Lp + (NPc + 1) * P) * Dp * item + 2 * nb * Rq * LANE * 4 + 8 * Rq * Dp * 4
+    kernel = functools.partial(
+        _pool_decode_anchor_kernel,
+        R=H // G,
+        P=P,
+        W=W,
+        S=S,
+        Lv=Lv,
+        scale2=scale * LOG2E,
+        prec=bl.precision(q.dtype),
+        layout=layout,
+    )
+    hbm = pl.BlockSpec(memory_space=pl.ANY)
+    ids, *parts = _call(
+        kernel,
+        name="kascade_pool_decode_anchor",
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2,
+            grid=(B, G),
+            in_specs=[pl.BlockSpec((None, None, Rq, D), lambda b, g, *_: (b, g, 0, 0)), hbm, hbm],
+            out_specs=[ids_spec, *specs],
+            scratch_shapes=scratch,
+        ),
+        out_shape=[jax.ShapeDtypeStruct((B, G, 1, NPl), jnp.int32), *shapes],
+        interpret=_interpret(cfg),
+        # every copy is in range: the selected pools are whole pools of the row, the partial pool's
+        # copy starts at most at Lv - P, the key blocks end by Lp
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel",) * 2, disable_bounds_checks=True, vmem_limit_bytes=vmem + (8 << 20)
+        ),
+    )(lengths, keep, bl.pack_decode_queries(q, G, Rq, D), kc, vc)
+    return ids[:, :, 0, :NPo], parts

@@ -81,6 +81,8 @@ def compact(x, valid, width: int, fill: int):
     """x [..., n] (non-negative ints) where ``valid``, in order, in ``width`` slots [..., width]
     int32, the rest ``fill``; with no sort: each valid entry's slot is the count of valid entries
     before it (a compare of every slot with every entry)."""
+    if valid.shape[-1] == 0:  # nothing to place (an empty selection)
+        return jnp.full((*valid.shape[:-1], width), fill, jnp.int32)
     slot = jnp.where(valid, jnp.cumsum(valid, axis=-1, dtype=jnp.int32) - 1, -1)  # [..., n]
     hit = slot[..., None, :] == jnp.arange(width, dtype=jnp.int32)[:, None]  # [..., width, n]
     x = jnp.broadcast_to(x, valid.shape)[..., None, :]

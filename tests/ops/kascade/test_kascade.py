@@ -522,3 +522,9 @@ def test_threshold_selection_equals_the_sorting_one():
         x[r.random((4, n)) < 0.2] = -np.inf
         keep = jnp.asarray(r.integers(0, k + 1, (4,)))
         np.testing.assert_array_equal(xla.threshold_top(jnp.asarray(x), k, keep), xla.top(jnp.asarray(x), k, keep))
+
+
+def test_compaction_of_nothing_fills_every_slot():
+    """An empty selection (a decode budget below one pool) compacts to the fill value."""
+    valid = jnp.zeros((2, 3, 0), bool)
+    np.testing.assert_array_equal(xla.compact(jnp.zeros((2, 3, 0), jnp.int32), valid, 2, -1), -np.ones((2, 3, 2)))

@@ -216,6 +216,33 @@ def test_decode_over_pools_of_128_matches_definition(backend, layout, dtype):
     assert rel_rms(o, want) <= bar
 
 
+def test_anchor_decode_in_one_kernel_selects_as_the_definition():
+    """The TPU anchor decode that keeps a row's keys in VMEM and selects in the kernel, and the two
+    kernels it falls back to for longer rows (``decode_keys_bytes=0``): the selection equals the
+    float64 definition's where six pools of one key block tie exactly for four places (the
+    smaller ids win), with four pools of a cut row from both key blocks, and none of a row
+    shorter than two pools."""
+    B, L, H, G, D = 3, 2048, 4, 2, 32
+    r = np.random.default_rng(3)
+    q = r.standard_normal((B, H, D)) * 1.5
+    k, v = r.standard_normal((B, L, G, D)), r.standard_normal((B, L, G, D))
+    aligned = lambda b: r.standard_normal((128, G, D)) + q[b].reshape(G, H // G, D).mean(1)  # every head's largest
+    k[0, 128:896] = np.tile(aligned(0), (6, 1, 1))  # pools 1..6 of the first key block: equal masses
+    k[1, 256:384], k[1, 1536:1664] = aligned(1), aligned(1)  # a selection across both key blocks
+    (q, k, v), exact = [jnp.asarray(x, jnp.float32) for x in (q, k, v)], [q, k, v]
+    lengths = jnp.asarray([2048, 1900, 129], jnp.int32)
+    opts = {"topk_percent": 30, "min_k": 0, "pool_size": 128}
+    want_idx, want = reference.naive_kascade_anchor_decode(*exact, lengths, **opts)
+    pools = np.asarray(want_idx[:2, :, ::128])
+    assert (pools[0] == [128, 256, 384, 512]).all() and ((pools[1] == 256) & (pools[1, :, -1] == 1536)[:, None]).any(
+        1
+    ).all()
+    for cfg in (pallas_tpu.Config(), pallas_tpu.Config(decode_keys_bytes=0)):
+        idx, o = kdax.kascade_anchor_decode(q, k, v, lengths, **opts, backend="pallas_tpu", config=cfg)
+        np.testing.assert_array_equal(idx, want_idx)
+        assert rel_rms(o, want) <= 1e-5
+
+
 # The GQA case where bf16 pooled scores changed the selection: H = 8 over G = 2 at top-k 10%.
 BF16_CASES = [
     Case("bf16_gqa_300", B=1, T=300, H=8, G=2, D=32, tile_size=32),
@@ -317,7 +344,10 @@ def _all_ops(q, k, v, qt, kc, vc, lengths, *, tiles, layout):
 # per (platform, selection): the kernels the four ops call, and how many calls in all
 LOWERED = {
     ("tpu", "tokens"): (("kascade_attend", "kascade_scores", "kascade_decode_scores", "kascade_decode_attend"), 9),
-    ("tpu", "pools"): (("kascade_pool_scores", "kascade_pool_attend", "kascade_pool_decode_scores"), 7),
+    ("tpu", "pools"): (
+        ("kascade_pool_scores", "kascade_pool_attend", "kascade_pool_decode_anchor", "kascade_pool_decode_attend"),
+        6,
+    ),
     ("cuda", "tokens"): (("kascade_attend", "kascade_scores", "kascade_decode_scores", "kascade_decode_attend"), 9),
     ("cuda", "pools"): (("kascade_attend", "kascade_scores", "kascade_decode_scores", "kascade_decode_attend"), 9),
 }
