@@ -607,6 +607,7 @@ class Peer:
     trips: dict | None = None  # Compiler.compile's
     shares: dict | None = None  # Compiler.compile's
     options: dict | None = None  # Compiler.compile's
+    layout: str | None = None  # a decode op's cache layout, where the row is the costs table's entry
 
     @property
     def name(self) -> str:
@@ -694,9 +695,9 @@ def kascade_trips(
 def kascade_decode_trips(L: int, topk_percent: float = 10, min_k: int = 128, pool_size: int = 128) -> dict:
     """The trips of the decode kernels' loops of data-dependent trips for full rows of L keys at the
     ops' defaults, B * G >= 8 (one split). Tokens: the scores kernel reads every block of the cache,
-    the attend kernel the blocks of the selection. Pools: the scores kernel reads every block, turns
-    each into pool masses and zeroes none; the attend kernel issues a copy a selected pool, then
-    folds their whole steps of ``pool_keys`` (the partial step runs apart)."""
+    the attend kernel the blocks of the selection. Pools: the scores kernel reads every block; the
+    attend kernel issues a copy a selected pool, then folds their whole steps of ``pool_keys``
+    (the partial step runs apart); the one-kernel anchor does both."""
     from kdax.ops.kascade import pallas_tpu
     from kdax.ops.kascade.checks import budget, percent_tenths, pool_count
 
@@ -818,10 +819,9 @@ def kascade_calls(chip: str, make) -> list[Peer]:
             B, shape = 16, decode_shape(L)
             qd, kc, vc, n = make((B, H, D), dt), make((B, L, G, D), dt), make((B, L, G, D), dt), make((B,), jnp.int32)
             heads_first = [make((B, G, L, D), dt), make((B, G, L, D), dt)]
-            defaults = [
-                (b, "BLGD", POOL_SIZE) for b in (("pallas_tpu", "xla") if L == KASCADE_L[0] else ("pallas_tpu",))
-            ]
-            for backend, layout, P in defaults + [("pallas_tpu", "BGLD", POOL_SIZE), ("pallas_tpu", "BLGD", 1)]:
+            backends = ("pallas_tpu", "xla") if L == KASCADE_L[0] else ("pallas_tpu",)
+            defaults = [(b, layout, POOL_SIZE) for layout in ("BLGD", "BGLD") for b in backends]
+            for backend, layout, P in defaults + [("pallas_tpu", "BLGD", 1)]:
                 opts = {"backend": backend, "pool_size": P, "cache_layout": layout}
                 variant = backend + ("" if (layout, P) == ("BLGD", POOL_SIZE) else f" {layout} pool {P}")
                 caches = heads_first if layout == "BGLD" else [kc, vc]
@@ -831,9 +831,14 @@ def kascade_calls(chip: str, make) -> list[Peer]:
                 didx = jax.eval_shape(ad, qd, *caches, n)[0]
                 rd = lambda q, k, v, n, i, opts=opts: kdax.kascade_reuse_decode(q, k, v, n, i, **opts)
                 args = [qd, *caches, n]
-                out.append(Peer("kascade_anchor_decode", dtype, shape, "fwd", variant, ad, args, trips=trips))
+                entry = layout if P == POOL_SIZE else None  # the costs table's entries: the default pools
+                out.append(
+                    Peer("kascade_anchor_decode", dtype, shape, "fwd", variant, ad, args, trips=trips, layout=entry)
+                )
                 args = [qd, *caches, n, make(didx.shape, didx.dtype)]
-                out.append(Peer("kascade_reuse_decode", dtype, shape, "fwd", variant, rd, args, trips=trips))
+                out.append(
+                    Peer("kascade_reuse_decode", dtype, shape, "fwd", variant, rd, args, trips=trips, layout=entry)
+                )
             for page, pages in PAGED_BLOCKS:
                 f, args = _paged(make, dt, B, L, H, G, D, page, pages)
                 out.append(Peer("dense decode", dtype, shape, "fwd", f"paged {page}x{pages}", f, args, False))
@@ -978,13 +983,14 @@ def costs_table(rows: list[Row], peers: dict[str, Peer]) -> list[dict]:
     entries = {}
     for r in rows:
         p = peers.get(r.case)
-        if p is None or p.backend not in ("pallas_tpu", "xla"):
+        backend = p.backend.split()[0] if p is not None and p.layout else getattr(p, "backend", None)
+        if backend not in ("pallas_tpu", "xla"):
             continue
-        e = entries.setdefault((r.chip, p.op, p.dtype, p.shape, p.passes), {})
-        e[p.backend] = {"compiles": r.ok, "cycles": r.cycles, "lower_bound": bool(r.unknown_loops)}
+        e = entries.setdefault((r.chip, p.op, p.dtype, p.shape, p.passes, p.layout), {})
+        e[backend] = {"compiles": r.ok, "cycles": r.cycles, "lower_bound": bool(r.unknown_loops)}
     return [
-        dict(chip=chip, op=op, dtype=dtype, shape=shape, passes=passes, **e)
-        for (chip, op, dtype, shape, passes), e in entries.items()
+        dict(chip=chip, op=op, dtype=dtype, shape=shape, passes=passes, **({"layout": layout} if layout else {}), **e)
+        for (chip, op, dtype, shape, passes, layout), e in entries.items()
     ]
 
 
@@ -1024,7 +1030,7 @@ def record(path: str, entries: list[dict], argv: list[str]) -> None:
     ``--only`` adds its command to the recorded ones."""
     import jax
 
-    key = lambda e: (e["chip"], e["op"], e["dtype"], e["shape"], e["passes"])
+    key = lambda e: (e["chip"], e["op"], e["dtype"], e["shape"], e["passes"], e.get("layout", ""))
     old, table = {}, {}
     if os.path.exists(path):
         with open(path) as f:

@@ -164,7 +164,8 @@ class OpBackends:
         asked = where != "the device's kernels"
         if why := self.refuse(kernels, dtype, config, asked, **options):
             return "xla", why
-        if kernels == "pallas_tpu" and not asked and (why := tpu_costs.refuse(self.op, dtype)):
+        layout = options.get("cache_layout")
+        if kernels == "pallas_tpu" and not asked and (why := tpu_costs.refuse(self.op, dtype, layout=layout)):
             return "xla", why
         return kernels, where
 
@@ -233,6 +234,7 @@ def explain_backend(
     config=None,
     op: str = "chunk_kda",
     head_dims: tuple[int, int] = (128, 128),
+    cache_layout: str = "BLGD",
 ) -> tuple[str, str]:
     """Which backend ``backend="auto"`` runs for an op's inputs of ``dtype`` here, and why.
 
@@ -247,6 +249,7 @@ def explain_backend(
         op: a public op's name: "chunk_kda", "fused_recurrent_kda", "kascade_anchor",
             "kascade_reuse", "kascade_anchor_decode" or "kascade_reuse_decode".
         head_dims: (K, V), KDA's key and value head dims (other ops ignore them).
+        cache_layout: the Kascade decode ops' caches, "BLGD" or "BGLD" (other ops ignore it).
 
     Returns:
         (backend, reason): e.g. ("xla", "no kernels for this device (cpu)").
@@ -256,4 +259,7 @@ def explain_backend(
     """
     if op not in REGISTRY:
         fail("op", f"one of {tuple(REGISTRY)}", repr(op))
-    return REGISTRY[op].explain(dtype, config, chunk_size=chunk_size, head_dims=head_dims)
+    if cache_layout not in ("BLGD", "BGLD"):
+        fail("cache_layout", "'BLGD' or 'BGLD'", repr(cache_layout))
+    layout = {"cache_layout": cache_layout} if op.endswith("_decode") else {}
+    return REGISTRY[op].explain(dtype, config, chunk_size=chunk_size, head_dims=head_dims, **layout)

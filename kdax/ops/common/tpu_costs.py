@@ -5,9 +5,10 @@ the table ``backend="auto"`` consults on a TPU (docs/kda_tpu.md, "Compiled for c
 kdax/ops/common/tpu_costs.json``: per chip, op, dtype, benchmark shape and passes (forward, or
 forward and backward), whether each backend's program compiled and its static cycles (VLIW bundles
 weighted by the trip counts of the loops around them; a lower bound where a loop's trips depend on
-the data). "auto" runs an op's TPU kernels for inputs of a dtype only where every entry of that op
-and dtype says they compiled and cost fewer static cycles than xla; else xla, and
-:func:`kdax.explain_backend` says why.
+the data; decode ops' entries also name the caches' layout). "auto" runs an op's TPU kernels for
+inputs of a dtype (and a layout) only where every entry of that op and dtype (and layout) says
+they compiled and cost fewer static cycles than xla; else xla, and :func:`kdax.explain_backend`
+says why.
 """
 
 from __future__ import annotations
@@ -29,13 +30,14 @@ def _m(cycles: int) -> str:
     return f"{cycles / 1e6:,.1f} M"
 
 
-def refuse(op: str, dtype, entries: list[dict] | None = None) -> str | None:
+def refuse(op: str, dtype, entries: list[dict] | None = None, layout: str | None = None) -> str | None:
     """Why "auto" on a TPU runs xla instead of ``op``'s pallas_tpu kernels for ``dtype`` inputs.
 
     Args:
         op: a public op's name ("chunk_kda", "kascade_reuse", ...).
         dtype: the inputs' dtype.
         entries: the table's entries (None: the recorded table's).
+        layout: a decode op's cache layout ("BLGD" or "BGLD"); None for the other ops.
 
     Returns:
         The reason, or None where every entry of ``op`` and ``dtype`` has the kernels compiled and
@@ -43,9 +45,11 @@ def refuse(op: str, dtype, entries: list[dict] | None = None) -> str | None:
         or xla's program not compiling.
     """
     name = jnp.dtype(dtype).name
-    mine = [e for e in (table()["entries"] if entries is None else entries) if e["op"] == op and e["dtype"] == name]
+    entries = table()["entries"] if entries is None else entries
+    mine = [e for e in entries if e["op"] == op and e["dtype"] == name and e.get("layout") == layout]
     if not mine:
-        return f"no compiled cost of the TPU kernels for {name} inputs (scripts/tpu_compile_report.py --peers)"
+        what = f"{name} inputs" + (f" and {layout} caches" if layout else "")
+        return f"no compiled cost of the TPU kernels for {what} (scripts/tpu_compile_report.py --peers)"
     for e in mine:
         kernel, xla, where = e["pallas_tpu"], e["xla"], f"{e['chip']}, {e['shape']}, {e['passes']}"
         costs = f"{_m(kernel['cycles'])} static cycles against xla's {_m(xla['cycles'])} ({where}; tpu_costs.json)"

@@ -306,7 +306,7 @@ def kascade_anchor_decode(
     options = {"topk_percent": topk_percent, "min_k": min_k, "scale": scale, "pool_size": pool_size}
     tenths, _ = check_call(q, *_logical(k_cache, v_cache, cache_layout), lengths, decode=True, **options)
     auto = backend == "auto"
-    backend, config = _OPS["kascade_anchor_decode"].resolve(backend, q.dtype, config)
+    backend, config = _OPS["kascade_anchor_decode"].resolve(backend, q.dtype, config, cache_layout=cache_layout)
     budget = {"tenths": tenths, "min_k": int(min_k), "dense_output": bool(dense_output), "pool_size": pool_size}
     o = Options(backend, config, _scale(q, scale), auto, cache_layout=cache_layout, **budget)
     lengths = row_lengths(lengths, q.shape[0], _logical(k_cache, v_cache, cache_layout)[0].shape[1])
@@ -350,7 +350,7 @@ def kascade_reuse_decode(
         q, *caches, lengths, decode=True, indices=indices, head_map=head_map, scale=scale, pool_size=pool_size
     )
     auto = backend == "auto"
-    backend, config = _OPS["kascade_reuse_decode"].resolve(backend, q.dtype, config)
+    backend, config = _OPS["kascade_reuse_decode"].resolve(backend, q.dtype, config, cache_layout=cache_layout)
     lengths = row_lengths(lengths, q.shape[0], caches[0].shape[1])
     o = Options(backend, config, _scale(q, scale), auto, pool_size=pool_size, cache_layout=cache_layout)
     return _compiled("reuse_decode", o, q, k_cache, v_cache, lengths, jnp.asarray(indices, jnp.int32), head_map)

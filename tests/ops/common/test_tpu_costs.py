@@ -35,23 +35,31 @@ def test_the_table_covers_every_op_with_tpu_kernels_in_both_dtypes():
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("op", TPU_OPS)
 def test_auto_on_a_tpu_runs_the_kernels_only_where_they_compiled_and_cost_less(op, dtype):
-    entries = [e for e in tpu_costs.table()["entries"] if e["op"] == op and e["dtype"] == jnp.dtype(dtype).name]
-    pays = all(
-        e["pallas_tpu"]["compiles"]
-        and (
-            not e["xla"]["compiles"]
-            or (not e["pallas_tpu"]["lower_bound"] and e["pallas_tpu"]["cycles"] < e["xla"]["cycles"])
+    """Per dtype, and for the decode ops per cache layout (their entries name it)."""
+    for layout in ("BLGD", "BGLD") if op.endswith("_decode") else (None,):
+        entries = [
+            e
+            for e in tpu_costs.table()["entries"]
+            if e["op"] == op and e["dtype"] == jnp.dtype(dtype).name and e.get("layout") == layout
+        ]
+        assert entries
+        pays = all(
+            e["pallas_tpu"]["compiles"]
+            and (
+                not e["xla"]["compiles"]
+                or (not e["pallas_tpu"]["lower_bound"] and e["pallas_tpu"]["cycles"] < e["xla"]["cycles"])
+            )
+            for e in entries
         )
-        for e in entries
-    )
-    with dispatch.building_for("tpu"):
-        backend, why = kdax.explain_backend(dtype, op=op)
-        assert (backend == "pallas_tpu") == pays, why
-        if not pays:
-            assert "TPU kernels" in why
-        with kdax.use_backend("pallas_tpu"):  # asked for, the kernels run all the same
-            assert kdax.explain_backend(dtype, op=op)[0] == "pallas_tpu"
-    assert kdax.explain_backend(dtype, op=op)[0] == "xla"  # no TPU here
+        layouts = {"cache_layout": layout} if layout else {}
+        with dispatch.building_for("tpu"):
+            backend, why = kdax.explain_backend(dtype, op=op, **layouts)
+            assert (backend == "pallas_tpu") == pays, why
+            if not pays:
+                assert "TPU kernels" in why
+            with kdax.use_backend("pallas_tpu"):  # asked for, the kernels run all the same
+                assert kdax.explain_backend(dtype, op=op, **layouts)[0] == "pallas_tpu"
+        assert kdax.explain_backend(dtype, op=op, **layouts)[0] == "xla"  # no TPU here
 
 
 def test_the_rule_on_made_up_costs():
@@ -67,6 +75,12 @@ def test_the_rule_on_made_up_costs():
     assert "xla's only bounded below" in tpu_costs.refuse("chunk_kda", jnp.float32, [_entry(9, 5, xla_bound=True)])
     assert "no compiled cost" in tpu_costs.refuse("chunk_kda", jnp.float16, cheaper)
     assert tpu_costs.refuse("chunk_kda", jnp.float32, cheaper + dearer) is not None  # every entry must pay
+    heads_first = [{**_entry(5, 9), "layout": "BGLD"}, {**_entry(9, 5), "layout": "BLGD"}]  # a decode op's
+    assert tpu_costs.refuse("chunk_kda", jnp.float32, heads_first, layout="BGLD") is None
+    assert "cost" in tpu_costs.refuse("chunk_kda", jnp.float32, heads_first, layout="BLGD")
+    assert "and BGLD caches" in tpu_costs.refuse("chunk_kda", jnp.float32, cheaper, layout="BGLD")
+    with pytest.raises(ValueError, match="cache_layout"):
+        kdax.explain_backend(op="kascade_reuse_decode", cache_layout="BTGD")
 
 
 def test_auto_follows_the_table(monkeypatch):

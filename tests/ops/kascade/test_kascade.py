@@ -465,7 +465,7 @@ def test_auto_picks_the_devices_kernels_and_names_kascade_ops():
     with kdax.use_backend("pallas_gpu"):
         assert kdax.explain_backend(op="kascade_reuse_decode") == ("pallas_gpu", "kdax.use_backend('pallas_gpu')")
     with dispatch.building_for("tpu"):  # the kernels where they compiled and cost less than xla
-        expected = "xla" if tpu_costs.refuse("kascade_anchor_decode", jnp.float32) else "pallas_tpu"
+        expected = "xla" if tpu_costs.refuse("kascade_anchor_decode", jnp.float32, layout="BLGD") else "pallas_tpu"
         assert kdax.explain_backend(op="kascade_anchor_decode")[0] == expected
         assert kdax.explain_backend(jnp.float64, op="kascade_anchor")[0] == "xla"
     with dispatch.building_for("tpu"), kdax.use_backend("pallas_tpu"):
