@@ -983,7 +983,9 @@ def costs_table(rows: list[Row], peers: dict[str, Peer]) -> list[dict]:
     entries = {}
     for r in rows:
         p = peers.get(r.case)
-        backend = p.backend.split()[0] if p is not None and p.layout else getattr(p, "backend", None)
+        if p is None:
+            continue
+        backend = p.backend.split()[0] if p.layout else p.backend  # "pallas_tpu BGLD pool 128": its layout's entry
         if backend not in ("pallas_tpu", "xla"):
             continue
         e = entries.setdefault((r.chip, p.op, p.dtype, p.shape, p.passes, p.layout), {})

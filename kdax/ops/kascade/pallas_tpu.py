@@ -935,7 +935,7 @@ def kascade_anchor_decode_tpu(
     budget = {"tenths": tenths, "min_k": min_k, "k_max": k_max, "pool_size": pool_size}
     reuse = {"pool_size": pool_size, "scale": scale, "cache_layout": cache_layout, "cfg": cfg}
     if _decode_pools(pool_size, L, q.dtype, G, cache_layout):
-        if not dense_output and _resident_keys(L, D, q.dtype, pool_size, cfg):
+        if not dense_output and _keys_fit(L, D, q.dtype, pool_size, cfg):
             sel = {"tenths": tenths, "min_k": min_k, "k_max": k_max}
             ids, parts = _pool_decode_anchor(
                 q, k_cache, v_cache, lengths, G, pool_size, scale, cache_layout, cfg, **sel
@@ -1234,20 +1234,21 @@ def _attend_pools(q, length, count, id_of, src, head, pairs, sems, *, P, S, L, s
             for _, buf in pairs:
                 buf[rows] = jnp.zeros((P, *buf.shape[1:]), buf.dtype)
 
-    def rows_of(first, n):  # keys [n P, D] and values of slots first .. first + n - 1 (slot 0: the partial pool)
+    def rows_of(first, n, starts):  # keys [n P, D] and values of slots first .. first + n - 1
         rows = pl.ds(pl.multiple_of(first * P, P), n * P)
         vb = head(pairs[-1][1][rows])
         if kres is None:
             return head(pairs[0][1][rows]), vb
-        if n == 1 and isinstance(first, int) and first == 0:
-            return kres[pl.ds(at, P)], vb
-        kb = [kres[pl.ds(pl.multiple_of(jnp.maximum(id_of(first - 1 + j), 0) * P, P), P)] for j in range(n)]
+        kb = [kres[pl.ds(start, P)] for start in starts]  # the slots' pools, from their first keys
         return (kb[0] if n == 1 else jnp.concatenate(kb, axis=0)), vb
+
+    def pool_start(j):  # the first key of the j-th selected pool (a padding slot: pool 0)
+        return pl.multiple_of(jnp.maximum(id_of(j), 0) * P, P)
 
     for c in copies(0, at):
         c.wait()
     keys = at + lax.broadcasted_iota(jnp.int32, (1, P), 1)
-    kb, vb = rows_of(0, 1)
+    kb, vb = rows_of(0, 1, [at])
     s2 = jnp.where((keys >= tail) & (keys < length), bl.dot_nt(q, kb, prec) * scale2, -jnp.inf)
     state = bl.softmax_step(bl.start_softmax(*q.shape), s2, vb, prec)
 
@@ -1263,7 +1264,8 @@ def _attend_pools(q, length, count, id_of, src, head, pairs, sems, *, P, S, L, s
                 for c in copies(1 + j, 0):
                     c.wait()
 
-        kb, vb = rows_of(1 + i * S, S)
+        starts = None if kres is None else [pool_start(i * S + j) for j in range(S)]
+        kb, vb = rows_of(1 + i * S, S, starts)
         s2 = bl.dot_nt(q, kb, prec) * scale2
         if not whole:
             s2 = jnp.where(lax.broadcasted_iota(jnp.int32, (1, S * P), 1) < rem * P, s2, -jnp.inf)
@@ -1408,12 +1410,11 @@ def _pool_decode_anchor_kernel(
     acc_ref[...], m_ref[...], l_ref[...] = acc, m, l
 
 
-def _resident_keys(L: int, D: int, dtype, pool_size: int, cfg) -> int:
-    """The VMEM bytes of a row's keys held by the one-program anchor decode (0: too many for
-    ``cfg.decode_keys_bytes``, the two passes run)."""
+def _keys_fit(L: int, D: int, dtype, pool_size: int, cfg) -> bool:
+    """Whether a row's keys fit ``cfg.decode_keys_bytes`` of VMEM, as the one-kernel anchor decode
+    holds them (else the two kernels run)."""
     W = max(8 * pool_size, cfg.block_decode)
-    n = round_up(L, W) * round_up(D, LANE) * jnp.dtype(dtype).itemsize
-    return n if n <= cfg.decode_keys_bytes else 0
+    return round_up(L, W) * round_up(D, LANE) * jnp.dtype(dtype).itemsize <= cfg.decode_keys_bytes
 
 
 def _pool_decode_anchor(q, k_cache, v_cache, lengths, G, pool_size, scale, layout, cfg, *, tenths, min_k, k_max):
