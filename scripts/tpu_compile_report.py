@@ -697,21 +697,22 @@ def kascade_decode_trips(L: int, topk_percent: float = 10, min_k: int = 128, poo
     ops' defaults, B * G >= 8 (one split). Tokens: the scores kernel reads every block of the cache,
     the attend kernel the blocks of the selection. Pools: the scores kernel reads every block; the
     attend kernel issues a copy a selected pool, then folds their whole steps of ``pool_keys``
-    (the partial step runs apart); the one-kernel anchor does both."""
+    (the partial step runs apart); the one-kernel anchor does both, its loop over the blocks one
+    trip short (block i + 1's scores beside block i's softmax: the first block's come before it)."""
     from kdax.ops.kascade import pallas_tpu
     from kdax.ops.kascade.checks import budget, percent_tenths, pool_count
 
     cfg = pallas_tpu.Config()
     tenths = percent_tenths(topk_percent)
     if pool_size >= 128:
-        blocks = -(-L // max(8 * pool_size, cfg.block_decode))
+        blocks = -(-L // pallas_tpu.decode_block(pool_size, cfg))
         n = int(pool_count(L, tenths, min_k, pool_size))
         S = max(1, cfg.pool_keys // pool_size)
         attend = (n, n // S, n % S)
         return {
             "kascade_pool_decode_scores": (blocks,),
             "kascade_pool_decode_attend": attend,
-            "kascade_pool_decode_anchor": (blocks, *attend),
+            "kascade_pool_decode_anchor": (blocks - 1, *attend),  # its first block runs before the loop
         }
     k = int(budget(L, tenths, min_k))
     return {"kascade_decode_scores": -(-L // cfg.block_decode), "kascade_decode_attend": -(-k // (cfg.block_k or 128))}

@@ -29,6 +29,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
@@ -51,7 +52,10 @@ class Config:
             :func:`sparse_block` of the selection's width, for decode 128.
         block_dense: keys per step of the anchor's dense attention pass (a multiple of 8).
         block_scores: keys per program of the scoring kernel (a multiple of 128).
-        block_decode: keys per step of the decode kernels (a multiple of 128).
+        block_decode: keys per step of the token decode kernels (a multiple of 128).
+        block_decode_pools: keys per step of the pooled decode kernels' pass over the cache (a
+            multiple of 128; at least 8 pools): long steps let the MXU take one block's keys while
+            the last block's softmax runs (docs/kascade_tpu.md, "Decode").
         splits: cache splits per decode row; None: 1 when B * G >= 8, else enough for 8 programs.
         resident_bytes: the most bytes of a KV head's keys and values (as gathered: bfloat16 K and V
             as one uint32 array, other narrow dtypes as float32) the sparse prefill kernel keeps in
@@ -77,6 +81,7 @@ class Config:
     block_dense: int = 512
     block_scores: int = 512
     block_decode: int = 512
+    block_decode_pools: int = 4096
     splits: int | None = None
     resident_bytes: int = 24 << 20
     pool_keys: int = 512
@@ -92,7 +97,7 @@ class Config:
             raise ValueError(f"config.block_k: expected None or a multiple of 8, got {self.block_k}")
         if self.block_dense < 8 or self.block_dense % 8:
             raise ValueError(f"config.block_dense: expected a multiple of 8, got {self.block_dense}")
-        for name in ("block_scores", "block_decode"):
+        for name in ("block_scores", "block_decode", "block_decode_pools"):
             if (n := getattr(self, name)) < LANE or n % LANE:
                 raise ValueError(f"config.{name}: expected a multiple of {LANE}, got {n}")
         if self.splits is not None and (isinstance(self.splits, bool) or self.splits < 1):
@@ -1044,6 +1049,11 @@ def kascade_reuse_decode_tpu(q, k_cache, v_cache, lengths, indices, *, pool_size
 # ----------------------------------------------------------------------------- decode over pools
 
 
+def decode_block(pool_size: int, cfg: Config) -> int:
+    """Keys a step of the pooled decode kernels' pass over the cache: whole pools, at least 8."""
+    return max(8 * pool_size, cfg.block_decode_pools)
+
+
 def _decode_pools(pool_size: int, L: int, dtype, G: int, cache_layout: str) -> bool:
     """Whether the decode ops run the pooled kernels: pools of whole lane tiles (128 keys or more),
     a cache of at least one pool, and a head's rows its own (not a bf16 cache [B, L, G, D] of
@@ -1052,25 +1062,31 @@ def _decode_pools(pool_size: int, L: int, dtype, G: int, cache_layout: str) -> b
     return pool_size >= LANE and L >= pool_size and not _cache_rows(dtype, G, cache_layout)[0]
 
 
-def _mass_step(q, length, c_ref, mh_ref, *, P, W, scale2, prec, dense):
-    """The anchor decode's step over key block c (keys [1, W], kb [W, D], vb [W, D] with ``dense``)
-    for :meth:`_Blocks.scan`: the online softmax's (m, l, acc) and the block's pool sums
-    c_ref[c] [Rq, W / P] at its running max mh_ref[c] [Rq, 1]."""
+def _mass_step(q, length, c_ref, mh_ref, *, P, scale2, prec):
+    """The anchor decode's step over key block c (keys [1, W], kb [W, D], vb [W, D] or None) for
+    :meth:`_Blocks.scan`: the online softmax's (m, l, acc) and the block's pool sums
+    c_ref[c] [Rq, W / P] at its running max mh_ref[c] [Rq, 1] (:func:`_mass_fold`)."""
 
     def step(state, c, keys, kb, vb):
-        m, l, acc = state
         s2 = jnp.where(keys < length, bl.dot_nt(q, kb, prec) * scale2, -jnp.inf)  # [Rq, W]
-        m_new = jnp.maximum(m, jnp.max(s2, axis=1, keepdims=True))
-        alpha = jnp.exp2(m - m_new)
-        p = jnp.exp2(s2 - m_new)
-        l = l * alpha + jnp.sum(p, axis=1, keepdims=True)
-        c_ref[c] = jnp.sum(p.reshape(p.shape[0], W // P, P), axis=2)
-        mh_ref[c] = m_new
-        if dense:
-            acc = acc * alpha + bl.dot_nn(p.astype(vb.dtype), vb, prec)
-        return m_new, l, acc
+        return _mass_fold(state, c, s2, vb, c_ref, mh_ref, P=P, prec=prec)
 
     return step
+
+
+def _mass_fold(state, c, s2, vb, c_ref, mh_ref, *, P, prec):
+    """:func:`_mass_step` past the scores s2 [Rq, W] (log2 units, masked): the online softmax's
+    (m, l, acc; acc None without values vb) and the pool sums c_ref[c] at the running max mh_ref[c]."""
+    m, l, acc = state
+    m_new = jnp.maximum(m, jnp.max(s2, axis=1, keepdims=True))
+    alpha = jnp.exp2(m - m_new)
+    p = jnp.exp2(s2 - m_new)
+    l = l * alpha + jnp.sum(p, axis=1, keepdims=True)
+    c_ref[c] = jnp.sum(p.reshape(p.shape[0], -1, P), axis=2)
+    mh_ref[c] = m_new
+    if vb is not None:
+        acc = acc * alpha + bl.dot_nn(p.astype(vb.dtype), vb, prec)
+    return m_new, l, acc
 
 
 def _pool_masses(c_ref, mh_ref, m, l, count, R):
@@ -1084,47 +1100,49 @@ def _pool_masses(c_ref, mh_ref, m, l, count, R):
 
 
 def _before(x):
-    """For a bool [n, w], the count of true entries before each in row-major order (int32)."""
-    x = x.astype(jnp.float32)
+    """For a bool [n, w], the count of true entries before each in row-major order (int32; exact:
+    products of 0 and 1, and of counts in float32 at ``HIGHEST``, summed in float32)."""
     n, w = x.shape
-    lane = lax.broadcasted_iota(jnp.int32, (1, w), 1)
-    in_row = functools.reduce(lambda acc, i: acc + jnp.where(lane > i, x[:, i : i + 1], 0.0), range(w), 0.0)
-    lower = (lax.broadcasted_iota(jnp.int32, (n, n), 1) < lax.broadcasted_iota(jnp.int32, (n, n), 0)).astype(x.dtype)
-    rows = jnp.broadcast_to(jnp.sum(x, axis=1, keepdims=True), (n, w))
-    earlier = bl.dot_nn(lower, rows, lax.Precision.HIGHEST)  # counts < 2^24: exact
+    x = x.astype(jnp.bfloat16)
+    tri = lambda m, a, b: lax.broadcasted_iota(jnp.int32, (m, m), a) < lax.broadcasted_iota(jnp.int32, (m, m), b)
+    in_row = bl.dot_nn(x, tri(w, 0, 1).astype(x.dtype), None)  # [n, w]: those left of it in its row
+    rows = bl.dot_nn(x, jnp.ones((w, w), x.dtype), None)  # each row's count, on every lane
+    earlier = bl.dot_nn(tri(n, 1, 0).astype(jnp.float32), rows, lax.Precision.HIGHEST)  # the rows above
     return (in_row + earlier).astype(jnp.int32)
 
 
-def _take_pools(mass, candidates, keep, width):
+def _take_pools(mass, candidates, keep, width, most):
     """The selection of :func:`xla.threshold_top` inside a kernel: of the first ``candidates`` pools
-    of mass [n, w] (pool id row-major), the ``keep`` of largest mass, ties toward the smaller id
-    (bisection on the float bits, then a running count of the ties). Returns ids [1, width] int32,
-    ascending, then -1."""
+    of mass [n, w] (pool id row-major), the ``keep`` (at most ``most``) of largest mass, ties
+    toward the smaller id. The threshold: the largest key (the float bits, ordered) with ``keep``
+    keys at or above it, found two bits a step (a step's three counts independent); the ties at it
+    by a running count; the slot-th id the count of pools with at most slot taken up to them.
+    Returns ids [1, width] int32, ascending, then -1."""
     n, w = mass.shape
     pid = lax.broadcasted_iota(jnp.int32, mass.shape, 0) * w + lax.broadcasted_iota(jnp.int32, mass.shape, 1)
     bits = lax.bitcast_convert_type(mass, jnp.int32)
     key = jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)  # ordered as the floats are
-    low = jnp.iinfo(jnp.int32).min
+    low, high = jnp.iinfo(jnp.int32).min, jnp.iinfo(jnp.int32).max
     key = jnp.where(pid < candidates, key, low)
-    total = lambda x: jnp.sum(jnp.sum(x.astype(jnp.int32), axis=1, keepdims=True), axis=0, keepdims=True)
-
-    def bisect(_, bounds):  # the largest lo with count(key >= lo) >= keep
-        lo, hi = bounds
-        mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1)
-        enough = total(key >= mid) >= keep
-        return jnp.where(enough, mid, lo), jnp.where(enough, hi, mid)
-
-    full = lambda v: jnp.full((1, 1), v, jnp.int32)
-    lo, _ = lax.fori_loop(0, 32, bisect, (full(low), full(jnp.iinfo(jnp.int32).max)))
+    total = lambda x: jnp.sum(jnp.sum(jnp.where(x, 1.0, 0.0), axis=0, keepdims=True), axis=1, keepdims=True)
+    need = keep.astype(jnp.float32)
+    lo = jnp.full((1, 1), low, jnp.int32)  # count(key >= lo) >= keep
+    for shift in range(30, -1, -2):
+        steps = [lo + np.int32(((j << shift) + 2**31) % 2**32 - 2**31) for j in (1, 2, 3)]  # wrapping
+        ok = [total(key >= t) >= need for t in steps]
+        lo = jnp.where(ok[2], steps[2], jnp.where(ok[1], steps[1], jnp.where(ok[0], steps[0], lo)))
+    lo = jnp.minimum(lo, high - 1)  # as a bisection below INT_MAX finds it
     above, tied = key > lo, key == lo
-    taken = (above | (tied & (_before(tied) < keep - total(above)))) & (keep > 0)
-    slot = jnp.where(taken, _before(taken), -1)
+    taken = (above | (tied & (_before(tied) < keep - total(above).astype(jnp.int32)))) & (keep > 0)
+    upto = (_before(taken) + taken.astype(jnp.int32)).astype(jnp.float32)  # [n, w]
+    slots = round_up(max(most, 1), 8)
+    slot = lax.broadcasted_iota(jnp.int32, (slots, w), 0).astype(jnp.float32)
+    cnt = functools.reduce(lambda c, r: c + jnp.where(upto[r : r + 1] <= slot, 1.0, 0.0), range(n), 0.0)
+    if width > slots:
+        cnt = jnp.concatenate([cnt, jnp.zeros((width - slots, w), jnp.float32)], axis=0)
+    ids = bl.dot_nt(jnp.ones((8, w), jnp.float32), cnt, lax.Precision.HIGHEST)[:1]  # [1, width]: exact
     at = lax.broadcasted_iota(jnp.int32, (1, width), 1)
-    ids = jnp.full((1, width), -1, jnp.int32)
-    for i in range(w):  # each slot's pool: the one whose running count is the slot
-        hit = slot[:, i : i + 1] == at  # [n, width]
-        ids = jnp.maximum(ids, jnp.max(jnp.where(hit, pid[:, i : i + 1], -1), axis=0, keepdims=True))
-    return ids
+    return jnp.where(at < total(taken).astype(jnp.int32), ids.astype(jnp.int32), -1)
 
 
 def _pool_decode_scores_kernel(lengths_ref, q_ref, k_hbm, *rest, R, P, W, scale2, prec, dense, pick, layout):
@@ -1140,7 +1158,7 @@ def _pool_decode_scores_kernel(lengths_ref, q_ref, k_hbm, *rest, R, P, W, scale2
     b, g = pl.program_id(0), pl.program_id(1)
     length = lengths_ref[b]
     q = q_ref[...]
-    step = _mass_step(q, length, c_ref, mh_ref, P=P, W=W, scale2=scale2, prec=prec, dense=dense)
+    step = _mass_step(q, length, c_ref, mh_ref, P=P, scale2=scale2, prec=prec)
     src, head = _cache_reads(b, g, pick, cache_layout=layout)
     reads = _Blocks(k_hbm, v_hbm, src, kbuf, vbuf, sems, W, pick=head)
     count = bl.cdiv(length, W)
@@ -1156,7 +1174,7 @@ def _pool_decode_scores(q, k_cache, v_cache, lengths, G, L, pool_size, scale, la
     """The anchor decode's pass over the caches: (mass [B, G, L // P] float32, the dense output's
     softmax partials (acc, m, l) with ``v_cache``, else None)."""
     B, H, D = q.shape
-    P, W, dense = pool_size, max(8 * pool_size, cfg.block_decode), v_cache is not None
+    P, W, dense = pool_size, decode_block(pool_size, cfg), v_cache is not None
     Rq = round_up(H // G, 8)
     kc = _cache_in_place(k_cache, W, layout)
     nb = kc.shape[2 if layout == "BGLD" else 1] // W
@@ -1359,6 +1377,7 @@ def _pool_decode_anchor_kernel(
     W,
     S,
     Lv,
+    most,
     scale2,
     prec,
     layout,
@@ -1376,30 +1395,40 @@ def _pool_decode_anchor_kernel(
     src, _ = _cache_reads(b, g, None, cache_layout=layout)
     count = bl.cdiv(length, W)
 
-    def block(i):
-        rows = pl.ds(pl.multiple_of(i * W, W), W)
-        return rows, pltpu.make_async_copy(src(k_hbm, i * W, W), kres.at[rows], ksems.at[bl.rem(i, 2)])
+    rows = lambda i: pl.ds(pl.multiple_of(i * W, W), W)
+    block = lambda i: pltpu.make_async_copy(src(k_hbm, i * W, W), kres.at[rows(i)], ksems.at[bl.rem(i, 2)])
+
+    def scores(i):  # block i's scores [Rq, W], masked past the row (block 0 of an empty row: unread)
+        keys = i * W + lax.broadcasted_iota(jnp.int32, (1, W), 1)
+        return jnp.where(keys < length, bl.dot_nt(q, kres[rows(i)], prec) * scale2, -jnp.inf)
+
+    for i in range(min(2, kres.shape[0] // W)):
+
+        @pl.when(i < count)
+        def _(i=i):
+            block(i).start()
 
     @pl.when(count > 0)
     def _():
-        block(0)[1].start()
+        block(0).wait()
 
-    step = _mass_step(q, length, c_ref, mh_ref, P=P, W=W, scale2=scale2, prec=prec, dense=False)
+    fold = functools.partial(_mass_fold, vb=None, c_ref=c_ref, mh_ref=mh_ref, P=P, prec=prec)
 
-    def body(i, state):
-        @pl.when(i + 1 < count)
+    def body(i, carry):  # block i + 1's scores while block i folds: one basic block for the scheduler
+        state, s2 = carry
+
+        @pl.when(i + 2 < count)
         def _():
-            block(i + 1)[1].start()
+            block(i + 2).start()
 
-        rows, copy = block(i)
-        copy.wait()
-        return step(state, i, i * W + lax.broadcasted_iota(jnp.int32, (1, W), 1), kres[rows], None)
+        block(i + 1).wait()
+        return fold(state, i, s2), scores(i + 1)
 
-    rows = q.shape[0]
-    init = jnp.full((rows, 1), -jnp.inf, jnp.float32), jnp.zeros((rows, 1), jnp.float32), None
-    m, l, _ = lax.fori_loop(0, count, body, init)
+    init = jnp.full((q.shape[0], 1), -jnp.inf, jnp.float32), jnp.zeros((q.shape[0], 1), jnp.float32), None
+    state, s2 = lax.fori_loop(0, count - 1, body, (init, scores(0)))
+    m, l, _ = lax.cond(count > 0, lambda st: fold(st, count - 1, s2), lambda st: st, state)
     mass = _pool_masses(c_ref, mh_ref, m, l, count, R)
-    ids_ref[...] = ids_vmem[...] = _take_pools(mass, bl.div(length, P), keep, ids_ref.shape[-1])
+    ids_ref[...] = ids_vmem[...] = _take_pools(mass, bl.div(length, P), keep, ids_ref.shape[-1], most)
     copy = pltpu.make_async_copy(ids_vmem, ids_smem, lsem.at[0])
     copy.start()
     copy.wait()
@@ -1413,7 +1442,7 @@ def _pool_decode_anchor_kernel(
 def _keys_fit(L: int, D: int, dtype, pool_size: int, cfg) -> bool:
     """Whether a row's keys fit ``cfg.decode_keys_bytes`` of VMEM, as the one-kernel anchor decode
     holds them (else the two kernels run)."""
-    W = max(8 * pool_size, cfg.block_decode)
+    W = decode_block(pool_size, cfg)
     return round_up(L, W) * round_up(D, LANE) * jnp.dtype(dtype).itemsize <= cfg.decode_keys_bytes
 
 
@@ -1422,7 +1451,7 @@ def _pool_decode_anchor(q, k_cache, v_cache, lengths, G, pool_size, scale, layou
     [B, G, k_max / P] int32, ascending then -1; the softmax partials of one split)."""
     B, H, D = q.shape
     P, Rq = pool_size, round_up(H // G, 8)
-    W, S = max(8 * P, cfg.block_decode), max(1, cfg.pool_keys // P)
+    W, S = decode_block(P, cfg), max(1, cfg.pool_keys // P)
     NPo = k_max // P
     NPl, NPc = round_up(max(NPo, 1), LANE), -(-max(NPo, 1) // S) * S
     kc, vc = _cache_in_place(k_cache, W, layout), _cache_in_place(v_cache, P, layout)
@@ -1445,6 +1474,7 @@ def _pool_decode_anchor(q, k_cache, v_cache, lengths, G, pool_size, scale, layou
         W=W,
         S=S,
         Lv=Lv,
+        most=NPo,
         scale2=scale * LOG2E,
         prec=bl.precision(q.dtype),
         layout=layout,

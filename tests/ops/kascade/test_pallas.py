@@ -237,10 +237,29 @@ def test_anchor_decode_in_one_kernel_selects_as_the_definition():
     assert (pools[0] == [128, 256, 384, 512]).all() and ((pools[1] == 256) & (pools[1, :, -1] == 1536)[:, None]).any(
         1
     ).all()
-    for cfg in (pallas_tpu.Config(), pallas_tpu.Config(decode_keys_bytes=0)):
+    configs = [pallas_tpu.Config(), pallas_tpu.Config(decode_keys_bytes=0)]
+    configs.append(pallas_tpu.Config(block_decode_pools=1024))  # two key blocks, each selected from
+    for cfg in configs:
         idx, o = kdax.kascade_anchor_decode(q, k, v, lengths, **opts, backend="pallas_tpu", config=cfg)
         np.testing.assert_array_equal(idx, want_idx)
         assert rel_rms(o, want) <= 1e-5
+
+
+def test_anchor_decode_over_many_key_blocks():
+    """The one-kernel anchor decode's pass over five key blocks of 1024 (the next block's scores
+    taken beside the last block's softmax, copies two blocks ahead), rows ending inside the last
+    block, inside the second, and on a block boundary: selections equal the float64 definition's."""
+    B, L, H, G, D = 3, 4352, 4, 1, 32
+    r = np.random.default_rng(5)
+    q, k, v = r.standard_normal((B, H, D)) * 2, r.standard_normal((B, L, G, D)), r.standard_normal((B, L, G, D))
+    (q, k, v), exact = [jnp.asarray(x, jnp.float32) for x in (q, k, v)], [q, k, v]
+    lengths = jnp.asarray([4352, 1500, 3072], jnp.int32)
+    opts = {"topk_percent": 10, "min_k": 0, "pool_size": 128}
+    want_idx, want = reference.naive_kascade_anchor_decode(*exact, lengths, **opts)
+    cfg = pallas_tpu.Config(block_decode_pools=1024)
+    idx, o = kdax.kascade_anchor_decode(q, k, v, lengths, **opts, backend="pallas_tpu", config=cfg)
+    np.testing.assert_array_equal(idx, want_idx)
+    assert rel_rms(o, want) <= 1e-5
 
 
 # The GQA case where bf16 pooled scores changed the selection: H = 8 over G = 2 at top-k 10%.
