@@ -697,8 +697,9 @@ def kascade_decode_trips(L: int, topk_percent: float = 10, min_k: int = 128, poo
     ops' defaults, B * G >= 8 (one split). Tokens: the scores kernel reads every block of the cache,
     the attend kernel the blocks of the selection. Pools: the scores kernel reads every block; the
     attend kernel issues a copy a selected pool, then folds their whole steps of ``pool_keys``
-    (the partial step runs apart); the one-kernel anchor does both, its loop over the blocks one
-    trip short (block i + 1's scores beside block i's softmax: the first block's come before it)."""
+    (the partial step runs apart); the one-kernel anchor does both. The anchor's loop over the
+    blocks and the loop over whole steps are pipelined (step i + 1's scores beside step i's
+    softmax), one trip short: the first step's scores come before the loop."""
     from kdax.ops.kascade import pallas_tpu
     from kdax.ops.kascade.checks import budget, percent_tenths, pool_count
 
@@ -708,7 +709,7 @@ def kascade_decode_trips(L: int, topk_percent: float = 10, min_k: int = 128, poo
         blocks = -(-L // pallas_tpu.decode_block(pool_size, cfg))
         n = int(pool_count(L, tenths, min_k, pool_size))
         S = max(1, cfg.pool_keys // pool_size)
-        attend = (n, n // S, n % S)
+        attend = (n, n // S - 1, n % S)  # copies, whole steps (the first's scores before the loop), the rest
         return {
             "kascade_pool_decode_scores": (blocks,),
             "kascade_pool_decode_attend": attend,

@@ -220,11 +220,12 @@ def start_softmax(rows: int, D: int):
     return jnp.full((rows, 1), -jnp.inf, F32), jnp.zeros((rows, 1), F32), jnp.zeros((rows, D), F32)
 
 
-def softmax_step(state, s2, v, prec):
+def softmax_step(state, s2, v, prec, s_max=None):
     """Fold one block of masked log2 scores s2 [rows, n] (-inf: not attended) and its values
-    v [n, D] into the online softmax's state."""
+    v [n, D] into the online softmax's state; ``s_max`` [rows, 1] the block's row max if taken
+    already (a pipelined loop takes it a step early: the cross-lane max is a long latency)."""
     m, l, acc = state
-    m_new = jnp.maximum(m, jnp.max(s2, axis=1, keepdims=True))
+    m_new = jnp.maximum(m, jnp.max(s2, axis=1, keepdims=True) if s_max is None else s_max)
     ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)
     alpha = jnp.exp2(m - ref)
     p = jnp.exp2(s2 - ref)

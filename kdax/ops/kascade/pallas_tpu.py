@@ -1252,13 +1252,13 @@ def _attend_pools(q, length, count, id_of, src, head, pairs, sems, *, P, S, L, s
             for _, buf in pairs:
                 buf[rows] = jnp.zeros((P, *buf.shape[1:]), buf.dtype)
 
-    def rows_of(first, n, starts):  # keys [n P, D] and values of slots first .. first + n - 1
-        rows = pl.ds(pl.multiple_of(first * P, P), n * P)
-        vb = head(pairs[-1][1][rows])
+    def keys_of(first, n, starts):  # keys [n P, D] of slots first .. first + n - 1
         if kres is None:
-            return head(pairs[0][1][rows]), vb
+            return head(pairs[0][1][pl.ds(pl.multiple_of(first * P, P), n * P)])
         kb = [kres[pl.ds(start, P)] for start in starts]  # the slots' pools, from their first keys
-        return (kb[0] if n == 1 else jnp.concatenate(kb, axis=0)), vb
+        return kb[0] if n == 1 else jnp.concatenate(kb, axis=0)
+
+    values_of = lambda first, n: head(pairs[-1][1][pl.ds(pl.multiple_of(first * P, P), n * P)])
 
     def pool_start(j):  # the first key of the j-th selected pool (a padding slot: pool 0)
         return pl.multiple_of(jnp.maximum(id_of(j), 0) * P, P)
@@ -1266,31 +1266,43 @@ def _attend_pools(q, length, count, id_of, src, head, pairs, sems, *, P, S, L, s
     for c in copies(0, at):
         c.wait()
     keys = at + lax.broadcasted_iota(jnp.int32, (1, P), 1)
-    kb, vb = rows_of(0, 1, [at])
-    s2 = jnp.where((keys >= tail) & (keys < length), bl.dot_nt(q, kb, prec) * scale2, -jnp.inf)
-    state = bl.softmax_step(bl.start_softmax(*q.shape), s2, vb, prec)
+    s2 = jnp.where((keys >= tail) & (keys < length), bl.dot_nt(q, keys_of(0, 1, [at]), prec) * scale2, -jnp.inf)
+    state = bl.softmax_step(bl.start_softmax(*q.shape), s2, values_of(0, 1), prec)
 
-    def step(i, state, whole):
-        if whole:  # all S copies: one wait for each cache
-            rows = pl.ds(pl.multiple_of((1 + i * S) * P, P), S * P)
-            for k, (x, buf) in enumerate(pairs):
-                pltpu.make_async_copy(src(x, 0, S * P), buf.at[rows], sems.at[k, 1 + i]).wait()
-        else:  # the partial step's, one at a time
+    def wait(i):  # whole step i's S copies: one wait for each cache
+        rows = pl.ds(pl.multiple_of((1 + i * S) * P, P), S * P)
+        for k, (x, buf) in enumerate(pairs):
+            pltpu.make_async_copy(src(x, 0, S * P), buf.at[rows], sems.at[k, 1 + i]).wait()
 
-            @pl.loop(i * S, count)
-            def _(j):
-                for c in copies(1 + j, 0):
-                    c.wait()
-
+    def scores(i):  # step i's scores [Rq, S P] and their row max (before its copies land: unread)
         starts = None if kres is None else [pool_start(i * S + j) for j in range(S)]
-        kb, vb = rows_of(1 + i * S, S, starts)
-        s2 = bl.dot_nt(q, kb, prec) * scale2
-        if not whole:
-            s2 = jnp.where(lax.broadcasted_iota(jnp.int32, (1, S * P), 1) < rem * P, s2, -jnp.inf)
-        return bl.softmax_step(state, s2, vb, prec)
+        s2 = bl.dot_nt(q, keys_of(1 + i * S, S, starts), prec) * scale2
+        return s2, jnp.max(s2, axis=1, keepdims=True)
 
-    state = lax.fori_loop(0, full, lambda i, st: step(i, st, True), state)
-    return lax.cond(rem > 0, lambda st: step(full, st, False), lambda st: st, state)
+    fold = lambda i, st, s: bl.softmax_step(st, s[0], values_of(1 + i * S, S), prec, s_max=s[1])
+
+    @pl.when(full > 0)
+    def _():
+        wait(0)
+
+    def body(i, carry):  # step i + 1's scores beside step i's softmax: one basic block for the scheduler
+        st, s2 = carry
+        wait(i + 1)
+        return fold(i, st, s2), scores(i + 1)
+
+    state, s2 = lax.fori_loop(0, full - 1, body, (state, scores(0)))
+    state = lax.cond(full > 0, lambda st: fold(full - 1, st, s2), lambda st: st, state)
+
+    def partial(st):  # the last step's pools, their copies waited one at a time
+        @pl.loop(full * S, count)
+        def _(j):
+            for c in copies(1 + j, 0):
+                c.wait()
+
+        s2 = jnp.where(lax.broadcasted_iota(jnp.int32, (1, S * P), 1) < rem * P, scores(full)[0], -jnp.inf)
+        return bl.softmax_step(st, s2, values_of(1 + full * S, S), prec)
+
+    return lax.cond(rem > 0, partial, lambda st: st, state)
 
 
 def _pool_decode_attend_kernel(
