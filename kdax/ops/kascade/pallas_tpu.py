@@ -54,7 +54,7 @@ class Config:
         block_scores: keys per program of the scoring kernel (a multiple of 128).
         block_decode: keys per step of the token decode kernels (a multiple of 128).
         block_decode_pools: keys per step of the pooled decode kernels' pass over the cache (a
-            multiple of 128; at least 8 pools): long steps let the MXU take one block's keys while
+            multiple of 128, taken down to whole pools, at least 8): long steps let the MXU take one block's keys while
             the last block's softmax runs (docs/kascade_tpu.md, "Decode").
         splits: cache splits per decode row; None: 1 when B * G >= 8, else enough for 8 programs.
         resident_bytes: the most bytes of a KV head's keys and values (as gathered: bfloat16 K and V
@@ -1051,7 +1051,7 @@ def kascade_reuse_decode_tpu(q, k_cache, v_cache, lengths, indices, *, pool_size
 
 def decode_block(pool_size: int, cfg: Config) -> int:
     """Keys a step of the pooled decode kernels' pass over the cache: whole pools, at least 8."""
-    return max(8 * pool_size, cfg.block_decode_pools)
+    return max(8, cfg.block_decode_pools // pool_size) * pool_size
 
 
 def _decode_pools(pool_size: int, L: int, dtype, G: int, cache_layout: str) -> bool:
@@ -1285,13 +1285,7 @@ def _attend_pools(q, length, count, id_of, src, head, pairs, sems, *, P, S, L, s
     def _():
         wait(0)
 
-    def body(i, carry):  # step i + 1's scores beside step i's softmax: one basic block for the scheduler
-        st, s2 = carry
-        wait(i + 1)
-        return fold(i, st, s2), scores(i + 1)
-
-    state, s2 = lax.fori_loop(0, full - 1, body, (state, scores(0)))
-    state = lax.cond(full > 0, lambda st: fold(full - 1, st, s2), lambda st: st, state)
+    state = _pipelined(full, wait, scores, fold, state)
 
     def partial(st):  # the last step's pools, their copies waited one at a time
         @pl.loop(full * S, count)
@@ -1303,6 +1297,20 @@ def _attend_pools(q, length, count, id_of, src, head, pairs, sems, *, P, S, L, s
         return bl.softmax_step(st, s2, values_of(1 + full * S, S), prec)
 
     return lax.cond(rem > 0, partial, lambda st: st, state)
+
+
+def _pipelined(n, wait, scores, fold, state):
+    """Fold steps 0 .. n - 1 into ``state`` (the caller waited for step 0): a loop trip waits for
+    step i + 1 (``wait(i + 1)``) and takes its ``scores`` beside step i's ``fold(i, state,
+    scores)``, one basic block for the scheduler; the last step folds after the loop."""
+
+    def body(i, carry):
+        st, s = carry
+        wait(i + 1)
+        return fold(i, st, s), scores(i + 1)
+
+    state, s = lax.fori_loop(0, n - 1, body, (state, scores(0)))
+    return lax.cond(n > 0, lambda st: fold(n - 1, st, s), lambda st: st, state)
 
 
 def _pool_decode_attend_kernel(
@@ -1424,21 +1432,16 @@ def _pool_decode_anchor_kernel(
     def _():
         block(0).wait()
 
-    fold = functools.partial(_mass_fold, vb=None, c_ref=c_ref, mh_ref=mh_ref, P=P, prec=prec)
-
-    def body(i, carry):  # block i + 1's scores while block i folds: one basic block for the scheduler
-        state, s2 = carry
-
-        @pl.when(i + 2 < count)
+    def wait(i):  # block i's keys (block 0's: waited above), the copy of block i + 1 started first
+        @pl.when(i + 1 < count)
         def _():
-            block(i + 2).start()
+            block(i + 1).start()
 
-        block(i + 1).wait()
-        return fold(state, i, s2), scores(i + 1)
+        block(i).wait()
 
+    fold = lambda i, st, s2: _mass_fold(st, i, s2, None, c_ref, mh_ref, P=P, prec=prec)
     init = jnp.full((q.shape[0], 1), -jnp.inf, jnp.float32), jnp.zeros((q.shape[0], 1), jnp.float32), None
-    state, s2 = lax.fori_loop(0, count - 1, body, (init, scores(0)))
-    m, l, _ = lax.cond(count > 0, lambda st: fold(st, count - 1, s2), lambda st: st, state)
+    m, l, _ = _pipelined(count, wait, scores, fold, init)
     mass = _pool_masses(c_ref, mh_ref, m, l, count, R)
     ids_ref[...] = ids_vmem[...] = _take_pools(mass, bl.div(length, P), keep, ids_ref.shape[-1], most)
     copy = pltpu.make_async_copy(ids_vmem, ids_smem, lsem.at[0])
