@@ -47,7 +47,7 @@ import tempfile
 import time
 
 CHIPS = {"v5e": "v5e:1x1", "v6e": "v6e:1x1", "tpu7x": "tpu7x:1x1x1"}
-KERNEL_PREFIXES = ("kda_", "kascade_")  # every pallas_call kdax names for TPU
+KERNEL_PREFIXES = ("kda_", "kascade_", "mla_")  # every pallas_call kdax names for TPU
 
 
 def _args(argv=None):
@@ -585,7 +585,24 @@ def cases(make):
         out.append((name, *decode_call(dtype, T, pool, make)))
     for name, op, dtype, D, pool_size in kascade_cases():
         out.append((name, *kascade_call(op, dtype, D, make, pool_size=pool_size)))
+    for dtype in ("bfloat16", "float32"):
+        for T, R, width in ((16, 16, 640), (200, 2, 256)):  # a decode step, prompt chunks
+            out.append((f"paged_latent_attention {dtype} T={T} R={R} W={width}", *mla_call(dtype, T, R, width, make)))
     return out
+
+
+def mla_call(dtype: str, T: int, R: int, width: int, make, H=4, page=16, M=64):
+    """The MLA layers' paged attention (pallas_tpu) on a step of T tokens of R requests, entries of
+    ``width`` (queries 64 narrower), M pages of ``page`` tokens a request."""
+    import jax.numpy as jnp
+
+    from kdax.ops.mla.api import paged_latent_attention
+
+    dt = jnp.dtype(dtype)
+    i32 = jnp.int32
+    args = [make((T, H, width - 64), dt), make((R * M + 1, page, width), dt), make((R, M), i32)]
+    args += [make((R + 1,), i32), make((R,), i32)]
+    return lambda *a: paged_latent_attention(*a, scale=0.1, backend="pallas_tpu"), args
 
 
 # ----------------------------------------------------------------------------- peers

@@ -210,6 +210,30 @@ class MLA(nnx.Module):
             o = jnp.einsum("bhts,bshd->bthd", p, v)
         return self._out(x, o), cache
 
+    def paged(self, x, q_nope, q_rope, pages, page_table, query_start_loc, seq_lens, *, backend: str = "auto"):
+        """The absorbed form over a paged cache, for a serving engine's step of ragged requests
+        (:func:`kdax.ops.mla.api.paged_latent_attention`; the step's own entries in the pages already).
+
+        Args:
+            x: [1, T, hidden_size], the layer's input (the output gate reads it).
+            q_nope, q_rope: [1, T, heads, ...] of :meth:`latents`.
+            pages: [P, page, W], entries ``[latent, k_rope]`` then padding (W >= r + dr).
+            page_table, query_start_loc, seq_lens: the requests' pages [R, M], tokens [R + 1] and
+                lengths after the step [R].
+            backend: the op's backend.
+
+        Returns:
+            y [1, T, hidden_size].
+        """
+        from kdax.ops.mla.api import paged_latent_attention
+
+        f32 = lambda a: a.astype(jnp.promote_types(x.dtype, jnp.float32))
+        w_uk, w_uv = (f32(w) for w in self._kv_b())
+        q = jnp.concatenate([jnp.einsum("thd,rhd->thr", f32(q_nope[0]), w_uk), f32(q_rope[0])], -1)
+        scale = self.qk_head_dim**-0.5
+        o = paged_latent_attention(q, pages, page_table, query_start_loc, seq_lens, scale=scale, backend=backend)
+        return self._out(x, jnp.einsum("thr,rhd->thd", o[..., : self.kv_lora_rank], w_uv)[None])
+
     def _out(self, x, o):
         """The output projection of the heads' outputs o [B, T, heads, v_head_dim] (gated)."""
         if self.g_proj is not None:

@@ -16,7 +16,9 @@ kdax's own ops, which run on every backend (CPU included):
   that accepted a of its drafts continues from the state after them (the engine reports no
   acceptance counts to models; the tags recover them).
 - MLA layers: the new tokens' latents and rope keys are written into their pages first, then
-  each token attends over its request's pages up to its position (the absorbed form).
+  the tokens attend over their requests' pages up to their positions in the absorbed form
+  (:func:`kdax.ops.mla.api.paged_latent_attention`: each page read once a query block, no
+  per-token copy of a context).
 
 The engine's state layout (:func:`kda_state_shapes`) of one KDA slot: the q, k and v
 convolution windows side by side [conv_size, H*K + H*K + HV*V] in the model's dtype, the
@@ -33,7 +35,6 @@ import jax.numpy as jnp
 from kdax.models.kda import KDAForCausalLM, Segments, is_kda
 from kdax.nn.kda import KDACache, KimiDeltaAttention
 from kdax.ops.kda import slots as pool_slots
-from kdax.serving.step import page_view, write_pages
 
 
 class StateSlots(NamedTuple):
@@ -109,7 +110,7 @@ def init_caches(model: KDAForCausalLM, num_slots: int, num_pages: int, page_size
     return caches
 
 
-def forward(model: KDAForCausalLM, caches, batch: StepBatch, *, num_spec: int = 0):
+def forward(model: KDAForCausalLM, caches, batch: StepBatch, *, num_spec: int = 0, mla_backend: str = "auto"):
     """Run the model on one engine step.
 
     Args:
@@ -117,6 +118,8 @@ def forward(model: KDAForCausalLM, caches, batch: StepBatch, *, num_spec: int = 
         caches: per layer, the engine's cache (see :func:`init_caches`).
         batch: the :class:`StepBatch`.
         num_spec: the draft tokens a request may verify in a step (0: none).
+        mla_backend: the backend of the MLA layers' paged attention
+            (:func:`kdax.ops.mla.api.paged_latent_attention`).
 
     Returns:
         (hidden [T, hidden_size] after the final norm, the updated caches as a list).
@@ -131,13 +134,14 @@ def forward(model: KDAForCausalLM, caches, batch: StepBatch, *, num_spec: int = 
     live = t < qsl[R]
     cu = jnp.concatenate([qsl, jnp.array([T], jnp.int32)])  # R requests, then the padding as one more
     positions = batch.positions.astype(jnp.int32)
+    seq_lens = batch.seq_lens.astype(jnp.int32)
     x = model.model.embeddings(batch.tokens[None])
     new = []
     for b, cache, layer in zip(model.model.layers, caches, batch.layers):
         if is_kda(b):
             x, cache = _kda_block(b, x, cache, layer, cu, lengths, computed, num_spec)
         else:
-            x, cache = _mla_block(b, x, cache, layer, positions, request, live)
+            x, cache = _mla_block(b, x, cache, layer, positions, request, live, qsl, seq_lens, mla_backend)
         new.append(cache)
     return model.model.norm(x)[0], new
 
@@ -198,17 +202,18 @@ def _kda_block(b, x, cache, slots: StateSlots, cu, lengths, computed, num_spec: 
     return x, (conv, recurrent, tags)
 
 
-def _mla_block(b, x, pages, table, positions, request, live):
-    """An MLA block: the new entries into their pages, then each token over its request's pages."""
-    T, D = x.shape[1:]
+def _mla_block(b, x, pages, table, positions, request, live, qsl, seq_lens, backend):
+    """An MLA block: the step's entries into their pages, then its tokens over their requests'
+    pages (:meth:`kdax.nn.MLA.paged`); the latents computed once."""
     attn = b.attn
-    r, dr = attn.kv_lora_rank, attn.qk_rope_head_dim
-    _, _, latent, k_rope = attn.latents(b.attn_norm(x), positions[None])
-    entry = jnp.concatenate([latent, k_rope], -1)[0]  # [T, 1, r + dr]
-    entry = jnp.pad(entry, ((0, 0), (0, 0), (0, pages.shape[2] - r - dr)))  # to the page's width
-    rows = jnp.take(table, request, axis=0)  # [T, M]: each token's request's pages
-    pages = write_pages(pages, rows, positions[:, None], live[:, None], entry)
-    view = page_view(pages, rows)[:, :, None]  # [T, M * size, 1, width]
-    seg = Segments(None, positions[:, None], None)
-    y, _, _ = b(x.reshape(T, 1, D), seg, (view[..., :r], view[..., r : r + dr]))
-    return y.reshape(1, T, D), pages
+    h = b.attn_norm(x)
+    q_nope, q_rope, latent, k_rope = attn.latents(h, positions[None])
+    entry = jnp.concatenate([latent, k_rope], -1)[0, :, 0]  # [T, r + dr]
+    P, size, width = pages.shape
+    entry = jnp.pad(entry, ((0, 0), (0, width - entry.shape[1])))  # to the page's width
+    column = jnp.clip(positions // size, 0, table.shape[1] - 1)
+    page = table[request, column]
+    page = jnp.where(live & (page >= 0), page, P)  # P: dropped
+    pages = pages.at[page, positions % size].set(entry.astype(pages.dtype), mode="drop")
+    x = x + attn.paged(h, q_nope, q_rope, pages, table, qsl, seq_lens, backend=backend)
+    return x + b.mlp(b.mlp_norm(x)), pages
