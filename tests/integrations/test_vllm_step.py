@@ -236,3 +236,41 @@ def test_plugin_refuses_another_tpu_inference_and_leaves_processes_without_it_al
     monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.31.0")
     with pytest.raises(RuntimeError, match=r"tpu-inference 0\.32\.0.*found 0\.31\.0"):
         vllm_tpu.register()
+
+
+def test_verify_steps_run_the_recurrent_form_on_the_short_requests_alone(model, monkeypatch):
+    """A step with drafts and a prompt chunk: the KDA layers run the chunked form over the step and
+    the recurrent form over a row of at most R * (num_spec + 1) tokens (the verify rows'), not over
+    the prompt chunk; the MLA layers run the paged op."""
+    from kdax.nn.kda import KimiDeltaAttention
+    from kdax.ops.mla import api as mla_api
+
+    calls, paged = [], []
+    kda_call, mla_call = KimiDeltaAttention.__call__, mla_api.paged_latent_attention
+
+    def spy(self, x, **kw):
+        calls.append((kw.get("mode"), x.shape[1]))
+        return kda_call(self, x, **kw)
+
+    def spy_paged(*args, **kw):
+        paged.append(args[0].shape)
+        return mla_call(*args, **kw)
+
+    monkeypatch.setattr(KimiDeltaAttention, "__call__", spy)
+    monkeypatch.setattr(mla_api, "paged_latent_attention", spy_paged)
+    num_spec, big_T = 1, 40
+    caches = init_caches(model, 8, 24, PAGE)
+    qsl = np.array([0, 2, 32, 33, 33], np.int32)  # a verify row of 2, a chunk of 30, a decode row, padding
+    seq = np.array([9, 30, 5, 0], np.int32)
+    tables = np.arange(4 * 8, dtype=np.int32).reshape(4, 8) % 24
+    pos = np.concatenate([[7, 8], np.arange(30), [4], np.full(7, 3)]).astype(np.int32)
+    layers = tuple(
+        StateSlots(jnp.asarray([1, 3, 5, 7], jnp.int32)) if is_kda(b) else jnp.asarray(tables)
+        for b in model.model.layers
+    )
+    batch = StepBatch(jnp.ones(big_T, jnp.int32), jnp.asarray(pos), jnp.asarray(qsl), jnp.asarray(seq), layers)
+    hidden, _ = forward(model, caches, batch, num_spec=num_spec)
+    assert hidden.shape == (big_T, model.config.hidden_size) and np.isfinite(np.asarray(hidden)).all()
+    kda_layers = sum(is_kda(b) for b in model.model.layers)
+    assert sorted(calls) == sorted([("chunk", big_T), ("fused_recurrent", 4 * (num_spec + 1))] * kda_layers)
+    assert len(paged) == len(model.model.layers) - kda_layers

@@ -32,7 +32,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from kdax.models.kda import KDAForCausalLM, Segments, is_kda
+from kdax.models.kda import KDAForCausalLM, is_kda
 from kdax.nn.kda import KDACache, KimiDeltaAttention
 from kdax.ops.kda import slots as pool_slots
 
@@ -160,46 +160,77 @@ def _read_slots(tags, slots: StateSlots, computed, num_spec: int):
 
 
 def _kda_block(b, x, cache, slots: StateSlots, cu, lengths, computed, num_spec: int):
-    """A KDA block over the packed requests; returns (x, the layer's (conv, recurrent, tag) pool)."""
+    """A KDA block over the packed requests; returns (x, the layer's (conv, recurrent, tag) pool).
+
+    Without drafts every request runs the chunked form. With drafts the requests of at most
+    ``num_spec + 1`` new tokens (decode and verify rows) run the recurrent form, which keeps the
+    state after each token, on their tokens alone (gathered into a row of at most R * (num_spec + 1)
+    tokens); the longer ones (prompt chunks) run the chunked form."""
     conv, recurrent, tags = cache
-    R = lengths.shape[0]
-    widths = [c.hidden_size for c in (b.attn.q_conv1d, b.attn.k_conv1d, b.attn.v_conv1d)]
+    R, T = lengths.shape[0], x.shape[1]
     read = _read_slots(tags, slots, computed, num_spec)
     start = pool_slots.read(recurrent, read), pool_slots.read(conv, read)  # [R, ...]: zeros where read < 0
     live = lengths > 0
-    if num_spec == 0:  # the chunked form: one state per request, written to its slot
-        idx = jnp.concatenate([jnp.arange(R, dtype=jnp.int32), jnp.array([-1], jnp.int32)])
-        mode, local = "chunk", start
-    else:  # the recurrent form: the states after the last num_spec + 1 tokens, in local slots
-        kept = num_spec + 1
-        T = x.shape[1]
-        tail = lengths - jnp.minimum(lengths, kept)  # the first kept token
-        t = jnp.arange(T, dtype=jnp.int32)
-        i = t[None] - tail[:, None]  # [R, T], the kept token's index
-        base = jnp.arange(R, dtype=jnp.int32)[:, None] * (kept + 1)
-        idx = jnp.where((i >= 0) & (t[None] < lengths[:, None]), base + i, -1)
-        idx = idx.at[:, 0].set(jnp.where(tail > 0, base[:, 0] + kept, idx[:, 0]))  # column 0: where it starts
-        idx = jnp.concatenate([idx, jnp.full((1, T), -1, jnp.int32)])  # the padding sequence
-        mode = "fused_recurrent"
-        first = jnp.where(idx[:R, 0] >= 0, idx[:R, 0], R * (kept + 1))
-        local = tuple(jnp.zeros((R * (kept + 1), *s.shape[1:]), s.dtype).at[first].set(s, mode="drop") for s in start)
-    conv_parts = jnp.split(local[1], [widths[0], widths[0] + widths[1]], axis=2)
-    pool = KDACache(local[0], tuple(jnp.swapaxes(c, 1, 2) for c in conv_parts))  # kdax's [N, D, conv_size]
-    x, out, _ = b(x, Segments(cu, None, None, kda_slots=idx), pool, True, mode)
-    states = out.recurrent, jnp.concatenate([jnp.swapaxes(c, 1, 2) for c in out.conv], axis=2)
+    kept = num_spec + 1
+    short = live & (lengths <= kept) & (num_spec > 0)
+    long = live & ~short
+    h = b.attn_norm(x)
+    seqs = jnp.concatenate([jnp.where(long, jnp.arange(R, dtype=jnp.int32), -1), jnp.array([-1], jnp.int32)])
+    y, final = _kda_call(b, h, cu, start, seqs, "chunk")
+    recurrent, conv = (
+        pool_slots.write(p, jnp.where(long, slots.write, -1), s) for p, s in zip((recurrent, conv), final)
+    )
     if num_spec == 0:
-        dst = jnp.where(live, slots.write, -1)
-        recurrent, conv = (pool_slots.write(p, dst, s) for p, s in zip((recurrent, conv), states))
-        return x, (conv, recurrent, tags)  # the tags are read only with drafts
-    j = jnp.arange(kept, dtype=jnp.int32)
-    m = jnp.minimum(lengths, kept)  # the states this step keeps
-    dst = jnp.where(live[:, None], slots.write[:, None] + j, -1).reshape(-1)  # [R * kept]
-    src = (jnp.arange(R, dtype=jnp.int32)[:, None] * (kept + 1) + j).reshape(-1)
-    keep = (j[None] < m[:, None]).reshape(-1)
-    recurrent, conv = (pool_slots.write(p, jnp.where(keep, dst, -1), s[src]) for p, s in zip((recurrent, conv), states))
-    tag = jnp.where(j[None] < m[:, None], (computed + lengths - m)[:, None] + j + 1, -1)  # others: dead
-    tags = pool_slots.write(tags, dst, tag.reshape(-1, 1))
-    return x, (conv, recurrent, tags)
+        return _mlp(b, x + y), (conv, recurrent, tags)  # the tags are read only with drafts
+    # the short requests' tokens back to back in a row of Tv tokens; request r's state after its
+    # token j in local slot r * kept + j, its start state there before
+    n = jnp.where(short, lengths, 0)
+    cu_v = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(n).astype(jnp.int32)])
+    Tv = min(T, R * kept)
+    t = jnp.arange(T, dtype=jnp.int32)
+    request = jnp.clip(jnp.searchsorted(cu[1 : R + 1], t, side="right"), 0, R - 1)
+    mine = short[request] & (t < cu[R])
+    at = jnp.where(mine, cu_v[request] + t - cu[request], Tv)  # token t's place in the row (Tv: none)
+    src = jnp.zeros(Tv, jnp.int32).at[at].set(t, mode="drop")
+    base = jnp.arange(R, dtype=jnp.int32) * kept
+    j = jnp.arange(Tv, dtype=jnp.int32)
+    idx = jnp.where(j[None] < n[:, None], base[:, None] + j[None], -1)  # [R, Tv]
+    idx = jnp.concatenate([idx, jnp.full((1, Tv), -1, jnp.int32)])  # the padding sequence
+    local = tuple(
+        jnp.zeros((R * kept, *a.shape[1:]), a.dtype).at[jnp.where(short, base, R * kept)].set(a, mode="drop")
+        for a in start
+    )
+    y_v, states = _kda_call(
+        b, h[:, src], jnp.concatenate([cu_v, jnp.array([Tv], jnp.int32)]), local, idx, "fused_recurrent"
+    )
+    y = jnp.where(mine[None, :, None], y_v[:, jnp.minimum(at, Tv - 1)], y)
+    k = jnp.arange(kept, dtype=jnp.int32)
+    keep = k[None] < n[:, None]  # [R, kept]
+    dst = jnp.where(keep, slots.write[:, None] + k, -1).reshape(-1)
+    src_state = (base[:, None] + k).reshape(-1)
+    recurrent, conv = (pool_slots.write(p, dst, s[src_state]) for p, s in zip((recurrent, conv), states))
+    # tags: the tokens a kept state has seen; a prompt chunk's final state is in its first slot; others dead
+    tag = jnp.where(
+        keep, computed[:, None] + k + 1, jnp.where(long[:, None] & (k == 0), (computed + lengths)[:, None], -1)
+    )
+    tags = pool_slots.write(
+        tags, jnp.where(live[:, None], slots.write[:, None] + k, -1).reshape(-1), tag.reshape(-1, 1)
+    )
+    return _mlp(b, x + y), (conv, recurrent, tags)
+
+
+def _kda_call(b, h, cu, start, idx, mode: str):
+    """The KDA mixer of block b on packed sequences (offsets ``cu``) over a local pool of (recurrent,
+    conv) states [S, ...] in the engine's layout, slots ``idx``; returns (y, the pool after)."""
+    widths = [c.hidden_size for c in (b.attn.q_conv1d, b.attn.k_conv1d, b.attn.v_conv1d)]
+    parts = jnp.split(start[1], [widths[0], widths[0] + widths[1]], axis=2)
+    pool = KDACache(start[0], tuple(jnp.swapaxes(c, 1, 2) for c in parts))  # kdax's [N, D, conv_size]
+    y, out = b.attn(h, cu_seqlens=cu, cache=pool, output_cache=True, mode=mode, slots=idx)
+    return y, (out.recurrent, jnp.concatenate([jnp.swapaxes(c, 1, 2) for c in out.conv], axis=2))
+
+
+def _mlp(b, x):
+    return x + b.mlp(b.mlp_norm(x))
 
 
 def _mla_block(b, x, pages, table, positions, request, live, qsl, seq_lens, backend):
@@ -216,4 +247,4 @@ def _mla_block(b, x, pages, table, positions, request, live, qsl, seq_lens, back
     page = jnp.where(live & (page >= 0), page, P)  # P: dropped
     pages = pages.at[page, positions % size].set(entry.astype(pages.dtype), mode="drop")
     x = x + attn.paged(h, q_nope, q_rope, pages, table, qsl, seq_lens, backend=backend)
-    return x + b.mlp(b.mlp_norm(x)), pages
+    return _mlp(b, x), pages
