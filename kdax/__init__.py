@@ -9,6 +9,7 @@ from kdax.ops.kda.api import chunk_kda, fused_recurrent_kda
 from kdax.ops.kda.context_parallel import ContextParallel
 from kdax.ops.kda.gate import beta_activation, kda_gate, l2norm
 from kdax.ops.kda.reference import naive_chunk_kda, naive_recurrent_kda
+from kdax.ops.mla.api import paged_latent_attention
 
 __version__ = "0.1.0"
 
@@ -29,5 +30,6 @@ __all__ = [
     "lower",
     "naive_chunk_kda",
     "naive_recurrent_kda",
+    "paged_latent_attention",
     "use_backend",
 ]

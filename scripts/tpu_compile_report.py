@@ -662,6 +662,33 @@ def peer_calls(chip: str, make) -> list[Peer]:
                 q, k, v, g, b, initial_state=h, output_final_state=True, backend=backend
             )
             out.append(Peer("fused_recurrent_kda", dtype, "B=64 T=1 H=32 K=V=128", "fwd", backend, step, dargs))
+        out += _paged_mla(dtype, make)
+    return out
+
+
+def _paged_mla(dtype: str, make) -> list[Peer]:
+    """The MLA layers' paged attention at Kimi Linear's entries over 8 devices (4 heads, width 640,
+    pages of 16): a decode step of 64 requests at 32K context, and a prefill chunk of 8,192 tokens
+    ending at 32K. The kernel's key loop counted at its mean trips over the work items."""
+    import jax.numpy as jnp
+
+    from kdax.ops.mla.api import paged_latent_attention
+    from kdax.ops.mla.items import query_block
+
+    dt, i32, out = jnp.dtype(dtype), jnp.int32, []
+    H, W, page, L, bk = 4, 640, 16, 32768, 512
+    for T, R in ((64, 64), (8192, 1)):
+        M, bq = L // page, query_block(T, R)
+        items = -(-T // bq) + R
+        ends = [min(T, (j + 1) * bq) + L - T for j in range(-(-T // bq))] if R == 1 else [L] * R
+        trips = sum(-(-e // bk) for e in ends) / items
+        args = [make((T, H, 576), dt), make((R * M + 1, page, W), dt), make((R, M), i32), make((R + 1,), i32)]
+        args.append(make((R,), i32))
+        shape = f"T={T} R={R} L={L} H={H} W={W} page={page}"
+        for backend in ("pallas_tpu", "xla"):
+            f = lambda *a, backend=backend: paged_latent_attention(*a, scale=0.1, backend=backend)
+            t = {"mla_paged_attention": trips} if backend == "pallas_tpu" else None
+            out.append(Peer("paged_latent_attention", dtype, shape, "fwd", backend, f, args, trips=t))
     return out
 
 

@@ -22,6 +22,7 @@ from flax import nnx
 
 from kdax.nn.attention import KascadeStep, _slot_positions, kascade_attend, kascade_keys, rope, store_tokens
 from kdax.nn.norm import RMSNorm
+from kdax.ops.mla.api import paged_latent_attention
 
 
 class MLA(nnx.Module):
@@ -225,8 +226,6 @@ class MLA(nnx.Module):
         Returns:
             y [1, T, hidden_size].
         """
-        from kdax.ops.mla.api import paged_latent_attention
-
         f32 = lambda a: a.astype(jnp.promote_types(x.dtype, jnp.float32))
         w_uk, w_uv = (f32(w) for w in self._kv_b())
         q = jnp.concatenate([jnp.einsum("thd,rhd->thr", f32(q_nope[0]), w_uk), f32(q_rope[0])], -1)

@@ -242,11 +242,11 @@ def test_verify_steps_run_the_recurrent_form_on_the_short_requests_alone(model, 
     """A step with drafts and a prompt chunk: the KDA layers run the chunked form over the step and
     the recurrent form over a row of at most R * (num_spec + 1) tokens (the verify rows'), not over
     the prompt chunk; the MLA layers run the paged op."""
+    from kdax.nn import mla
     from kdax.nn.kda import KimiDeltaAttention
-    from kdax.ops.mla import api as mla_api
 
     calls, paged = [], []
-    kda_call, mla_call = KimiDeltaAttention.__call__, mla_api.paged_latent_attention
+    kda_call, mla_call = KimiDeltaAttention.__call__, mla.paged_latent_attention
 
     def spy(self, x, **kw):
         calls.append((kw.get("mode"), x.shape[1]))
@@ -257,7 +257,7 @@ def test_verify_steps_run_the_recurrent_form_on_the_short_requests_alone(model, 
         return mla_call(*args, **kw)
 
     monkeypatch.setattr(KimiDeltaAttention, "__call__", spy)
-    monkeypatch.setattr(mla_api, "paged_latent_attention", spy_paged)
+    monkeypatch.setattr(mla, "paged_latent_attention", spy_paged)
     num_spec, big_T = 1, 40
     caches = init_caches(model, 8, 24, PAGE)
     qsl = np.array([0, 2, 32, 33, 33], np.int32)  # a verify row of 2, a chunk of 30, a decode row, padding

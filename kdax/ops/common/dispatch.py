@@ -247,7 +247,8 @@ def explain_backend(
         chunk_size: chunk_kda's chunk size (None for fused_recurrent_kda; other ops ignore it).
         config: a backend's kernel config, which asks for that backend's kernels.
         op: a public op's name: "chunk_kda", "fused_recurrent_kda", "kascade_anchor",
-            "kascade_reuse", "kascade_anchor_decode" or "kascade_reuse_decode".
+            "kascade_reuse", "kascade_anchor_decode", "kascade_reuse_decode" or
+            "paged_latent_attention".
         head_dims: (K, V), KDA's key and value head dims (other ops ignore them).
         cache_layout: the Kascade decode ops' caches, "BLGD" or "BGLD" (other ops ignore it).
 

@@ -123,7 +123,7 @@ def paged_latent_attention_tpu(q, pages, page_table, query_start_loc, seq_lens, 
                 scratch_shapes=[pltpu.VMEM((2, per * page, Wd), pages.dtype), pltpu.SemaphoreType.DMA((2,))],
             ),
             out_shape=jax.ShapeDtypeStruct((nb * rows, Wd), jnp.float32),
-            compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
+            compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",), vmem_limit_bytes=48 << 20),
             name="mla_paged_attention",
             interpret=pltpu.InterpretParams() if cfg.interpret else False,
         )(*it, page_table.reshape(-1).astype(jnp.int32), qb, pages)
