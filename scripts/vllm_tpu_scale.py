@@ -23,7 +23,7 @@ import sys
 import tempfile
 
 HBM_GIB = {"v5e": 16, "v6e": 32, "tpu7x": 192}
-CHIPS = {"v5e": "v5e:1x1", "v6e": "v6e:1x1", "tpu7x": "tpu7x:1x1x1"}
+TOPOLOGIES = {"v5e": {1: "v5e:1x1", 8: "v5e:2x4"}, "v6e": {1: "v6e:1x1", 8: "v6e:2x4"}, "tpu7x": {1: "tpu7x:1x1x1"}}
 GIB = 1 << 30
 
 
@@ -32,7 +32,9 @@ def _args(argv=None):
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", help="a checkpoint directory (its config.json is read)")
     src.add_argument("--config", choices=["kimi-linear-48b"], help="a released model's config (no files needed)")
-    p.add_argument("--chips", default="v6e", help="comma-separated, of " + ", ".join(CHIPS))
+    p.add_argument("--chips", default="v6e", help="comma-separated, of " + ", ".join(TOPOLOGIES))
+    p.add_argument("--devices", type=int, default=1, choices=[1, 8], help="tensor-parallel devices (8: v5e, v6e)")
+    p.add_argument("--layers", type=int, help="with --config: its first N layers (quicker compiles)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--page", type=int, default=16, help="tokens a page")
     p.add_argument("--decode", default="64x32768", help="R x L: requests, context")
@@ -48,7 +50,7 @@ def _config(a):
     from kdax.models.hybrids import MODELS
 
     if a.config == "kimi-linear-48b":
-        return MODELS["kimi_linear"], KimiLinearConfig()
+        return MODELS["kimi_linear"], KimiLinearConfig(**({"num_hidden_layers": a.layers} if a.layers else {}))
     with open(os.path.join(a.checkpoint, "config.json")) as f:
         d = json.load(f)
     cls = MODELS[d["model_type"]]
@@ -62,42 +64,62 @@ def steps(a):
     return [(f"decode {R} x {L}", R, R, L), (f"prefill {T} @ {Lp}", T, 1, Lp)]
 
 
-def build(cls, config, dtype, make, *, T, R, L, page, num_spec):
-    """(fn, args, bytes of (weights, pages, states)) of one step."""
+def build(cls, config, dtype, make, *, T, R, L, page, num_spec, n, mesh):
+    """(fn, args, per-device bytes of weights, pages and states) of one step, on ``n`` devices of
+    mesh axis "model" as the plugin lays the model out (:func:`kdax.models.sharding.tensor_parallel_specs`)
+    and tpu-inference its caches (MLA pages whole on each device under tensor parallelism alone,
+    KDA states split by heads). ``make(shape, dtype, spec)`` gives an abstract array."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
+    from jax.sharding import PartitionSpec as P
 
     from kdax.integrations.vllm_tpu.step import StateSlots, StepBatch, forward, kda_state_shapes
     from kdax.models.kda import is_kda
+    from kdax.models.sharding import tensor_parallel_specs
 
     model = nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(model)
-    cast = lambda x: make(x.shape, dtype if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype)
-    state = jax.tree.map(cast, state)
+    specs = tensor_parallel_specs(model, n, "model") if n > 1 else {}
+    nbytes = {"weights": 0, "pages": 0, "states": 0}
+
+    def place(x, spec, kind):
+        a = make(x.shape, x.dtype, spec)
+        nbytes[kind] += a.size * a.dtype.itemsize // n ** sum(s is not None for s in spec)
+        return a
+
+    for path, var in nnx.to_flat_state(state):
+        x = var.get_value()
+        dt = dtype if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype
+        var.set_value(place(jax.ShapeDtypeStruct(x.shape, dt), specs.get(tuple(path), P()), "weights"))
     M = -(-L // page)
     slots = R * (num_spec + 1) + 1
-    lanes = lambda n: -(-n // 128) * 128
-    caches, layers, nbytes = [], [], {"weights": 0, "pages": 0, "states": 0}
-    for x in jax.tree.leaves(state):
-        nbytes["weights"] += x.size * x.dtype.itemsize
+    lanes = lambda d: -(-d // 128) * 128
+    by = lambda d: "model" if n > 1 and d % n == 0 else None
+    caches, layers = [], []
     i32 = jnp.int32
     for b in model.model.layers:
         if is_kda(b):
-            shapes = kda_state_shapes(b.attn)
-            cache = tuple(make((slots, *s), d) for s, d in zip(shapes, (dtype, jnp.float32, i32)))
-            layers.append(StateSlots(make((R,), i32)))
-            nbytes["states"] += sum(c.size * c.dtype.itemsize for c in cache)
+            (conv, width), state_shape, tag = kda_state_shapes(b.attn)
+            cache = (
+                place(jax.ShapeDtypeStruct((slots, conv, width), dtype), P(None, None, by(width)), "states"),
+                place(jax.ShapeDtypeStruct((slots, *state_shape), jnp.float32), P(None, by(state_shape[0])), "states"),
+                place(jax.ShapeDtypeStruct((slots, *tag), i32), P(), "states"),
+            )
+            layers.append(StateSlots(make((R,), i32, P())))
         else:
             width = lanes(b.attn.kv_lora_rank) + lanes(b.attn.qk_rope_head_dim)
-            cache = make((R * M + 1, page, width), dtype)
-            layers.append(make((R, M), i32))
-            nbytes["pages"] += cache.size * cache.dtype.itemsize
+            cache = place(jax.ShapeDtypeStruct((R * M + 1, page, width), dtype), P(), "pages")
+            layers.append(make((R, M), i32, P()))
         caches.append(cache)
-    batch = StepBatch(make((T,), i32), make((T,), i32), make((R + 1,), i32), make((R,), i32), tuple(layers))
+    batch = StepBatch(*(make(s, i32, P()) for s in ((T,), (T,), (R + 1,), (R,))), tuple(layers))
+
+    heads = (mesh, "model") if n > 1 else None
 
     def fn(state, caches, batch):
-        hidden, caches = forward(nnx.merge(graphdef, state), caches, batch, num_spec=num_spec, mla_backend="pallas_tpu")
+        hidden, caches = forward(
+            nnx.merge(graphdef, state), caches, batch, num_spec=num_spec, mla_backend="pallas_tpu", heads=heads
+        )
         return hidden, caches
 
     return fn, (state, caches, batch), nbytes
@@ -127,12 +149,15 @@ def main(argv=None) -> int:
     print("| chip | step | weights GiB | pages GiB | states GiB | temporaries GiB | sum / HBM | static cycles |")
     print("|---|---|---|---|---|---|---|---|")
     for chip in a.chips.split(","):
-        topo = topologies.get_topology_desc(platform="tpu", topology_name=CHIPS[chip])
-        mesh = jax.sharding.Mesh(topo.devices[:1], ("x",))
-        sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-        make = lambda shape, dt, sharding=sharding: jax.ShapeDtypeStruct(tuple(shape), dt, sharding=sharding)
+        topo = topologies.get_topology_desc(platform="tpu", topology_name=TOPOLOGIES[chip][a.devices])
+        mesh = jax.sharding.Mesh(topo.devices[: a.devices], ("model",))
+        make = lambda shape, dt, spec, mesh=mesh: jax.ShapeDtypeStruct(
+            tuple(shape), dt, sharding=jax.sharding.NamedSharding(mesh, spec)
+        )
         for name, T, R, L in steps(a):
-            fn, args, nbytes = build(cls, config, dtype, make, T=T, R=R, L=L, page=a.page, num_spec=a.num_spec)
+            fn, args, nbytes = build(
+                cls, config, dtype, make, T=T, R=R, L=L, page=a.page, num_spec=a.num_spec, n=a.devices, mesh=mesh
+            )
             before = set(os.listdir(dump)) if dump else set()
             row = {"chip": chip, "step": name, **{k: v / GIB for k, v in nbytes.items()}}
             try:

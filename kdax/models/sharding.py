@@ -133,6 +133,27 @@ def partition_specs(model: KDAForCausalLM, mesh: jax.sharding.Mesh) -> dict[tupl
     return specs
 
 
+def tensor_parallel_specs(model: KDAForCausalLM, n: int, axis) -> dict[tuple, P]:
+    """Each parameter's layout for tensor parallelism alone over ``n`` devices (a serving engine's):
+    :func:`partition_specs`' "model" split (projections by heads, the MLPs' hidden features, the
+    vocabulary), and the experts' split where that leaves a parameter whole, both over ``axis``.
+
+    Args:
+        model: the model.
+        n: the devices of ``axis``.
+        axis: a mesh axis name, or a tuple of them.
+
+    Returns:
+        {parameter path: PartitionSpec}.
+    """
+    by_heads, by_experts = (partition_specs(model, jax.sharding.AbstractMesh((n,), (a,))) for a in ("model", "expert"))
+    out = {}
+    for path, spec in by_heads.items():
+        spec = spec if any(spec) else by_experts[path]
+        out[path] = P(*(axis if a else None for a in spec))
+    return out
+
+
 def shard(model: KDAForCausalLM, mesh: jax.sharding.Mesh) -> KDAForCausalLM:
     """Lay the model out on ``mesh`` in place (see :func:`partition_specs`): its parameters move to
     their shardings (recorded as each Param's ``out_sharding``, which ``nnx.Optimizer`` copies to

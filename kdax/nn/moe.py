@@ -11,17 +11,25 @@ only: ``jax.lax.ragged_dot`` on TPU and GPU (a grouped matmul there), and on CPU
 ``ragged_dot`` multiplies every row by every expert, blocks of ``block`` rows of one expert
 each (padding each expert's rows to whole blocks). Either way the expert work is
 O(tokens x top_k), never every expert on every token.
+
+Under :func:`kdax.ops.common.sharding.heads_over` (a serving engine's tensor parallelism) with
+the experts split over its axis, each device runs its own experts on every token it holds and the
+devices' sums are added (``psum``): the weights stay where they are, where XLA would gather every
+expert's to each device.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from kdax.nn.mlp import GatedMLP
 from kdax.ops.common.dispatch import platform
+from kdax.ops.common.sharding import heads_axis
 
 
 class Buffer(nnx.Variable):
@@ -66,7 +74,7 @@ def grouped_matmul(x, w, group_sizes, block: int = 8, use_ragged_dot: bool | Non
     Args:
         x: [M, H], the rows of group 0 first, then group 1's, ...
         w: [G, H, F].
-        group_sizes: [G] ints summing to M.
+        group_sizes: [G] ints summing to at most M (rows past the groups give zeros).
         block: rows per block on CPU (each expert's rows padded to whole blocks).
         use_ragged_dot: ``lax.ragged_dot`` (None: on TPU and GPU).
 
@@ -79,13 +87,35 @@ def grouped_matmul(x, w, group_sizes, block: int = 8, use_ragged_dot: bool | Non
     padded = -(-group_sizes // block) * block
     ends, padded_ends = jnp.cumsum(group_sizes), jnp.cumsum(padded)
     rows = jnp.arange(M)
-    group = jnp.searchsorted(ends, rows, side="right")  # each row's group
-    at = (padded_ends - padded)[group] + rows - (ends - group_sizes)[group]  # its padded row
+    valid = rows < ends[-1]
+    group = jnp.minimum(jnp.searchsorted(ends, rows, side="right"), G - 1)  # each row's group
     n_blocks = -(-M // block) + min(G, M)  # at most one partial block per non-empty group
-    xp = jnp.zeros((n_blocks * block, x.shape[1]), x.dtype).at[at].set(x)
+    at = (padded_ends - padded)[group] + rows - (ends - group_sizes)[group]  # its padded row
+    at = jnp.where(valid, at, n_blocks * block)  # past the groups: dropped
+    xp = jnp.zeros((n_blocks * block, x.shape[1]), x.dtype).at[at].set(x, mode="drop")
     owner = jnp.minimum(jnp.searchsorted(padded_ends, jnp.arange(n_blocks) * block, side="right"), G - 1)
-    y = jnp.einsum("nbh,nhf->nbf", xp.reshape(n_blocks, block, -1), w[owner])
-    return y.reshape(n_blocks * block, -1)[at]
+    y = jnp.einsum("nbh,nhf->nbf", xp.reshape(n_blocks, block, -1), w[owner]).reshape(n_blocks * block, -1)
+    return jnp.where(valid[:, None], y[jnp.minimum(at, n_blocks * block - 1)], 0)
+
+
+def _experts(x, gate_up, down, indices, weights, first):
+    """The routed experts' sum for tokens x [N, H] routed to ``indices`` [N, k] with ``weights``,
+    of the experts ``first .. first + E - 1`` alone (gate_up [E, H, 2I], down [E, I, H])."""
+    N, k = indices.shape
+    E = gate_up.shape[0]
+    local = indices.reshape(-1) - first
+    local = jnp.where((local >= 0) & (local < E), local, E)  # another device's: past the groups
+    order = jnp.argsort(local, stable=True)  # token copies sorted by expert
+    token = order // k
+    sizes = jnp.bincount(local, length=E)
+    gate, up = jnp.split(grouped_matmul(x[token], gate_up, sizes), 2, axis=-1)
+    y = grouped_matmul(jax.nn.silu(gate) * up, down, sizes)
+    y = (y * weights.reshape(-1)[order][:, None]).astype(x.dtype)  # float32 weights, as transformers
+    return jnp.zeros_like(x).at[token].add(jnp.where((local[order] < E)[:, None], y, 0))
+
+
+def _names(axis) -> tuple:
+    return axis if isinstance(axis, tuple) else (axis,)
 
 
 class TopKRouter(nnx.Module):
@@ -182,16 +212,18 @@ class MoE(nnx.Module):
         shape, H = x.shape, x.shape[-1]
         x = x.reshape(-1, H)
         indices, weights = self.gate(x)
-        N, k = indices.shape
-        E = self.gate_up.shape[0]
-        order = jnp.argsort(indices.reshape(-1), stable=True)  # token copies sorted by expert
-        token = order // k
-        sizes = jnp.bincount(indices.reshape(-1), length=E)
-        h = grouped_matmul(x[token], self.gate_up[...].astype(x.dtype), sizes)
-        gate, up = jnp.split(h, 2, axis=-1)
-        y = grouped_matmul(jax.nn.silu(gate) * up, self.down[...].astype(x.dtype), sizes)
-        y = (y * weights.reshape(-1)[order][:, None]).astype(x.dtype)  # float32 weights, as transformers
-        out = jnp.zeros_like(x).at[token].add(y)
+        gate_up, down = self.gate_up[...].astype(x.dtype), self.down[...].astype(x.dtype)
+        heads = heads_axis()
+        n = 1 if heads is None else int(np.prod([heads[0].shape[a] for a in _names(heads[1])]))
+        if n > 1 and gate_up.shape[0] % n == 0:  # a serving engine's experts split over its devices
+            axis = heads[1]
+            run = lambda *a: lax.psum(_experts(*a, lax.axis_index(axis) * (gate_up.shape[0] // n)), axis)
+            spec = P(axis, None, None)
+            out = jax.shard_map(
+                run, mesh=heads[0], in_specs=(P(), spec, spec, P(), P()), out_specs=P(), check_vma=False
+            )(x, gate_up, down, indices, weights)
+        else:
+            out = _experts(x, gate_up, down, indices, weights, 0)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out.reshape(shape)

@@ -125,6 +125,20 @@ def test_grouped_matmul_uneven_and_empty_groups():
         np.testing.assert_allclose(got, want, rtol=F64["same"], atol=1e-13)
 
 
+def test_grouped_matmul_rows_past_the_groups_give_zeros():
+    """The groups cover the first 20 of 26 rows (an engine's device holding some of the experts)."""
+    rng = np.random.default_rng(4)
+    sizes = np.array([3, 0, 9, 8])
+    x, w = rng.standard_normal((26, 7)), rng.standard_normal((4, 7, 4))
+    ends = np.cumsum(sizes)
+    want = np.concatenate([x[a:b] @ w[g] for g, (a, b) in enumerate(zip(ends - sizes, ends))] + [np.zeros((6, 4))])
+    for block in (1, 4, 8):
+        got = grouped_matmul(jnp.asarray(x), jnp.asarray(w), jnp.asarray(sizes), block=block, use_ragged_dot=False)
+        np.testing.assert_allclose(got, want, rtol=F64["same"], atol=1e-13)
+    got = grouped_matmul(jnp.asarray(x), jnp.asarray(w), jnp.asarray(sizes), use_ragged_dot=True)
+    np.testing.assert_allclose(got, want, rtol=F64["same"], atol=1e-13)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "says"),
     [

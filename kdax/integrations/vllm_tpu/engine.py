@@ -65,8 +65,9 @@ class KdaxForCausalLM(nnx.Module):
             groups = int(np.prod([mesh.shape[a] for a in _axes(ShardingAxisName.ATTN_DATA)]))
             if groups > 1:
                 raise ValueError(
-                    f"mesh: expected one data-parallel attention group, got {groups} "
-                    "(kdax's step takes one request list; serve with data_parallel_size=1)"
+                    f"mesh: expected one data-parallel attention group, got {groups} (kdax's step takes one "
+                    "request list; tpu-inference splits an MLA model in bf16 at tensor parallel > 1 into several: "
+                    "docs/serving.md, 'One attention group, so far')"
                 )
         from tpu_inference import envs
 
@@ -104,12 +105,21 @@ class KdaxForCausalLM(nnx.Module):
                 layers.append(table)
                 caches.append(cache.reshape(cache.shape[0], self.page_size, -1))
         batch = StepBatch(input_ids, first.input_positions, first.query_start_loc, first.seq_lens, tuple(layers))
-        hidden, new = forward(self.model, caches, batch, num_spec=self.num_spec)
+        hidden, new = forward(self.model, caches, batch, num_spec=self.num_spec, heads=self._heads())
         out = list(kv_caches)
         for i, c in enumerate(new):
             j = index[f"layer.{i}"]
             out[j] = c if isinstance(c, tuple) else c.reshape(kv_caches[j].shape)
         return out, hidden, [], None
+
+    def _heads(self):
+        """(mesh, axis) of the engine's tensor parallelism over the heads, or None on one device."""
+        if self.mesh is None:
+            return None
+        from tpu_inference.layers.common.sharding import ShardingAxisName
+
+        axis = ShardingAxisName.ATTN_HEAD
+        return (self.mesh, axis) if np.prod([self.mesh.shape[a] for a in _axes(axis)]) > 1 else None
 
     def _slots(self, md, table) -> StateSlots:
         """The KDA slots of the requests: the engine's slot per request, or in align mode the
@@ -167,20 +177,15 @@ class KdaxForCausalLM(nnx.Module):
 
 def _placements(model, mesh) -> dict:
     """{parameter path: NamedSharding} on the engine's mesh: kdax's tensor-parallel layout
-    (:func:`kdax.models.sharding.partition_specs`: projections by heads, the MLPs' hidden features, the
-    vocabulary; experts split too) over the engine's attention-head axis; the rest replicated."""
+    (:func:`kdax.models.sharding.tensor_parallel_specs`: projections by heads, the MLPs' hidden
+    features, the vocabulary; experts split too) over the engine's attention-head axis."""
     from tpu_inference.layers.common.sharding import ShardingAxisName
 
-    from kdax.models.sharding import partition_specs
+    from kdax.models.sharding import tensor_parallel_specs
 
     axis = ShardingAxisName.ATTN_HEAD
     n = int(np.prod([mesh.shape[a] for a in _axes(axis)]))
-    by_heads, by_experts = (partition_specs(model, jax.sharding.AbstractMesh((n,), (a,))) for a in ("model", "expert"))
-    out = {}
-    for path, spec in by_heads.items():
-        spec = spec if any(spec) else by_experts[path]
-        out[path] = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*(axis if a else None for a in spec)))
-    return out
+    return {p: jax.sharding.NamedSharding(mesh, s) for p, s in tensor_parallel_specs(model, n, axis).items()}
 
 
 def _axes(name):

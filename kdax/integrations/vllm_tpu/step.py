@@ -27,6 +27,7 @@ recurrent state [HV, K, V] float32, and the tag [1] int32.
 
 from __future__ import annotations
 
+import contextlib
 from typing import NamedTuple
 
 import jax
@@ -34,6 +35,7 @@ import jax.numpy as jnp
 
 from kdax.models.kda import KDAForCausalLM, is_kda
 from kdax.nn.kda import KDACache, KimiDeltaAttention
+from kdax.ops.common.sharding import heads_over
 from kdax.ops.kda import slots as pool_slots
 
 
@@ -110,7 +112,9 @@ def init_caches(model: KDAForCausalLM, num_slots: int, num_pages: int, page_size
     return caches
 
 
-def forward(model: KDAForCausalLM, caches, batch: StepBatch, *, num_spec: int = 0, mla_backend: str = "auto"):
+def forward(
+    model: KDAForCausalLM, caches, batch: StepBatch, *, num_spec: int = 0, mla_backend: str = "auto", heads=None
+):
     """Run the model on one engine step.
 
     Args:
@@ -120,10 +124,18 @@ def forward(model: KDAForCausalLM, caches, batch: StepBatch, *, num_spec: int = 
         num_spec: the draft tokens a request may verify in a step (0: none).
         mla_backend: the backend of the MLA layers' paged attention
             (:func:`kdax.ops.mla.api.paged_latent_attention`).
+        heads: None, or (mesh, axis) where the weights split the heads over ``axis`` (the engine's
+            tensor parallelism): the ops then run per shard of it
+            (:func:`kdax.ops.common.sharding.heads_over`), as the TPU kernels need.
 
     Returns:
         (hidden [T, hidden_size] after the final norm, the updated caches as a list).
     """
+    with contextlib.nullcontext() if heads is None else heads_over(*heads):
+        return _forward(model, caches, batch, num_spec, mla_backend)
+
+
+def _forward(model, caches, batch: StepBatch, num_spec: int, mla_backend: str):
     T = batch.tokens.shape[0]
     R = batch.seq_lens.shape[0]
     qsl = batch.query_start_loc.astype(jnp.int32)

@@ -6,8 +6,10 @@ Also the :class:`Layout` that a sharded model's layers read (:func:`kdax.models.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import jax
 from jax.sharding import NamedSharding
@@ -22,8 +24,35 @@ MESH_AXES = (
 ROLES = ("batch", "heads")  # the axes an op may be split over without communication
 
 
-def per_shard(fn: Callable, arrays: Sequence, roles: Sequence, out_roles):
-    """``fn(*arrays)``, per shard of the batch and head axes where the arrays' types shard them.
+_HEADS = contextvars.ContextVar("kdax_heads_axis", default=None)
+
+
+@contextlib.contextmanager
+def heads_over(mesh, axis) -> Iterator[None]:
+    """Within the ``with`` block, the ops that take it (KDA's, ``paged_latent_attention``) run per
+    shard of their head axes over ``axis`` of ``mesh`` where their arrays' types say nothing: a
+    serving engine's tensor parallelism on Auto axes, which Pallas kernels need made explicit
+    (XLA cannot partition a Mosaic call). Read when an op is traced.
+
+    Args:
+        mesh: the device mesh (or an abstract one).
+        axis: a mesh axis name, or a tuple of them, that splits the heads.
+    """
+    token = _HEADS.set((mesh, axis))
+    try:
+        yield
+    finally:
+        _HEADS.reset(token)
+
+
+def heads_axis():
+    """The (mesh, axis) of :func:`heads_over`, or None outside it."""
+    return _HEADS.get()
+
+
+def per_shard(fn: Callable, arrays: Sequence, roles: Sequence, out_roles, heads=None):
+    """``fn(*arrays)``, per shard of the batch and head axes where the arrays' types shard them
+    (or, where they do not, of the head axes over ``heads``, a :func:`heads_axis` value).
 
     Args:
         fn: the op on whole or local arrays.
@@ -32,6 +61,8 @@ def per_shard(fn: Callable, arrays: Sequence, roles: Sequence, out_roles):
             for an argument that every device takes whole.
         out_roles: the outputs' roles, as a pytree prefix of fn's outputs (a tuple of tuples;
             None for an output that is None).
+        heads: None, or (mesh, axis): split the "heads" dims over that axis, the arrays as they
+            come (XLA moves them to the split).
 
     Returns:
         fn's outputs, sharded over the same mesh axes as the inputs' batch and head dims.
@@ -45,11 +76,14 @@ def per_shard(fn: Callable, arrays: Sequence, roles: Sequence, out_roles):
             axis = sharding.spec[dim] if dim < len(sharding.spec) else None
             if name in ROLES and axis is not None and name not in axes:
                 axes[name], mesh = axis, sharding.mesh
+    typed = mesh is not None
+    if not typed and heads is not None and any(r is not None and "heads" in r for r in roles):
+        mesh, axes = heads[0], {"heads": heads[1]}
     if mesh is None:
         return fn(*arrays)
     spec = lambda role: P() if role is None else P(*(axes.get(name) for name in role))
     present = [i for i, x in enumerate(arrays) if x is not None]
-    local = [jax.reshard(arrays[i], NamedSharding(mesh, spec(roles[i]))) for i in present]
+    local = [jax.reshard(arrays[i], NamedSharding(mesh, spec(roles[i]))) if typed else arrays[i] for i in present]
 
     def run(*xs):
         full = list(arrays)

@@ -12,7 +12,7 @@ import numpy as np
 from jax import lax
 
 from kdax.ops.common.dispatch import BACKENDS, OpBackends, register
-from kdax.ops.common.sharding import per_shard
+from kdax.ops.common.sharding import heads_axis, per_shard
 from kdax.ops.common.validation import check_array, check_traced, fail
 from kdax.ops.common.varlen import chunk_layout, valid_offsets
 from kdax.ops.kda import context_parallel, decode, pallas_gpu, pallas_tpu, slots, xla
@@ -447,7 +447,7 @@ def _slotted(op: str, args: dict):
             opts, backend=fast[0], config=fast[1], scale=K**-0.5 if opts.scale is None else opts.scale
         )
         read, write = slots.kernel_tables(pool.shape[0], idx, accepted, q.shape[1])
-        return _compiled_slots(o, q, k, v, g, beta, pool, read, write, args["A_log"], args["dt_bias"])
+        return _compiled_slots(o, heads_axis(), q, k, v, g, beta, pool, read, write, args["A_log"], args["dt_bias"])
     h0 = slots.read(pool, idx, accepted)
     if idx.ndim == 1:
         skip = ("q", "k", "v", "g", "beta", "initial_state", "output_final_state", "ssm_state_indices")
@@ -493,8 +493,9 @@ def _call(o: Options, N, q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seq
     """Run a validated call: the naive reference as it is (it loops over concrete sequences),
     every other backend compiled once per shape and static option."""
     o = dataclasses.replace(o, scale=q.shape[-1] ** -0.5 if o.scale is None else float(o.scale))
-    run = _apply if o.backend == "naive" else _compiled
-    return run(o, N, q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens)
+    if o.backend == "naive":
+        return _apply(o, N, q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens)
+    return _compiled(o, N, heads_axis(), q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens)
 
 
 def _core(o: Options):
@@ -595,8 +596,9 @@ def _apply(o: Options, N, q, k, v, g, beta, initial_state, A_log, dt_bias, cu_se
     return out[0], *(jnp.swapaxes(x, -1, -2) if o.state_v_first and x is not None else x for x in out[1:])
 
 
-def _apply_per_shard(o: Options, N, q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens):
-    """:func:`_apply`, per shard of the batch and head axes where the inputs' types shard them."""
+def _apply_per_shard(o: Options, N, heads, q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens):
+    """:func:`_apply`, per shard of the batch and head axes where the inputs' types shard them (or
+    of the heads over ``heads``, :func:`kdax.ops.common.sharding.heads_axis`)."""
     rows = "batch" if cu_seqlens is None else None  # packed sequences: one row, N sequences
     bthd, bth = ("batch", None, "heads", None), ("batch", None, "heads")
     roles = (bthd, bthd, bthd, bthd, bth, (rows, "heads", None, None), ("heads",), ("heads",), None)
@@ -607,13 +609,13 @@ def _apply_per_shard(o: Options, N, q, k, v, g, beta, initial_state, A_log, dt_b
         n = q.shape[0] if cu is None else N  # sequences on this shard
         return _apply(o, n, q, k, v, g, beta, h0, A_log, dt_bias, cu)
 
-    return per_shard(local, (q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens), roles, outs)
+    return per_shard(local, (q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens), roles, outs, heads)
 
 
-_compiled = jax.jit(_apply_per_shard, static_argnums=(0, 1))
+_compiled = jax.jit(_apply_per_shard, static_argnums=(0, 1, 2))
 
 
-def _apply_slots(o: Options, q, k, v, g, beta, pool, read, write, A_log, dt_bias):
+def _apply_slots(o: Options, heads, q, k, v, g, beta, pool, read, write, A_log, dt_bias):
     """A decode kernel's call on a state pool in place (``read``, ``write``:
     :func:`kdax.ops.kda.slots.kernel_tables`), per shard of the head axis where the inputs'
     types shard it. Returns (o in q's dtype, the pool)."""
@@ -629,7 +631,7 @@ def _apply_slots(o: Options, q, k, v, g, beta, pool, read, write, A_log, dt_bias
 
     thd, states = (None, None, "heads", None), (None, "heads", None, None)
     roles = (thd, thd, thd, thd, (None, None, "heads"), states, None, None, ("heads",), ("heads",))
-    return per_shard(local, (q, k, v, g, beta, pool, read, write, A_log, dt_bias), roles, (thd, states))
+    return per_shard(local, (q, k, v, g, beta, pool, read, write, A_log, dt_bias), roles, (thd, states), heads)
 
 
-_compiled_slots = jax.jit(_apply_slots, static_argnums=0)
+_compiled_slots = jax.jit(_apply_slots, static_argnums=(0, 1))

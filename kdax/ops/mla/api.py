@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from kdax.ops.common.dispatch import BACKENDS, OpBackends, register
-from kdax.ops.common.sharding import per_shard
+from kdax.ops.common.sharding import heads_axis, per_shard
 from kdax.ops.common.validation import fail
 from kdax.ops.mla import pallas_tpu
 from kdax.ops.mla.items import query_block
@@ -75,4 +75,4 @@ def paged_latent_attention(
     else:
         run = lambda q, *rest: pallas_tpu.paged_latent_attention_tpu(q, *rest, scale=scale, cfg=cfg)
     args = (q, pages, page_table.astype(jnp.int32), query_start_loc.astype(jnp.int32), seq_lens.astype(jnp.int32))
-    return per_shard(run, args, _ROLES, (None, "heads", None))
+    return per_shard(run, args, _ROLES, (None, "heads", None), heads_axis())
