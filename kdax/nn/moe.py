@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from kdax.nn.mlp import GatedMLP
 from kdax.ops.common.dispatch import platform
-from kdax.ops.common.sharding import heads_axis
+from kdax.ops.common.sharding import axis_size, heads_axis
 
 
 class Buffer(nnx.Variable):
@@ -112,10 +111,6 @@ def _experts(x, gate_up, down, indices, weights, first):
     y = grouped_matmul(jax.nn.silu(gate) * up, down, sizes)
     y = (y * weights.reshape(-1)[order][:, None]).astype(x.dtype)  # float32 weights, as transformers
     return jnp.zeros_like(x).at[token].add(jnp.where((local[order] < E)[:, None], y, 0))
-
-
-def _names(axis) -> tuple:
-    return axis if isinstance(axis, tuple) else (axis,)
 
 
 class TopKRouter(nnx.Module):
@@ -214,7 +209,7 @@ class MoE(nnx.Module):
         indices, weights = self.gate(x)
         gate_up, down = self.gate_up[...].astype(x.dtype), self.down[...].astype(x.dtype)
         heads = heads_axis()
-        n = 1 if heads is None else int(np.prod([heads[0].shape[a] for a in _names(heads[1])]))
+        n = 1 if heads is None else axis_size(*heads)
         if n > 1 and gate_up.shape[0] % n == 0:  # a serving engine's experts split over its devices
             axis = heads[1]
             run = lambda *a: lax.psum(_experts(*a, lax.axis_index(axis) * (gate_up.shape[0] // n)), axis)

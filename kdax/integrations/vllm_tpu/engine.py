@@ -15,12 +15,12 @@ import os
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from kdax.integrations.vllm_tpu.step import StateSlots, StepBatch, forward, kda_state_shapes
 from kdax.models import from_pretrained
 from kdax.models.kda import is_kda
+from kdax.ops.common.sharding import axis_size
 
 ARCHITECTURES = ("KimiLinearForCausalLM", "BailingHybridForCausalLM")
 
@@ -62,7 +62,7 @@ class KdaxForCausalLM(nnx.Module):
         if mesh is not None:
             from tpu_inference.layers.common.sharding import ShardingAxisName
 
-            groups = int(np.prod([mesh.shape[a] for a in _axes(ShardingAxisName.ATTN_DATA)]))
+            groups = axis_size(mesh, ShardingAxisName.ATTN_DATA)
             if groups > 1:
                 raise ValueError(
                     f"mesh: expected one data-parallel attention group, got {groups} (kdax's step takes one "
@@ -119,7 +119,7 @@ class KdaxForCausalLM(nnx.Module):
         from tpu_inference.layers.common.sharding import ShardingAxisName
 
         axis = ShardingAxisName.ATTN_HEAD
-        return (self.mesh, axis) if np.prod([self.mesh.shape[a] for a in _axes(axis)]) > 1 else None
+        return (self.mesh, axis) if axis_size(self.mesh, axis) > 1 else None
 
     def _slots(self, md, table) -> StateSlots:
         """The KDA slots of the requests: the engine's slot per request, or in align mode the
@@ -184,12 +184,8 @@ def _placements(model, mesh) -> dict:
     from kdax.models.sharding import tensor_parallel_specs
 
     axis = ShardingAxisName.ATTN_HEAD
-    n = int(np.prod([mesh.shape[a] for a in _axes(axis)]))
+    n = axis_size(mesh, axis)
     return {p: jax.sharding.NamedSharding(mesh, s) for p, s in tensor_parallel_specs(model, n, axis).items()}
-
-
-def _axes(name):
-    return name if isinstance(name, tuple) else (name,)
 
 
 def _layer_kinds(hf_config) -> tuple[bool, ...]:

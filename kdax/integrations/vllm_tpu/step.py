@@ -151,7 +151,7 @@ def _forward(model, caches, batch: StepBatch, num_spec: int, mla_backend: str):
     new = []
     for b, cache, layer in zip(model.model.layers, caches, batch.layers):
         if is_kda(b):
-            x, cache = _kda_block(b, x, cache, layer, cu, lengths, computed, num_spec)
+            x, cache = _kda_block(b, x, cache, layer, cu, lengths, computed, request, live, num_spec)
         else:
             x, cache = _mla_block(b, x, cache, layer, positions, request, live, qsl, seq_lens, mla_backend)
         new.append(cache)
@@ -171,8 +171,9 @@ def _read_slots(tags, slots: StateSlots, computed, num_spec: int):
     return jnp.where(computed > 0, read, -1)
 
 
-def _kda_block(b, x, cache, slots: StateSlots, cu, lengths, computed, num_spec: int):
-    """A KDA block over the packed requests; returns (x, the layer's (conv, recurrent, tag) pool).
+def _kda_block(b, x, cache, slots: StateSlots, cu, lengths, computed, request, live_tokens, num_spec: int):
+    """A KDA block over the packed requests (``request``, ``live_tokens`` [T]: each token's request,
+    whether it is one's); returns (x, the layer's (conv, recurrent, tag) pool).
 
     Without drafts every request runs the chunked form. With drafts the requests of at most
     ``num_spec + 1`` new tokens (decode and verify rows) run the recurrent form, which keeps the
@@ -200,8 +201,7 @@ def _kda_block(b, x, cache, slots: StateSlots, cu, lengths, computed, num_spec: 
     cu_v = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(n).astype(jnp.int32)])
     Tv = min(T, R * kept)
     t = jnp.arange(T, dtype=jnp.int32)
-    request = jnp.clip(jnp.searchsorted(cu[1 : R + 1], t, side="right"), 0, R - 1)
-    mine = short[request] & (t < cu[R])
+    mine = short[request] & live_tokens
     at = jnp.where(mine, cu_v[request] + t - cu[request], Tv)  # token t's place in the row (Tv: none)
     src = jnp.zeros(Tv, jnp.int32).at[at].set(t, mode="drop")
     base = jnp.arange(R, dtype=jnp.int32) * kept

@@ -45,6 +45,15 @@ def heads_over(mesh, axis) -> Iterator[None]:
         _HEADS.reset(token)
 
 
+def axis_size(mesh, axis) -> int:
+    """The devices along ``axis`` of ``mesh`` (a name, or a tuple of names: their product)."""
+    names = axis if isinstance(axis, tuple) else (axis,)
+    size = 1
+    for name in names:
+        size *= mesh.shape[name]
+    return size
+
+
 def heads_axis():
     """The (mesh, axis) of :func:`heads_over`, or None outside it."""
     return _HEADS.get()
