@@ -678,7 +678,7 @@ def _paged_mla(dtype: str, make) -> list[Peer]:
     dt, i32, out = jnp.dtype(dtype), jnp.int32, []
     H, W, page, L, bk = 4, 640, 16, 32768, 512
     for T, R in ((64, 64), (8192, 1)):
-        M, bq = L // page, query_block(T, R)
+        M, bq = L // page, query_block(T, R, H)
         items = -(-T // bq) + R
         ends = [min(T, (j + 1) * bq) + L - T for j in range(-(-T // bq))] if R == 1 else [L] * R
         trips = sum(-(-e // bk) for e in ends) / items

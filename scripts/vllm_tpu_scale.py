@@ -7,8 +7,11 @@ and its static cycles (docs/serving.md, "At scale").
     python scripts/vllm_tpu_scale.py --config kimi-linear-48b --chips v6e,v5e
 
 Needs libtpu (the ``tpu-check`` extra, Python 3.12). Steps: a decode step of ``--decode R x L``
-(R requests, one token each, L tokens of context) and a prefill step of ``--prefill T @ L`` (one
-request's chunk of T tokens ending at position L). Pages as tpu-inference lays MLA out: the latent
+(R requests, one token each, L tokens of context) and a prefill step of ``--prefill T @ L`` (a
+chunk of T tokens ending at position L). On 8 devices the step runs as tpu-inference runs an MLA
+model: in data-parallel attention groups (bf16: eight of one device), the requests and tokens
+split evenly over them (a prefill chunk of T / 8 tokens in each group), each group's pages and
+KDA slots on its own devices, the MLPs and experts over all. Pages as tpu-inference lays MLA out: the latent
 and the rope key each padded to 128 lanes. The caches are donated, as the engine donates them,
 so the temporaries are the step's own. Static cycles count each loop of data-dependent trips once
 (a lower bound; the MLA kernel's key loop and the KDA kernels' chunk loops)."""
@@ -34,6 +37,7 @@ def _args(argv=None):
     src.add_argument("--config", choices=["kimi-linear-48b"], help="a released model's config (no files needed)")
     p.add_argument("--chips", default="v6e", help="comma-separated, of " + ", ".join(TOPOLOGIES))
     p.add_argument("--devices", type=int, default=1, choices=[1, 8], help="tensor-parallel devices (8: v5e, v6e)")
+    p.add_argument("--attn-dp", type=int, help="data-parallel attention groups (default: as tpu-inference makes them)")
     p.add_argument("--layers", type=int, help="with --config: its first N layers (quicker compiles)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--page", type=int, default=16, help="tokens a page")
@@ -57,35 +61,58 @@ def _config(a):
     return cls, cls.config_class.from_dict(d)
 
 
-def steps(a):
-    """(name, tokens, requests, context) of the two steps."""
+def groups(a, dtype) -> int:
+    """The data-parallel attention groups tpu-inference makes of ``--devices`` for an MLA model:
+    ``--attn-dp``, or its own rule (the devices over the one cache head's share, 2 / the values a
+    32-bit word packs: bf16 one group a device)."""
+    if a.attn_dp:
+        if a.devices % a.attn_dp:
+            raise ValueError(f"--attn-dp: expected a divisor of --devices={a.devices}, got {a.attn_dp}")
+        return a.attn_dp
+    per_device = max(1.0, 2 / (4 // dtype.itemsize))
+    return max(int(a.devices // per_device), 1)
+
+
+def steps(a, g: int):
+    """(name, tokens a group, requests a group, context) of the two steps: the decode rows and the
+    prefill tokens split evenly over the ``g`` groups (a prefill chunk in each)."""
     R, L = (int(x) for x in a.decode.split("x"))
     T, Lp = (int(x) for x in a.prefill.split("@"))
-    return [(f"decode {R} x {L}", R, R, L), (f"prefill {T} @ {Lp}", T, 1, Lp)]
+    for what, n in (("--decode requests", R), ("--prefill tokens", T)):
+        if n % g:
+            raise ValueError(f"{what}: expected a multiple of the {g} attention groups, got {n}")
+    return [(f"decode {R} x {L}", R // g, R // g, L), (f"prefill {T} @ {Lp}", T // g, 1, Lp)]
 
 
-def build(cls, config, dtype, make, *, T, R, L, page, num_spec, n, mesh):
-    """(fn, args, per-device bytes of weights, pages and states) of one step, on ``n`` devices of
-    mesh axis "model" as the plugin lays the model out (:func:`kdax.models.sharding.tensor_parallel_specs`)
-    and tpu-inference its caches (MLA pages whole on each device under tensor parallelism alone,
-    KDA states split by heads). ``make(shape, dtype, spec)`` gives an abstract array."""
+def build(cls, config, dtype, make, *, T, R, L, page, num_spec, mesh):
+    """(fn, args, per-device bytes of weights, pages and states) of one step on ``mesh`` (axes
+    "attn_dp": the attention groups, "model": a group's devices), each group ``T`` tokens of ``R``
+    requests, as the plugin lays the model out (:func:`kdax.models.sharding.tensor_parallel_specs`:
+    heads over "model", the MLPs over both) and tpu-inference its caches (each group's pages and
+    KDA slots on its devices, the KDA states split by heads within the group).
+    ``make(shape, dtype, spec)`` gives an abstract array."""
+    import math
+
     import jax
     import jax.numpy as jnp
     from flax import nnx
     from jax.sharding import PartitionSpec as P
 
-    from kdax.integrations.vllm_tpu.step import StateSlots, StepBatch, forward, kda_state_shapes
+    from kdax.integrations.vllm_tpu.step import StateSlots, StepBatch, StepMesh, forward, kda_state_shapes
     from kdax.models.kda import is_kda
     from kdax.models.sharding import tensor_parallel_specs
+    from kdax.ops.common.sharding import axis_size
 
+    g, h = mesh.shape["attn_dp"], mesh.shape["model"]
+    every = ("attn_dp", "model")
     model = nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(model)
-    specs = tensor_parallel_specs(model, n, "model") if n > 1 else {}
+    specs = tensor_parallel_specs(model, g * h, every, attention=(h, "model"))
     nbytes = {"weights": 0, "pages": 0, "states": 0}
 
     def place(x, spec, kind):
         a = make(x.shape, x.dtype, spec)
-        nbytes[kind] += a.size * a.dtype.itemsize // n ** sum(s is not None for s in spec)
+        nbytes[kind] += a.size * a.dtype.itemsize // math.prod(axis_size(mesh, s) for s in spec if s)
         return a
 
     for path, var in nnx.to_flat_state(state):
@@ -93,34 +120,35 @@ def build(cls, config, dtype, make, *, T, R, L, page, num_spec, n, mesh):
         dt = dtype if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype
         var.set_value(place(jax.ShapeDtypeStruct(x.shape, dt), specs.get(tuple(path), P()), "weights"))
     M = -(-L // page)
-    slots = R * (num_spec + 1) + 1
+    slots = g * (R * (num_spec + 1) + 1)
     lanes = lambda d: -(-d // 128) * 128
-    by = lambda d: "model" if n > 1 and d % n == 0 else None
+    by = lambda d: "model" if h > 1 and d % h == 0 else None
     caches, layers = [], []
     i32 = jnp.int32
     for b in model.model.layers:
         if is_kda(b):
             (conv, width), state_shape, tag = kda_state_shapes(b.attn)
             cache = (
-                place(jax.ShapeDtypeStruct((slots, conv, width), dtype), P(None, None, by(width)), "states"),
-                place(jax.ShapeDtypeStruct((slots, *state_shape), jnp.float32), P(None, by(state_shape[0])), "states"),
-                place(jax.ShapeDtypeStruct((slots, *tag), i32), P(), "states"),
+                place(jax.ShapeDtypeStruct((slots, conv, width), dtype), P("attn_dp", None, by(width)), "states"),
+                place(
+                    jax.ShapeDtypeStruct((slots, *state_shape), jnp.float32), P("attn_dp", by(state_shape[0])), "states"
+                ),
+                place(jax.ShapeDtypeStruct((slots, *tag), i32), P(), "states"),  # the engine keeps tags whole
             )
-            layers.append(StateSlots(make((R,), i32, P())))
+            layers.append(StateSlots(make((g * R,), i32, P("attn_dp"))))
         else:
             width = lanes(b.attn.kv_lora_rank) + lanes(b.attn.qk_rope_head_dim)
-            cache = place(jax.ShapeDtypeStruct((R * M + 1, page, width), dtype), P(), "pages")
-            layers.append(make((R, M), i32, P()))
+            cache = place(jax.ShapeDtypeStruct((g * (R * M + 1), page, width), dtype), P("attn_dp"), "pages")
+            layers.append(make((g * R, M), i32, P("attn_dp")))
         caches.append(cache)
-    batch = StepBatch(*(make(s, i32, P()) for s in ((T,), (T,), (R + 1,), (R,))), tuple(layers))
-
-    heads = (mesh, "model") if n > 1 else None
+    shapes = ((g * T,), (g * T,), (g * (R + 1),), (g * R,))
+    batch = StepBatch(*(make(s, i32, P("attn_dp")) for s in shapes), tuple(layers))
+    step = StepMesh(mesh, "model" if h > 1 else None, every, "attn_dp" if g > 1 else None)
 
     def fn(state, caches, batch):
-        hidden, caches = forward(
-            nnx.merge(graphdef, state), caches, batch, num_spec=num_spec, mla_backend="pallas_tpu", heads=heads
+        return forward(
+            nnx.merge(graphdef, state), caches, batch, num_spec=num_spec, mla_backend="pallas_tpu", mesh=step
         )
-        return hidden, caches
 
     return fn, (state, caches, batch), nbytes
 
@@ -133,6 +161,7 @@ def main(argv=None) -> int:
         os.environ["LIBTPU_INIT_ARGS"] = (os.environ.get("LIBTPU_INIT_ARGS", "") + " " + flags).strip()
     import jax
     import jax.numpy as jnp
+    import numpy as np
     from jax.experimental import topologies
 
     sys.path.insert(0, os.path.dirname(__file__))
@@ -142,24 +171,27 @@ def main(argv=None) -> int:
 
     cls, config = _config(a)
     dtype = jnp.dtype(a.dtype)
+    g = groups(a, dtype)
     rows = []
     print(
-        f"jax {jax.__version__}; {a.checkpoint or a.config}, {a.dtype}, pages of {a.page} tokens, num_spec {a.num_spec}"
+        f"jax {jax.__version__}; {a.checkpoint or a.config}, {a.dtype}, pages of {a.page} tokens, num_spec {a.num_spec}, "
+        f"{a.devices} devices in {g} attention groups"
     )
     print("| chip | step | weights GiB | pages GiB | states GiB | temporaries GiB | sum / HBM | static cycles |")
     print("|---|---|---|---|---|---|---|---|")
     for chip in a.chips.split(","):
         topo = topologies.get_topology_desc(platform="tpu", topology_name=TOPOLOGIES[chip][a.devices])
-        mesh = jax.sharding.Mesh(topo.devices[: a.devices], ("model",))
+        devices = np.array(topo.devices[: a.devices]).reshape(g, a.devices // g)
+        mesh = jax.sharding.Mesh(devices, ("attn_dp", "model"))
         make = lambda shape, dt, spec, mesh=mesh: jax.ShapeDtypeStruct(
             tuple(shape), dt, sharding=jax.sharding.NamedSharding(mesh, spec)
         )
-        for name, T, R, L in steps(a):
+        for name, T, R, L in steps(a, g):
             fn, args, nbytes = build(
-                cls, config, dtype, make, T=T, R=R, L=L, page=a.page, num_spec=a.num_spec, n=a.devices, mesh=mesh
+                cls, config, dtype, make, T=T, R=R, L=L, page=a.page, num_spec=a.num_spec, mesh=mesh
             )
             before = set(os.listdir(dump)) if dump else set()
-            row = {"chip": chip, "step": name, **{k: v / GIB for k, v in nbytes.items()}}
+            row = {"chip": chip, "step": name, "groups": g, **{k: v / GIB for k, v in nbytes.items()}}
             try:
                 with building_for("tpu"), jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
                     compiled = jax.jit(fn, donate_argnums=(1,)).trace(*args).lower().compile()

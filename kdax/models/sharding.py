@@ -121,10 +121,17 @@ def partition_specs(model: KDAForCausalLM, mesh: jax.sharding.Mesh) -> dict[tupl
     """
     if set(mesh.axis_names) - set(MESH_AXES):
         raise ValueError(f"mesh: expected axes named among {MESH_AXES}, got {tuple(mesh.axis_names)}")
-    L = Layout.of(mesh)
+    return _partition(model, Layout.of(mesh))
+
+
+_MIXERS = KimiDeltaAttention | MLA | Attention
+
+
+def _partition(model: KDAForCausalLM, L: Layout, mixers: bool = True) -> dict[tuple, P]:
+    """:func:`partition_specs` on ``L`` (the attention layers' parameters whole unless ``mixers``)."""
     rules = {}
     for path, module in nnx.iter_graph(model):
-        if isinstance(module, nnx.Module):
+        if isinstance(module, nnx.Module) and (mixers or not isinstance(module, _MIXERS)):
             rules |= {(*path, *p): axes for p, axes in _rules(module, L).items()}
     specs = {}
     for path, value in nnx.to_flat_state(nnx.state(model, nnx.Param)):
@@ -133,7 +140,7 @@ def partition_specs(model: KDAForCausalLM, mesh: jax.sharding.Mesh) -> dict[tupl
     return specs
 
 
-def tensor_parallel_specs(model: KDAForCausalLM, n: int, axis) -> dict[tuple, P]:
+def tensor_parallel_specs(model: KDAForCausalLM, n: int, axis, *, attention=None) -> dict[tuple, P]:
     """Each parameter's layout for tensor parallelism alone over ``n`` devices (a serving engine's):
     :func:`partition_specs`' "model" split (projections by heads, the MLPs' hidden features, the
     vocabulary), and the experts' split where that leaves a parameter whole, both over ``axis``.
@@ -142,16 +149,28 @@ def tensor_parallel_specs(model: KDAForCausalLM, n: int, axis) -> dict[tuple, P]
         model: the model.
         n: the devices of ``axis``.
         axis: a mesh axis name, or a tuple of them.
+        attention: None, or (devices, axis) that split the attention layers' heads instead (an
+            engine's data-parallel attention: heads split within a group, or (1, None): whole);
+            the MLPs, experts and vocabulary stay over ``axis``.
 
     Returns:
         {parameter path: PartitionSpec}.
     """
-    by_heads, by_experts = (partition_specs(model, jax.sharding.AbstractMesh((n,), (a,))) for a in ("model", "expert"))
-    out = {}
-    for path, spec in by_heads.items():
-        spec = spec if any(spec) else by_experts[path]
-        out[path] = P(*(axis if a else None for a in spec))
+    out = _split(model, n, axis, attention is None)
+    if attention is not None:
+        heads = _split(model, *attention)
+        mixers = [tuple(p) for p, m in nnx.iter_graph(model) if isinstance(m, _MIXERS)]
+        out |= {k: heads[k] for k in out if any(k[: len(p)] == p for p in mixers)}
     return out
+
+
+def _split(model: KDAForCausalLM, n: int, axis, mixers: bool = True) -> dict[tuple, P]:
+    """:func:`tensor_parallel_specs` over one axis of ``n`` devices (the attention layers' whole
+    unless ``mixers``)."""
+    by_heads, by_experts = (
+        _partition(model, Layout.of(jax.sharding.AbstractMesh((n,), (a,))), mixers) for a in ("model", "expert")
+    )
+    return {k: P(*(axis if a else None for a in (s if any(s) else by_experts[k]))) for k, s in by_heads.items()}
 
 
 def shard(model: KDAForCausalLM, mesh: jax.sharding.Mesh) -> KDAForCausalLM:

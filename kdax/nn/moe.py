@@ -13,7 +13,7 @@ each (padding each expert's rows to whole blocks). Either way the expert work is
 O(tokens x top_k), never every expert on every token.
 
 Under :func:`kdax.ops.common.sharding.heads_over` (a serving engine's tensor parallelism) with
-the experts split over its axis, each device runs its own experts on every token it holds and the
+the experts split over its experts axis, each device runs its own experts on every token it holds and the
 devices' sums are added (``psum``): the weights stay where they are, where XLA would gather every
 expert's to each device.
 """
@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 from kdax.nn.mlp import GatedMLP
 from kdax.ops.common.dispatch import platform
-from kdax.ops.common.sharding import axis_size, heads_axis
+from kdax.ops.common.sharding import axis_size, experts_axis
 
 
 class Buffer(nnx.Variable):
@@ -208,14 +208,14 @@ class MoE(nnx.Module):
         x = x.reshape(-1, H)
         indices, weights = self.gate(x)
         gate_up, down = self.gate_up[...].astype(x.dtype), self.down[...].astype(x.dtype)
-        heads = heads_axis()
-        n = 1 if heads is None else axis_size(*heads)
+        over = experts_axis()
+        n = 1 if over is None else axis_size(*over)
         if n > 1 and gate_up.shape[0] % n == 0:  # a serving engine's experts split over its devices
-            axis = heads[1]
+            axis = over[1]
             run = lambda *a: lax.psum(_experts(*a, lax.axis_index(axis) * (gate_up.shape[0] // n)), axis)
             spec = P(axis, None, None)
             out = jax.shard_map(
-                run, mesh=heads[0], in_specs=(P(), spec, spec, P(), P()), out_specs=P(), check_vma=False
+                run, mesh=over[0], in_specs=(P(), spec, spec, P(), P()), out_specs=P(), check_vma=False
             )(x, gate_up, down, indices, weights)
         else:
             out = _experts(x, gate_up, down, indices, weights, 0)

@@ -1,6 +1,6 @@
 """vLLM's TPU engine (tpu-inference 0.32.0) serving the tiny Kimi Linear checkpoint (and Ling's,
 greedy) through kdax's plugin on CPU devices: greedy tokens equal to kdax's generate(), with an n-gram drafter,
-with align-mode prefix caching, under tensor parallel 2, and through ``vllm serve``'s OpenAI
+with align-mode prefix caching, under tensor parallel 2, with two data-parallel attention groups, and through ``vllm serve``'s OpenAI
 completions endpoint; and the cache specs the plugin gives the engine.
 
 They need vllm-tpu (Python 3.12) and take 3 to 4 minutes, so they carry the ``vllm`` marker and
@@ -63,7 +63,7 @@ def test_greedy_tokens_equal_generate(case):
     out = _engine("greedy", PROMPTS, 6, checkpoint)
     model = from_pretrained(checkpoint, backend="xla")
     assert out["tokens"] == [_greedy(model, p, 6) for p in PROMPTS]
-    assert [n for _, n, _ in out["steps"][0]] == [6, 11, 2]
+    assert [n for _, n, _, _ in out["steps"][0]] == [6, 11, 2]
 
 
 def _verified(steps):
@@ -71,7 +71,8 @@ def _verified(steps):
     its prefill verifies k drafts; its next step starts after the accepted ones."""
     last, verified, accepted = {}, 0, 0
     for step in steps:
-        for computed, n, slot in step:
+        for computed, n, *slot in step:  # slot: (state slot, attention group)
+            slot = tuple(slot)
             if slot in last and last[slot][1] > 1 and last[slot][0] > 0:
                 verified += last[slot][1] - 1
                 accepted += computed - last[slot][0] - 1
@@ -85,8 +86,7 @@ def test_ngram_drafts_give_the_tokens_of_generate(model):
     cut where the drafter's first proposal is right in its first token and wrong after (found
     by running vLLM's n-gram matcher over them), so a step continues from the second of its
     request's four state slots."""
-    chains = np.asarray(generate(model, jnp.asarray(np.random.default_rng(2).integers(3, 128, (16, 6))), 50))
-    prompts = [chains[1, :38].tolist(), chains[13, :24].tolist()]
+    prompts = _drafted_prompts(model)
     out = _engine("spec", prompts, 12)
     assert out["tokens"] == [_greedy(model, p, 12) for p in prompts]
     verified, accepted = _verified(out["steps"])
@@ -101,7 +101,7 @@ def test_align_mode_prefix_hit_gives_the_tokens_of_generate(model):
     second = first[:35] + rng.integers(3, 128, 7).tolist()
     out = _engine("align", [first, second], 6)
     assert out["tokens"] == [_greedy(model, first, 6), _greedy(model, second, 6)]
-    starts = [computed for step in out["steps"] for computed, n, _ in step if n > 1]
+    starts = [computed for step in out["steps"] for computed, n, _, _ in step if n > 1]
     assert starts == [0, 32, 32]  # the first prompt in two steps of 32 and 8, the second from its hit
 
 
@@ -109,6 +109,38 @@ def test_tensor_parallel_2_gives_the_tokens_of_generate(model):
     """Two fake CPU devices on the model axis: KDA states and pages sharded as the engine shards them."""
     out = _engine("tp2", PROMPTS, 6)
     assert out["tokens"] == [_greedy(model, p, 6) for p in PROMPTS]
+
+
+def _drafted_prompts(model):
+    """Greedy continuations cut where vLLM's n-gram drafter's first proposal is right in its first
+    token and wrong after (found by running its matcher over them)."""
+    chains = np.asarray(generate(model, jnp.asarray(np.random.default_rng(2).integers(3, 128, (16, 6))), 50))
+    return [chains[1, :38].tolist(), chains[13, :24].tolist()]
+
+
+def test_data_parallel_attention_gives_the_tokens_of_generate(model):
+    """Two fake CPU devices as two data-parallel attention groups (``attn_dp_size`` 2: what the
+    engine makes of an MLA model in bf16 at tensor parallel 2, here in float32), with n-gram
+    drafts: each group's requests, pages and state slots its own (both requests hold slot 1 of
+    their group's pool), the MLPs over both devices."""
+    prompts = _drafted_prompts(model)
+    out = _engine("dp2+spec", prompts, 12)
+    assert out["tokens"] == [_greedy(model, p, 12) for p in prompts]
+    assert {group for step in out["steps"] for *_, group in step} == {0, 1}
+    assert {slot for step in out["steps"] for _, _, slot, _ in step} == {1}  # each group's first slot
+    verified, accepted = _verified(out["steps"])
+    assert 0 < accepted < verified
+
+
+def test_data_parallel_attention_with_a_prefix_hit_gives_the_tokens_of_generate(model):
+    """Align-mode prefix caching under two attention groups: the second request's hit is found in
+    its group's blocks (slots derived from each group's own block tables and offsets)."""
+    rng = np.random.default_rng(3)
+    first = rng.integers(3, 128, 40).tolist()
+    second = first[:35] + rng.integers(3, 128, 7).tolist()
+    out = _engine("dp2+align", [first, second], 6)
+    assert out["tokens"] == [_greedy(model, first, 6), _greedy(model, second, 6)]
+    assert [computed for step in out["steps"] for computed, n, _, _ in step if n > 1] == [0, 32, 32]
 
 
 def _free_port():

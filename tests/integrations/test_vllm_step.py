@@ -276,20 +276,25 @@ def test_verify_steps_run_the_recurrent_form_on_the_short_requests_alone(model, 
     assert len(paged) == len(model.model.layers) - kda_layers
 
 
-def test_step_split_over_the_heads_equals_one_device():
-    """Two fake CPU devices: the weights split by heads as the plugin places them on the engine's
-    mesh, the KDA and paged MLA ops run per shard of the heads (what the TPU kernels need: XLA
-    cannot partition a Mosaic call) and the MoE's experts on their own devices; hidden states and
-    caches equal one device's."""
+def test_step_split_as_the_engine_splits_it_equals_one_device():
+    """Fake CPU devices, the weights placed as the plugin places them on the engine's mesh:
+    - tensor parallel 2: the KDA and paged MLA ops run per shard of the heads (what the TPU
+      kernels need: XLA cannot partition a Mosaic call) and the MoE's experts on their own
+      devices; hidden states and caches equal one device's;
+    - two data-parallel attention groups of two devices (the heads split within a group, the MLPs
+      and experts over all four): two groups' batches side by side, each group's pages and slots
+      on its own devices, equal each group's batch run alone."""
     import json
     import subprocess
     import sys
 
-    flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+    flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
     env = {**os.environ, "XLA_FLAGS": flags.strip(), "JAX_PLATFORMS": "cpu"}
     worker = [sys.executable, "-m", "tests.integrations.vllm_step_tp_worker", os.path.join(FIXTURES, "kimi_a")]
-    run = subprocess.run(worker, capture_output=True, text=True, env=env, timeout=600, check=False)
+    run = subprocess.run(worker, capture_output=True, text=True, env=env, timeout=900, check=False)
     assert run.returncode == 0, run.stderr[-4000:]
     r = json.loads(run.stdout.strip().splitlines()[-1])
-    assert r["split"] > 10 and r["shard_maps"] >= 7  # KDA: chunked and recurrent calls; MLA: paged; MoE: experts
-    assert r["max_rel"] < 1e-5
+    # KDA: chunked and recurrent calls; MLA: paged; MoE: experts; with groups, each layer's mixer too
+    assert r["heads"]["split"] > 10 and r["heads"]["shard_maps"] >= 7
+    assert r["groups"]["shard_maps"] >= r["heads"]["shard_maps"] + 4
+    assert r["heads"]["max_rel"] < 1e-5 and r["groups"]["max_rel"] < 1e-5

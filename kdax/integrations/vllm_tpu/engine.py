@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from kdax.integrations.vllm_tpu.step import StateSlots, StepBatch, forward, kda_state_shapes
+from kdax.integrations.vllm_tpu.step import StateSlots, StepBatch, StepMesh, forward, kda_state_shapes
 from kdax.models import from_pretrained
 from kdax.models.kda import is_kda
 from kdax.ops.common.sharding import axis_size
@@ -31,11 +31,11 @@ class KdaxForCausalLM(nnx.Module):
     Args:
         vllm_config: the engine's config (model path and dtype, cache mode, drafts).
         rng_key: unused (the weights come from the checkpoint).
-        mesh: the engine's device mesh; the weights are split over its tensor-parallel axis.
+        mesh: the engine's device mesh: the weights are placed on it by :func:`_placements`, and the
+            step split over it by a :class:`StepMesh` (heads, MLPs, attention groups).
 
     Raises:
-        ValueError: an engine setting the step does not take (data-parallel attention over
-            more than one device group, a transposed MLA cache).
+        ValueError: an engine setting the step does not take (a transposed MLA cache).
     """
 
     # load_format="dummy": tpu-inference builds the model as it is (random weights); otherwise it
@@ -59,16 +59,6 @@ class KdaxForCausalLM(nnx.Module):
         self.align = getattr(cache, "mamba_cache_mode", "none") == "align"
         self.state_block = int(cache.mamba_block_size or 0) if self.align else 0
         self.page_size = int(cache.block_size)
-        if mesh is not None:
-            from tpu_inference.layers.common.sharding import ShardingAxisName
-
-            groups = axis_size(mesh, ShardingAxisName.ATTN_DATA)
-            if groups > 1:
-                raise ValueError(
-                    f"mesh: expected one data-parallel attention group, got {groups} (kdax's step takes one "
-                    "request list; tpu-inference splits an MLA model in bf16 at tensor parallel > 1 into several: "
-                    "docs/serving.md, 'One attention group, so far')"
-                )
         from tpu_inference import envs
 
         if envs.MLA_TRANSPOSE_KV_CACHE:
@@ -105,28 +95,27 @@ class KdaxForCausalLM(nnx.Module):
                 layers.append(table)
                 caches.append(cache.reshape(cache.shape[0], self.page_size, -1))
         batch = StepBatch(input_ids, first.input_positions, first.query_start_loc, first.seq_lens, tuple(layers))
-        hidden, new = forward(self.model, caches, batch, num_spec=self.num_spec, heads=self._heads())
+        hidden, new = forward(self.model, caches, batch, num_spec=self.num_spec, mesh=self._step_mesh())
         out = list(kv_caches)
         for i, c in enumerate(new):
             j = index[f"layer.{i}"]
             out[j] = c if isinstance(c, tuple) else c.reshape(kv_caches[j].shape)
         return out, hidden, [], None
 
-    def _heads(self):
-        """(mesh, axis) of the engine's tensor parallelism over the heads, or None on one device."""
-        if self.mesh is None:
+    def _step_mesh(self) -> StepMesh | None:
+        """How the engine's mesh splits the step (:func:`_axes`), or None on one device."""
+        if self.mesh is None or self.mesh.size == 1:
             return None
-        from tpu_inference.layers.common.sharding import ShardingAxisName
-
-        axis = ShardingAxisName.ATTN_HEAD
-        return (self.mesh, axis) if axis_size(self.mesh, axis) > 1 else None
+        return StepMesh(self.mesh, *(a if axis_size(self.mesh, a) > 1 else None for a in _axes()))
 
     def _slots(self, md, table) -> StateSlots:
         """The KDA slots of the requests: the engine's slot per request, or in align mode the
         slots of the state blocks holding the last computed and the last new token."""
         if not self.align:
             return StateSlots(md.mamba_state_indices.astype(jnp.int32))
-        lengths = md.query_start_loc[1:] - md.query_start_loc[:-1]
+        groups = 1 if self.mesh is None else axis_size(self.mesh, _axes()[2])  # each group's offsets start at 0
+        qsl = md.query_start_loc.reshape(groups, -1)
+        lengths = (qsl[:, 1:] - qsl[:, :-1]).reshape(-1)
         computed = md.seq_lens - lengths
         col = lambda n: jnp.clip(jnp.maximum(n - 1, 0) // self.state_block, 0, table.shape[1] - 1)[:, None]
         read = jnp.take_along_axis(table, col(computed), 1)[:, 0]
@@ -175,17 +164,24 @@ class KdaxForCausalLM(nnx.Module):
         return (get_temporal_copy_spec,) * 3
 
 
-def _placements(model, mesh) -> dict:
-    """{parameter path: NamedSharding} on the engine's mesh: kdax's tensor-parallel layout
-    (:func:`kdax.models.sharding.tensor_parallel_specs`: projections by heads, the MLPs' hidden
-    features, the vocabulary; experts split too) over the engine's attention-head axis."""
+def _axes():
+    """The engine's (heads, MLPs and experts, attention groups) axes: tpu-inference's ATTN_HEAD,
+    MLP_TENSOR and ATTN_DATA."""
     from tpu_inference.layers.common.sharding import ShardingAxisName
 
+    return ShardingAxisName.ATTN_HEAD, ShardingAxisName.MLP_TENSOR, ShardingAxisName.ATTN_DATA
+
+
+def _placements(model, mesh) -> dict:
+    """{parameter path: NamedSharding} on the engine's mesh: kdax's tensor-parallel layout
+    (:func:`kdax.models.sharding.tensor_parallel_specs`): the attention layers' projections by
+    heads over the engine's attention-head axis (whole on each device of an attention group of
+    one), the MLPs' hidden features, the experts and the vocabulary over its MLP axis."""
     from kdax.models.sharding import tensor_parallel_specs
 
-    axis = ShardingAxisName.ATTN_HEAD
-    n = axis_size(mesh, axis)
-    return {p: jax.sharding.NamedSharding(mesh, s) for p, s in tensor_parallel_specs(model, n, axis).items()}
+    heads, mlp, _ = _axes()
+    specs = tensor_parallel_specs(model, axis_size(mesh, mlp), mlp, attention=(axis_size(mesh, heads), heads))
+    return {p: jax.sharding.NamedSharding(mesh, s) for p, s in specs.items()}
 
 
 def _layer_kinds(hf_config) -> tuple[bool, ...]:

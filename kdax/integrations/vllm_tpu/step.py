@@ -20,6 +20,10 @@ kdax's own ops, which run on every backend (CPU included):
   (:func:`kdax.ops.mla.api.paged_latent_attention`: each page read once a query block, no
   per-token copy of a context).
 
+On an engine's mesh (:class:`StepMesh`) the weights are split over the heads and the MLPs' features,
+and with data-parallel attention each group's mixers run on its own requests, pages and slots
+under ``jax.shard_map`` while the MLPs see every group's tokens.
+
 The engine's state layout (:func:`kda_state_shapes`) of one KDA slot: the q, k and v
 convolution windows side by side [conv_size, H*K + H*K + HV*V] in the model's dtype, the
 recurrent state [HV, K, V] float32, and the tag [1] int32.
@@ -27,11 +31,14 @@ recurrent state [HV, K, V] float32, and the tag [1] int32.
 
 from __future__ import annotations
 
-import contextlib
+import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from kdax.models.kda import KDAForCausalLM, is_kda
 from kdax.nn.kda import KDACache, KimiDeltaAttention
@@ -112,50 +119,127 @@ def init_caches(model: KDAForCausalLM, num_slots: int, num_pages: int, page_size
     return caches
 
 
+class StepMesh(NamedTuple):
+    """How an engine's device mesh splits a step (each axis a mesh axis name, a tuple of them, or
+    None where the engine does not split that way).
+
+    Attributes:
+        mesh: the engine's mesh.
+        heads: the axis that splits the attention layers' heads (tensor parallelism).
+        experts: the axis that splits the MLPs' features, the experts and the vocabulary.
+        groups: the axis of data-parallel attention groups: the batch is that many groups' batches
+            side by side (see :func:`forward`), each group's pages and state slots on its own
+            devices.
+    """
+
+    mesh: jax.sharding.Mesh
+    heads: object = None
+    experts: object = None
+    groups: object = None
+
+
+class _Step(NamedTuple):
+    """What every layer reads of one group's batch (R requests, T tokens)."""
+
+    qsl: jax.Array  # [R + 1]
+    seq_lens: jax.Array  # [R]
+    lengths: jax.Array  # [R] new tokens
+    computed: jax.Array  # [R] tokens before the step
+    positions: jax.Array  # [T]
+    request: jax.Array  # [T] each token's request
+    live: jax.Array  # [T] whether it is a request's
+    cu: jax.Array  # [R + 2] the requests' offsets, then the padding as one more sequence
+
+    @classmethod
+    def of(cls, positions, qsl, seq_lens) -> _Step:
+        T, R = positions.shape[0], seq_lens.shape[0]
+        qsl, seq_lens = qsl.astype(jnp.int32), seq_lens.astype(jnp.int32)
+        lengths = qsl[1:] - qsl[:-1]
+        t = jnp.arange(T, dtype=jnp.int32)
+        request = jnp.clip(jnp.searchsorted(qsl[1:], t, side="right"), 0, R - 1).astype(jnp.int32)
+        cu = jnp.concatenate([qsl, jnp.array([T], jnp.int32)])
+        return cls(qsl, seq_lens, lengths, seq_lens - lengths, positions.astype(jnp.int32), request, t < qsl[R], cu)
+
+
 def forward(
-    model: KDAForCausalLM, caches, batch: StepBatch, *, num_spec: int = 0, mla_backend: str = "auto", heads=None
+    model: KDAForCausalLM,
+    caches,
+    batch: StepBatch,
+    *,
+    num_spec: int = 0,
+    mla_backend: str = "auto",
+    mesh: StepMesh | None = None,
 ):
     """Run the model on one engine step.
 
     Args:
         model: a Kimi Linear or Ling model (:mod:`kdax.models.hybrids`).
         caches: per layer, the engine's cache (see :func:`init_caches`).
-        batch: the :class:`StepBatch`.
+        batch: the :class:`StepBatch`; with ``mesh.groups`` of G devices, G groups' batches side
+            by side (tokens and positions [G * T], ``query_start_loc`` [G * (R + 1)] with offsets
+            into each group's tokens, ``seq_lens`` and the layers' tables and slots [G * R] with
+            page and slot ids local to the group's shard of the caches).
         num_spec: the draft tokens a request may verify in a step (0: none).
         mla_backend: the backend of the MLA layers' paged attention
             (:func:`kdax.ops.mla.api.paged_latent_attention`).
-        heads: None, or (mesh, axis) where the weights split the heads over ``axis`` (the engine's
-            tensor parallelism): the ops then run per shard of it
-            (:func:`kdax.ops.common.sharding.heads_over`), as the TPU kernels need.
+        mesh: None, or a :class:`StepMesh`: the weights split as it says
+            (:func:`kdax.models.sharding.tensor_parallel_specs`), the ops run per shard of the heads
+            (:func:`kdax.ops.common.sharding.heads_over`, as the TPU kernels need), and each
+            attention group's layers on its own requests, pages and slots under ``jax.shard_map``;
+            the MLPs see every group's tokens.
 
     Returns:
-        (hidden [T, hidden_size] after the final norm, the updated caches as a list).
+        (hidden [T, hidden_size] after the final norm (group after group), the updated caches as
+        a list).
     """
-    with contextlib.nullcontext() if heads is None else heads_over(*heads):
-        return _forward(model, caches, batch, num_spec, mla_backend)
+    if mesh is None:
+        return _forward(model, caches, batch, num_spec, mla_backend, None)
+    with heads_over(mesh.mesh, mesh.heads, experts=mesh.experts):
+        return _forward(model, caches, batch, num_spec, mla_backend, mesh)
 
 
-def _forward(model, caches, batch: StepBatch, num_spec: int, mla_backend: str):
-    T = batch.tokens.shape[0]
-    R = batch.seq_lens.shape[0]
-    qsl = batch.query_start_loc.astype(jnp.int32)
-    lengths = qsl[1:] - qsl[:-1]
-    computed = batch.seq_lens.astype(jnp.int32) - lengths
-    t = jnp.arange(T, dtype=jnp.int32)
-    request = jnp.clip(jnp.searchsorted(qsl[1:], t, side="right"), 0, R - 1).astype(jnp.int32)
-    live = t < qsl[R]
-    cu = jnp.concatenate([qsl, jnp.array([T], jnp.int32)])  # R requests, then the padding as one more
-    positions = batch.positions.astype(jnp.int32)
-    seq_lens = batch.seq_lens.astype(jnp.int32)
+def _forward(model, caches, batch: StepBatch, num_spec: int, mla_backend: str, mesh):
+    step = _per_group(mesh, _Step.of, batch.positions, batch.query_start_loc, batch.seq_lens)
     x = model.model.embeddings(batch.tokens[None])
     new = []
     for b, cache, layer in zip(model.model.layers, caches, batch.layers):
-        if is_kda(b):
-            x, cache = _kda_block(b, x, cache, layer, cu, lengths, computed, request, live, num_spec)
-        else:
-            x, cache = _mla_block(b, x, cache, layer, positions, request, live, qsl, seq_lens, mla_backend)
+        graph, weights = nnx.split(b)
+        mix = functools.partial(_mix, graph, num_spec=num_spec, backend=mla_backend)
+        y, cache = _per_group(mesh, mix, weights, x, cache, layer, step, whole=1, time=1)
+        x = x + y
+        if mesh is not None and mesh.groups is not None:  # every group's tokens to the MLP's devices
+            x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh.mesh, P()))
+        x = x + b.mlp(b.mlp_norm(x))
         new.append(cache)
     return model.model.norm(x)[0], new
+
+
+def _mix(graph, weights, x, cache, layer, step: _Step, *, num_spec: int, backend: str):
+    """The mixer of block ``nnx.merge(graph, weights)`` over one group's requests: (its output
+    [1, T, hidden], the layer's cache)."""
+    b = nnx.merge(graph, weights)
+    if is_kda(b):
+        return _kda_mix(b, x, cache, layer, step, num_spec)
+    return _mla_mix(b, x, cache, layer, step, backend)
+
+
+def _per_group(mesh, fn, *args, whole: int = 0, time: int = 0):
+    """``fn(*args)`` with one attention group's share of each argument under ``jax.shard_map`` over
+    ``mesh.groups`` (or as it is without groups): the first ``whole`` arguments every group's, the
+    next ``time`` (0 or 1) split on their second dim ([1, T, ...]: the group's tokens), the rest
+    on their first; the outputs likewise (with ``time``, the first on its second dim)."""
+    if mesh is None or mesh.groups is None:
+        return fn(*args)
+    g = mesh.groups
+    spec = lambda i: P() if i < whole else P(None, g) if i < whole + time else P(g)
+    out = P(g) if time == 0 else (P(None, g), P(g))
+    names = lambda a: set() if a is None else set(a) if isinstance(a, tuple) else {a}
+    # every axis but the heads' manual: a Pallas call is not left to XLA's partitioner on any axis
+    manual = set(mesh.mesh.axis_names) - names(mesh.heads)
+    in_specs = tuple(spec(i) for i in range(len(args)))
+    return jax.shard_map(fn, mesh=mesh.mesh, in_specs=in_specs, out_specs=out, axis_names=manual, check_vma=False)(
+        *args
+    )
 
 
 def _read_slots(tags, slots: StateSlots, computed, num_spec: int):
@@ -171,15 +255,16 @@ def _read_slots(tags, slots: StateSlots, computed, num_spec: int):
     return jnp.where(computed > 0, read, -1)
 
 
-def _kda_block(b, x, cache, slots: StateSlots, cu, lengths, computed, request, live_tokens, num_spec: int):
-    """A KDA block over the packed requests (``request``, ``live_tokens`` [T]: each token's request,
-    whether it is one's); returns (x, the layer's (conv, recurrent, tag) pool).
+def _kda_mix(b, x, cache, slots: StateSlots, step: _Step, num_spec: int):
+    """A KDA block's mixer over one group's packed requests; returns (its output [1, T, hidden],
+    the layer's (conv, recurrent, tag) pool).
 
     Without drafts every request runs the chunked form. With drafts the requests of at most
     ``num_spec + 1`` new tokens (decode and verify rows) run the recurrent form, which keeps the
     state after each token, on their tokens alone (gathered into a row of at most R * (num_spec + 1)
     tokens); the longer ones (prompt chunks) run the chunked form."""
     conv, recurrent, tags = cache
+    cu, lengths, computed, request = step.cu, step.lengths, step.computed, step.request
     R, T = lengths.shape[0], x.shape[1]
     read = _read_slots(tags, slots, computed, num_spec)
     start = pool_slots.read(recurrent, read), pool_slots.read(conv, read)  # [R, ...]: zeros where read < 0
@@ -194,14 +279,14 @@ def _kda_block(b, x, cache, slots: StateSlots, cu, lengths, computed, request, l
         pool_slots.write(p, jnp.where(long, slots.write, -1), s) for p, s in zip((recurrent, conv), final)
     )
     if num_spec == 0:
-        return _mlp(b, x + y), (conv, recurrent, tags)  # the tags are read only with drafts
+        return y, (conv, recurrent, tags)  # the tags are read only with drafts
     # the short requests' tokens back to back in a row of Tv tokens; request r's state after its
     # token j in local slot r * kept + j, its start state there before
     n = jnp.where(short, lengths, 0)
     cu_v = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(n).astype(jnp.int32)])
     Tv = min(T, R * kept)
     t = jnp.arange(T, dtype=jnp.int32)
-    mine = short[request] & live_tokens
+    mine = short[request] & step.live
     at = jnp.where(mine, cu_v[request] + t - cu[request], Tv)  # token t's place in the row (Tv: none)
     src = jnp.zeros(Tv, jnp.int32).at[at].set(t, mode="drop")
     base = jnp.arange(R, dtype=jnp.int32) * kept
@@ -228,7 +313,7 @@ def _kda_block(b, x, cache, slots: StateSlots, cu, lengths, computed, request, l
     tags = pool_slots.write(
         tags, jnp.where(live[:, None], slots.write[:, None] + k, -1).reshape(-1), tag.reshape(-1, 1)
     )
-    return _mlp(b, x + y), (conv, recurrent, tags)
+    return y, (conv, recurrent, tags)
 
 
 def _kda_call(b, h, cu, start, idx, mode: str):
@@ -241,22 +326,18 @@ def _kda_call(b, h, cu, start, idx, mode: str):
     return y, (out.recurrent, jnp.concatenate([jnp.swapaxes(c, 1, 2) for c in out.conv], axis=2))
 
 
-def _mlp(b, x):
-    return x + b.mlp(b.mlp_norm(x))
-
-
-def _mla_block(b, x, pages, table, positions, request, live, qsl, seq_lens, backend):
-    """An MLA block: the step's entries into their pages, then its tokens over their requests'
-    pages (:meth:`kdax.nn.MLA.paged`); the latents computed once."""
-    attn = b.attn
+def _mla_mix(b, x, pages, table, step: _Step, backend: str):
+    """An MLA block's mixer over one group's requests: the step's entries into their pages, then
+    its tokens over their requests' pages (:meth:`kdax.nn.MLA.paged`), the latents computed once;
+    returns (its output [1, T, hidden], the pages)."""
+    attn, positions = b.attn, step.positions
     h = b.attn_norm(x)
     q_nope, q_rope, latent, k_rope = attn.latents(h, positions[None])
     entry = jnp.concatenate([latent, k_rope], -1)[0, :, 0]  # [T, r + dr]
-    P, size, width = pages.shape
+    N, size, width = pages.shape
     entry = jnp.pad(entry, ((0, 0), (0, width - entry.shape[1])))  # to the page's width
     column = jnp.clip(positions // size, 0, table.shape[1] - 1)
-    page = table[request, column]
-    page = jnp.where(live & (page >= 0), page, P)  # P: dropped
+    page = table[step.request, column]
+    page = jnp.where(step.live & (page >= 0), page, N)  # N: dropped
     pages = pages.at[page, positions % size].set(entry.astype(pages.dtype), mode="drop")
-    x = x + attn.paged(h, q_nope, q_rope, pages, table, qsl, seq_lens, backend=backend)
-    return _mlp(b, x), pages
+    return attn.paged(h, q_nope, q_rope, pages, table, step.qsl, step.seq_lens, backend=backend), pages

@@ -28,17 +28,19 @@ _HEADS = contextvars.ContextVar("kdax_heads_axis", default=None)
 
 
 @contextlib.contextmanager
-def heads_over(mesh, axis) -> Iterator[None]:
+def heads_over(mesh, axis, *, experts=None) -> Iterator[None]:
     """Within the ``with`` block, the ops that take it (KDA's, ``paged_latent_attention``) run per
     shard of their head axes over ``axis`` of ``mesh`` where their arrays' types say nothing: a
     serving engine's tensor parallelism on Auto axes, which Pallas kernels need made explicit
-    (XLA cannot partition a Mosaic call). Read when an op is traced.
+    (XLA cannot partition a Mosaic call). A mixture of experts runs each device's experts over
+    ``experts`` and adds their sums (:class:`kdax.nn.MoE`). Read when an op is traced.
 
     Args:
         mesh: the device mesh (or an abstract one).
-        axis: a mesh axis name, or a tuple of them, that splits the heads.
+        axis: a mesh axis name, or a tuple of them, that splits the heads; None: heads whole.
+        experts: the axis (or tuple) that splits the experts (default ``axis``).
     """
-    token = _HEADS.set((mesh, axis))
+    token = _HEADS.set((mesh, axis, axis if experts is None else experts))
     try:
         yield
     finally:
@@ -55,8 +57,15 @@ def axis_size(mesh, axis) -> int:
 
 
 def heads_axis():
-    """The (mesh, axis) of :func:`heads_over`, or None outside it."""
-    return _HEADS.get()
+    """The (mesh, heads axis) of :func:`heads_over`, or None outside it or where it keeps heads whole."""
+    found = _HEADS.get()
+    return None if found is None or found[1] is None else found[:2]
+
+
+def experts_axis():
+    """The (mesh, experts axis) of :func:`heads_over`, or None outside it."""
+    found = _HEADS.get()
+    return None if found is None or found[2] is None else (found[0], found[2])
 
 
 def per_shard(fn: Callable, arrays: Sequence, roles: Sequence, out_roles, heads=None):
@@ -88,6 +97,9 @@ def per_shard(fn: Callable, arrays: Sequence, roles: Sequence, out_roles, heads=
     typed = mesh is not None
     if not typed and heads is not None and any(r is not None and "heads" in r for r in roles):
         mesh, axes = heads[0], {"heads": heads[1]}
+        context = jax.sharding.get_abstract_mesh()
+        if not context.empty and context.manual_axes:  # within a shard_map over other axes (attention groups)
+            mesh = context
     if mesh is None:
         return fn(*arrays)
     spec = lambda role: P() if role is None else P(*(axes.get(name) for name in role))

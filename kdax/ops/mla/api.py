@@ -70,7 +70,7 @@ def paged_latent_attention(
     elif backend == "xla":
         block_k = max(1, 512 // page) * page
         run = lambda q, *rest: paged_latent_attention_xla(
-            q, *rest, scale=scale, block_q=query_block(T, R), block_k=block_k
+            q, *rest, scale=scale, block_q=query_block(T, R, q.shape[1]), block_k=block_k
         )
     else:
         run = lambda q, *rest: pallas_tpu.paged_latent_attention_tpu(q, *rest, scale=scale, cfg=cfg)

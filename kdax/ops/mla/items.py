@@ -35,12 +35,14 @@ class Items(NamedTuple):
     steps: jax.Array
 
 
-def query_block(T: int, R: int) -> int:
+def query_block(T: int, R: int, H: int = 1) -> int:
     """The tokens of a query block by default: the tokens a request has on average, a power of
     two from 8 (decode steps: one request a block, few wasted rows) to 128 (prefill chunks: each
-    page read once every 128 tokens)."""
+    page read once every 128 tokens), and at most 1024 rows of tokens x ``H`` heads above 8 (a
+    block's queries, output and scores stay within the kernel's VMEM: 32 heads at 128 tokens
+    overflow it)."""
     n = 8
-    while n < 128 and n * max(R, 1) < T:
+    while n < 128 and n * max(R, 1) < T and 2 * n * H <= 1024:
         n *= 2
     return n
 

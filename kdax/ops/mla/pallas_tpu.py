@@ -103,7 +103,7 @@ def paged_latent_attention_tpu(q, pages, page_table, query_start_loc, seq_lens, 
     R, M = page_table.shape
     page = pages.shape[1]
     per = max(1, cfg.block_keys // page)
-    block_q = cfg.block_queries or query_block(T, R)
+    block_q = cfg.block_queries or query_block(T, R, H)
     it = work_items(query_start_loc, seq_lens, T, block_q, per * page)
     qb = to_blocks(q.astype(pages.dtype), block_q)
     nb, rows, _ = qb.shape

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from kdax.ops.mla.api import paged_latent_attention
+from kdax.ops.mla.items import query_block
 from kdax.ops.mla.pallas_tpu import Config
 
 PAGE = 4
@@ -104,6 +105,14 @@ def test_temporaries_are_a_steps_pages_not_each_tokens_context():
     f = lambda *a: paged_latent_attention(*a, scale=0.1, backend="xla")
     temp = jax.jit(f).trace(*args).lower().compile().memory_analysis().temp_size_in_bytes
     assert temp < 64 << 20, temp / 2**20
+
+
+def test_query_blocks_hold_at_most_1024_rows_of_tokens_and_heads():
+    """The default block: a request's tokens (8 for decode rows, 128 for a chunk), capped at 1024
+    rows of tokens x heads (32 heads on one device, an engine's attention group of one device:
+    128 tokens x 32 heads overflowed the TPU kernel's VMEM)."""
+    assert query_block(64, 64, 32) == 8 and query_block(8192, 1, 4) == 128
+    assert query_block(1024, 1, 32) == 32 and query_block(1024, 1, 256) == 8
 
 
 @pytest.mark.parametrize(
