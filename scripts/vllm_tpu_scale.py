@@ -38,6 +38,9 @@ def _args(argv=None):
     p.add_argument("--chips", default="v6e", help="comma-separated, of " + ", ".join(TOPOLOGIES))
     p.add_argument("--devices", type=int, default=1, choices=[1, 8], help="tensor-parallel devices (8: v5e, v6e)")
     p.add_argument("--attn-dp", type=int, help="data-parallel attention groups (default: as tpu-inference makes them)")
+    p.add_argument(
+        "--gather-attention", dest="gather", action="store_true", help="attention weights split over the groups too"
+    )
     p.add_argument("--layers", type=int, help="with --config: its first N layers (quicker compiles)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--page", type=int, default=16, help="tokens a page")
@@ -84,12 +87,14 @@ def steps(a, g: int):
     return [(f"decode {R} x {L}", R // g, R // g, L), (f"prefill {T} @ {Lp}", T // g, 1, Lp)]
 
 
-def build(cls, config, dtype, make, *, T, R, L, page, num_spec, mesh):
+def build(cls, config, dtype, make, *, T, R, L, page, num_spec, mesh, gather=False):
     """(fn, args, per-device bytes of weights, pages and states) of one step on ``mesh`` (axes
     "attn_dp": the attention groups, "model": a group's devices), each group ``T`` tokens of ``R``
     requests, as the plugin lays the model out (:func:`kdax.models.sharding.tensor_parallel_specs`:
     heads over "model", the MLPs over both) and tpu-inference its caches (each group's pages and
     KDA slots on its devices, the KDA states split by heads within the group).
+    With ``gather`` the attention weights are split over the groups too, gathered where used
+    (:func:`kdax.models.sharding.tensor_parallel_specs`' ``gather``).
     ``make(shape, dtype, spec)`` gives an abstract array."""
     import math
 
@@ -105,9 +110,10 @@ def build(cls, config, dtype, make, *, T, R, L, page, num_spec, mesh):
 
     g, h = mesh.shape["attn_dp"], mesh.shape["model"]
     every = ("attn_dp", "model")
-    model = nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0))).astype(dtype)  # as the engine casts it
     graphdef, state = nnx.split(model)
-    specs = tensor_parallel_specs(model, g * h, every, attention=(h, "model"))
+    gathered = (g, "attn_dp") if gather and g > 1 else None
+    specs = tensor_parallel_specs(model, g * h, every, attention=(h, "model"), gather=gathered)
     nbytes = {"weights": 0, "pages": 0, "states": 0}
 
     def place(x, spec, kind):
@@ -116,9 +122,7 @@ def build(cls, config, dtype, make, *, T, R, L, page, num_spec, mesh):
         return a
 
     for path, var in nnx.to_flat_state(state):
-        x = var.get_value()
-        dt = dtype if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype
-        var.set_value(place(jax.ShapeDtypeStruct(x.shape, dt), specs.get(tuple(path), P()), "weights"))
+        var.set_value(place(var.get_value(), specs.get(tuple(path), P()), "weights"))
     M = -(-L // page)
     slots = g * (R * (num_spec + 1) + 1)
     lanes = lambda d: -(-d // 128) * 128
@@ -188,7 +192,7 @@ def main(argv=None) -> int:
         )
         for name, T, R, L in steps(a, g):
             fn, args, nbytes = build(
-                cls, config, dtype, make, T=T, R=R, L=L, page=a.page, num_spec=a.num_spec, mesh=mesh
+                cls, config, dtype, make, T=T, R=R, L=L, page=a.page, num_spec=a.num_spec, mesh=mesh, gather=a.gather
             )
             before = set(os.listdir(dump)) if dump else set()
             row = {"chip": chip, "step": name, "groups": g, **{k: v / GIB for k, v in nbytes.items()}}

@@ -140,10 +140,11 @@ def _partition(model: KDAForCausalLM, L: Layout, mixers: bool = True) -> dict[tu
     return specs
 
 
-def tensor_parallel_specs(model: KDAForCausalLM, n: int, axis, *, attention=None) -> dict[tuple, P]:
+def tensor_parallel_specs(model: KDAForCausalLM, n: int, axis, *, attention=None, gather=None) -> dict[tuple, P]:
     """Each parameter's layout for tensor parallelism alone over ``n`` devices (a serving engine's):
     :func:`partition_specs`' "model" split (projections by heads, the MLPs' hidden features, the
-    vocabulary), and the experts' split where that leaves a parameter whole, both over ``axis``.
+    vocabulary), the experts' split where that leaves a parameter whole, and the embedding's rows
+    (where n divides the vocabulary), all over ``axis``.
 
     Args:
         model: the model.
@@ -152,16 +153,36 @@ def tensor_parallel_specs(model: KDAForCausalLM, n: int, axis, *, attention=None
         attention: None, or (devices, axis) that split the attention layers' heads instead (an
             engine's data-parallel attention: heads split within a group, or (1, None): whole);
             the MLPs, experts and vocabulary stay over ``axis``.
+        gather: None, or (devices, axis) that also split each attention weight of two or more
+            dims on its first dim the heads leave whole (the groups' axis: stored once over the
+            groups, each layer's weights gathered where they are used, as FSDP does).
 
     Returns:
         {parameter path: PartitionSpec}.
     """
     out = _split(model, n, axis, attention is None)
+    embedding = ("model", "embeddings", "embedding")
+    if n > 1 and model.config.vocab_size % n == 0:  # each device its rows: a lookup, then a sum over devices
+        out[embedding] = P(axis, None)
     if attention is not None:
         heads = _split(model, *attention)
         mixers = [tuple(p) for p, m in nnx.iter_graph(model) if isinstance(m, _MIXERS)]
         out |= {k: heads[k] for k in out if any(k[: len(p)] == p for p in mixers)}
+        if gather is not None:
+            shapes = {tuple(k): v.get_value().shape for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+            for k in out:
+                if any(k[: len(p)] == p for p in mixers) and len(shapes[k]) > 1:
+                    out[k] = _gathered(out[k], shapes[k], *gather)
     return out
+
+
+def _gathered(spec: P, shape: tuple, n: int, axis) -> P:
+    """``spec`` with ``axis`` on the first dim it leaves whole that ``n`` divides (or as it is)."""
+    spec = tuple(spec) + (None,) * (len(shape) - len(spec))
+    for i, (a, d) in enumerate(zip(spec, shape)):
+        if a is None and d % n == 0:
+            return P(*spec[:i], axis, *spec[i + 1 :])
+    return P(*spec)
 
 
 def _split(model: KDAForCausalLM, n: int, axis, mixers: bool = True) -> dict[tuple, P]:

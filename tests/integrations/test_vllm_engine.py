@@ -134,11 +134,12 @@ def test_data_parallel_attention_gives_the_tokens_of_generate(model):
 
 def test_data_parallel_attention_with_a_prefix_hit_gives_the_tokens_of_generate(model):
     """Align-mode prefix caching under two attention groups: the second request's hit is found in
-    its group's blocks (slots derived from each group's own block tables and offsets)."""
+    its group's blocks (slots derived from each group's own block tables and offsets); the
+    attention weights split over the groups and gathered where used (``gather_attention_weights``)."""
     rng = np.random.default_rng(3)
     first = rng.integers(3, 128, 40).tolist()
     second = first[:35] + rng.integers(3, 128, 7).tolist()
-    out = _engine("dp2+align", [first, second], 6)
+    out = _engine("dp2+align+gather", [first, second], 6)
     assert out["tokens"] == [_greedy(model, first, 6), _greedy(model, second, 6)]
     assert [computed for step in out["steps"] for computed, n, _, _ in step if n > 1] == [0, 32, 32]
 
@@ -242,19 +243,35 @@ def test_cache_specs_give_kda_layers_state_pools_of_one_page_size(mode, num_spec
     assert isinstance(specs["layer.1"], MLAAttentionSpec) and specs["layer.1"].head_size == 256
 
 
-def test_weights_split_over_the_engines_tensor_parallel_axis(model):
-    """kdax's tensor-parallel layout on tpu-inference's 7-axis mesh: projections by heads,
-    experts split, the latent projections and norms replicated."""
-    import jax
+@pytest.fixture
+def axis_names(monkeypatch):
+    """tpu-inference's axis names of its 7-axis mesh (``NEW_MODEL_DESIGN=1``, which MLA models need)."""
     from tpu_inference.layers.common.sharding import ShardingAxisName
+
+    monkeypatch.setenv("NEW_MODEL_DESIGN", "1")
+    ShardingAxisName.reset()
+    yield ShardingAxisName
+    ShardingAxisName.reset()
+
+
+@pytest.mark.parametrize("attn_dp, devices", [(1, 2), (2, 4), (4, 4)])
+def test_weights_split_over_the_engines_tensor_parallel_axes(model, axis_names, attn_dp, devices):
+    """kdax's tensor-parallel layout on tpu-inference's 7-axis mesh, in attention groups: the attention projections by heads over ATTN_HEAD within a group (whole in groups of
+    one device), the experts and the embedding's rows over MLP_TENSOR (every device), the
+    vocabulary too, the latent projections and norms replicated."""
+    import jax
+    from jax.sharding import PartitionSpec as P
 
     from kdax.integrations.vllm_tpu.engine import _placements
 
     names = ("data", "attn_dp", "attn_dp_expert", "expert", "model", "dcp", "pcp")
-    mesh = jax.sharding.AbstractMesh((1, 1, 1, 1, 2, 1, 1), names)
+    mesh = jax.sharding.AbstractMesh((1, attn_dp, 1, 1, devices // attn_dp, 1, 1), names)
     specs = {".".join(map(str, p)): s.spec for p, s in _placements(model, mesh).items()}
-    head = ShardingAxisName.ATTN_HEAD
-    assert specs["model.layers.0.attn.q_proj.kernel"] == jax.sharding.PartitionSpec(None, head)
-    assert specs["model.layers.0.attn.o_proj.kernel"] == jax.sharding.PartitionSpec(head, None)
-    assert specs["model.layers.1.mlp.gate_up"] == jax.sharding.PartitionSpec(head, None, None)
+    head, mlp = axis_names.ATTN_HEAD, axis_names.MLP_TENSOR
+    split = head if devices > attn_dp else None
+    assert specs["model.layers.0.attn.q_proj.kernel"] == P(None, split)
+    assert specs["model.layers.0.attn.o_proj.kernel"] == P(split, None)
+    assert specs["model.layers.1.mlp.gate_up"] == P(mlp, None, None)
+    assert specs["model.embeddings.embedding"] == P(mlp, None)
+    assert specs["lm_head.kernel"] == P(None, mlp)
     assert not any(specs["model.layers.1.attn.kv_a_proj_with_mqa.kernel"])

@@ -1,9 +1,10 @@
 """scripts/vllm_tpu_scale.py (slow; needs libtpu, the ``tpu-check`` extra): on the test fixture the
 engine step at 32K context (64 decode rows; a chunk of 8,192 tokens) compiles for a v6e with
 temporaries under 0.25 GiB; at Kimi Linear 48B's shapes (its first 5 layers, a quicker compile)
-both steps compile for v6e-8 and v5e-8 with the ops per shard and fit a device's HBM beside the
-weights and the caches. The whole model's numbers, where v5e-8's decode step of 64 requests at
-32K does not fit, are in docs/serving.md ("At scale")."""
+both steps compile for v6e-8 and v5e-8 in eight data-parallel attention groups, as tpu-inference
+runs the model, and fit a device's HBM beside the weights and the caches. The whole model's
+numbers (v5e-8's decode step of 64 requests at 32K fits only with the attention weights
+gathered) are in docs/serving.md ("At scale")."""
 
 import json
 import os
@@ -38,8 +39,8 @@ def test_kimi_linear_48b_layers_on_eight_devices(tmp_path):
     hbm = {"v6e": 31.25, "v5e": 15.75}  # what the compiler offers a program
     assert len(rows) == 4
     for r in rows:
-        assert "temporaries" in r, r  # compiled: the ops ran per shard
+        assert r["groups"] == 8 and "temporaries" in r, r  # compiled: each group's ops on its device
         held = r["weights"] + r["pages"] + r["states"] + r["temporaries"]
         assert held < hbm[r["chip"]], r
-    v6e_decode = next(r for r in rows if r["chip"] == "v6e" and r["step"].startswith("decode"))
-    assert v6e_decode["temporaries"] < 2.5, v6e_decode  # 1.4 GiB; 5.3 with the MoE's experts left to XLA
+        if r["step"].startswith("decode"):  # 0.24 GiB on v6e, 0.27 on v5e (3.6 with float32 activations)
+            assert r["temporaries"] < 0.5, r

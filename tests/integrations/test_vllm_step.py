@@ -281,8 +281,9 @@ def test_step_split_as_the_engine_splits_it_equals_one_device():
     - tensor parallel 2: the KDA and paged MLA ops run per shard of the heads (what the TPU
       kernels need: XLA cannot partition a Mosaic call) and the MoE's experts on their own
       devices; hidden states and caches equal one device's;
-    - two data-parallel attention groups of two devices (the heads split within a group, the MLPs
-      and experts over all four): two groups' batches side by side, each group's pages and slots
+    - two data-parallel attention groups of two devices (the heads split within a group, the
+      attention weights also over the groups and gathered where used, the MLPs and experts over
+      all four): two groups' batches side by side, each group's pages and slots
       on its own devices, equal each group's batch run alone."""
     import json
     import subprocess
@@ -296,5 +297,6 @@ def test_step_split_as_the_engine_splits_it_equals_one_device():
     r = json.loads(run.stdout.strip().splitlines()[-1])
     # KDA: chunked and recurrent calls; MLA: paged; MoE: experts; with groups, each layer's mixer too
     assert r["heads"]["split"] > 10 and r["heads"]["shard_maps"] >= 7
+    assert r["groups"]["split"] > r["heads"]["split"]  # the latent projections too, over the groups
     assert r["groups"]["shard_maps"] >= r["heads"]["shard_maps"] + 4
     assert r["heads"]["max_rel"] < 1e-5 and r["groups"]["max_rel"] < 1e-5

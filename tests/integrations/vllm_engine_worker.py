@@ -57,6 +57,9 @@ def main(checkpoint: str, scenario: str, prompts: list[list[int]], max_tokens: i
             "prompt_lookup_max": 3,
             "prompt_lookup_min": 1,
         }
+    extra = {"sharding": {"sharding_strategy": sharding}}
+    if "gather" in parts:  # attention weights split over the attention groups, gathered where used
+        extra["kdax"] = {"gather_attention_weights": True}
     if "align" in parts:
         options = {"enable_prefix_caching": True, "mamba_cache_mode": "align"}
     if parts & {"tp2", "dp2"}:
@@ -73,7 +76,7 @@ def main(checkpoint: str, scenario: str, prompts: list[list[int]], max_tokens: i
         block_size=16,
         num_gpu_blocks_override=64,
         dtype="float32",
-        additional_config={"sharding": {"sharding_strategy": sharding}},
+        additional_config=extra,
         **options,
     )
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, detokenize=False)

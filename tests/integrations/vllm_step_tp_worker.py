@@ -2,9 +2,10 @@
 against the step on one device; prints JSON, a result per case:
 
 - "heads": 2 devices, the weights split over the heads and the ops run per shard.
-- "groups": 2 data-parallel attention groups of 2 devices, the heads split within a group and the
-  MLPs over all 4: two groups' batches side by side, each group's pages and slots on its own
-  devices, against each group's batch alone.
+- "groups": 2 data-parallel attention groups of 2 devices, the heads split within a group (the
+  attention weights also over the groups, gathered where used) and the MLPs over all 4: two
+  groups' batches side by side, each group's pages and slots on its own devices, against each
+  group's batch alone.
 """
 
 import json
@@ -91,7 +92,8 @@ def compare(checkpoint: str, case: str) -> dict:
         caches = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), caches, more)
         first = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), first, second)
         mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("attn_dp", "model"))  # Auto axes, as the engine's
-        split = _place(model, tensor_parallel_specs(model, 4, ("attn_dp", "model"), attention=(2, "model")), mesh)
+        specs = tensor_parallel_specs(model, 4, ("attn_dp", "model"), attention=(2, "model"), gather=(2, "attn_dp"))
+        split = _place(model, specs, mesh)
         step = StepMesh(mesh, heads="model", experts=("attn_dp", "model"), groups="attn_dp")
         caches = jax.device_put(caches, NamedSharding(mesh, P("attn_dp")))
     jaxpr = str(jax.make_jaxpr(lambda c, b: forward(model, c, b, num_spec=1, mesh=step))(caches, first))

@@ -59,6 +59,8 @@ class KdaxForCausalLM(nnx.Module):
         self.align = getattr(cache, "mamba_cache_mode", "none") == "align"
         self.state_block = int(cache.mamba_block_size or 0) if self.align else 0
         self.page_size = int(cache.block_size)
+        options = (getattr(vllm_config, "additional_config", None) or {}).get("kdax", {})
+        self.gather = bool(options.get("gather_attention_weights", False))
         from tpu_inference import envs
 
         if envs.MLA_TRANSPOSE_KV_CACHE:
@@ -127,7 +129,7 @@ class KdaxForCausalLM(nnx.Module):
         over the engine's tensor-parallel axis (:func:`_placements`)."""
         mesh = None
         if self.mesh is not None:
-            shardings = _placements(self.model, self.mesh)
+            shardings = _placements(self.model, self.mesh, gather=self.gather)
             mesh = self.mesh
         with jax.default_device(jax.devices("cpu")[0]):  # host memory, then each tensor to its shards
             state = nnx.state(from_pretrained(self.path, dtype=self.model.dtype))
@@ -172,15 +174,25 @@ def _axes():
     return ShardingAxisName.ATTN_HEAD, ShardingAxisName.MLP_TENSOR, ShardingAxisName.ATTN_DATA
 
 
-def _placements(model, mesh) -> dict:
+def _placements(model, mesh, gather: bool = False) -> dict:
     """{parameter path: NamedSharding} on the engine's mesh: kdax's tensor-parallel layout
     (:func:`kdax.models.sharding.tensor_parallel_specs`): the attention layers' projections by
     heads over the engine's attention-head axis (whole on each device of an attention group of
-    one), the MLPs' hidden features, the experts and the vocabulary over its MLP axis."""
+    one), the MLPs' hidden features, the experts, the vocabulary and the embedding's rows over its
+    MLP axis. With ``gather`` (``--additional-config '{"kdax": {"gather_attention_weights":
+    true}}'``) the attention weights are split over the attention groups too and gathered by each
+    layer where it runs: less memory (what fits Kimi Linear 48B's decode on v5e-8), more traffic."""
     from kdax.models.sharding import tensor_parallel_specs
 
-    heads, mlp, _ = _axes()
-    specs = tensor_parallel_specs(model, axis_size(mesh, mlp), mlp, attention=(axis_size(mesh, heads), heads))
+    heads, mlp, groups = _axes()
+    g = axis_size(mesh, groups)
+    specs = tensor_parallel_specs(
+        model,
+        axis_size(mesh, mlp),
+        mlp,
+        attention=(axis_size(mesh, heads), heads),
+        gather=(g, groups) if gather and g > 1 else None,
+    )
     return {p: jax.sharding.NamedSharding(mesh, s) for p, s in specs.items()}
 
 
