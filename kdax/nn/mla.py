@@ -46,6 +46,7 @@ class MLA(nnx.Module):
         output_gate: a head-wise gate ``sigmoid(g_proj(x))`` on each head's output (Ling).
         attention_bias: biases on ``q_a_proj``, ``kv_a_proj_with_mqa`` and ``o_proj``.
         layer_idx: stored, the layer's index in a model.
+        norm_eps: the epsilon of the latent projections' RMSNorms (q_a, kv_a; GLM-5: 1e-5).
         rngs: the parameters' random keys.
 
     Raises:
@@ -67,6 +68,7 @@ class MLA(nnx.Module):
         output_gate: bool = False,
         attention_bias: bool = False,
         layer_idx: int | None = None,
+        norm_eps: float = 1e-6,
         rngs: nnx.Rngs,
     ):
         sizes = {
@@ -96,11 +98,11 @@ class MLA(nnx.Module):
             self.q_proj = linear(hidden_size, q_dim)
         else:
             self.q_a_proj = linear(hidden_size, q_lora_rank, attention_bias)
-            self.q_a_layernorm = RMSNorm(q_lora_rank, eps=1e-6)
+            self.q_a_layernorm = RMSNorm(q_lora_rank, eps=norm_eps)
             self.q_b_proj = linear(q_lora_rank, q_dim)
         self.q_lora_rank = q_lora_rank
         self.kv_a_proj_with_mqa = linear(hidden_size, kv_lora_rank + qk_rope_head_dim, attention_bias)
-        self.kv_a_layernorm = RMSNorm(kv_lora_rank, eps=1e-6)
+        self.kv_a_layernorm = RMSNorm(kv_lora_rank, eps=norm_eps)
         self.kv_b_proj = linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim))
         self.o_proj = linear(num_heads * v_head_dim, hidden_size, attention_bias)
         self.g_proj = linear(hidden_size, num_heads) if output_gate else None

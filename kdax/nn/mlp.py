@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 
@@ -15,6 +16,7 @@ class GatedMLP(nnx.Module):
         intermediate_size: the hidden size; defaults as in FLA to
             ``2/3 * hidden_size * hidden_ratio`` rounded up to a multiple of 256.
         hidden_act: "swish", the only activation.
+        swiglu_limit: None, or a clamp before the activation (:func:`swiglu`).
         rngs: the parameters' random keys.
 
     Raises:
@@ -28,6 +30,7 @@ class GatedMLP(nnx.Module):
         intermediate_size: int | None = None,
         hidden_act: str = "swish",
         *,
+        swiglu_limit: float | None = None,
         rngs: nnx.Rngs,
     ):
         if hidden_act != "swish":
@@ -35,7 +38,7 @@ class GatedMLP(nnx.Module):
         hidden_ratio = 4 if hidden_ratio is None else hidden_ratio
         if intermediate_size is None:
             intermediate_size = 256 * -(-int(hidden_size * hidden_ratio * 2 / 3) // 256)
-        self.intermediate_size = intermediate_size
+        self.intermediate_size, self.swiglu_limit = intermediate_size, swiglu_limit
         linear = lambda i, o: nnx.Linear(i, o, use_bias=False, rngs=rngs)
         self.gate_proj = linear(hidden_size, intermediate_size)
         self.up_proj = linear(hidden_size, intermediate_size)
@@ -50,4 +53,12 @@ class GatedMLP(nnx.Module):
         Returns:
             [..., hidden_size], in the dtype x and the weights promote to.
         """
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), self.swiglu_limit))
+
+
+def swiglu(gate: jax.Array, up: jax.Array, limit: float | None = None) -> jax.Array:
+    """``silu(gate) * up``; with ``limit``, gate clamped to at most ``limit`` and up to
+    [-limit, limit] first (GLM-5's ``swiglu_limit``)."""
+    if limit is not None:
+        gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
+    return jax.nn.silu(gate) * up

@@ -26,7 +26,7 @@ from flax import nnx
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from kdax.nn.mlp import GatedMLP
+from kdax.nn.mlp import GatedMLP, swiglu
 from kdax.ops.common.dispatch import platform
 from kdax.ops.common.sharding import axis_size, experts_axis
 
@@ -97,9 +97,10 @@ def grouped_matmul(x, w, group_sizes, block: int = 8, use_ragged_dot: bool | Non
     return jnp.where(valid[:, None], y[jnp.minimum(at, n_blocks * block - 1)], 0)
 
 
-def _experts(x, gate_up, down, indices, weights, first):
+def _experts(x, gate_up, down, indices, weights, first, limit=None):
     """The routed experts' sum for tokens x [N, H] routed to ``indices`` [N, k] with ``weights``,
-    of the experts ``first .. first + E - 1`` alone (gate_up [E, H, 2I], down [E, I, H])."""
+    of the experts ``first .. first + E - 1`` alone (gate_up [E, H, 2I], down [E, I, H]; ``limit``:
+    the SwiGLU clamp, :func:`kdax.nn.mlp.swiglu`)."""
     N, k = indices.shape
     E = gate_up.shape[0]
     local = indices.reshape(-1) - first
@@ -108,7 +109,7 @@ def _experts(x, gate_up, down, indices, weights, first):
     token = order // k
     sizes = jnp.bincount(local, length=E)
     gate, up = jnp.split(grouped_matmul(x[token], gate_up, sizes), 2, axis=-1)
-    y = grouped_matmul(jax.nn.silu(gate) * up, down, sizes)
+    y = grouped_matmul(swiglu(gate, up, limit), down, sizes)
     y = (y * weights.reshape(-1)[order][:, None]).astype(x.dtype)  # float32 weights, as transformers
     return jnp.zeros_like(x).at[token].add(jnp.where((local[order] < E)[:, None], y, 0))
 
@@ -166,6 +167,8 @@ class MoE(nnx.Module):
         num_experts, top_k, n_group, topk_group, norm_topk_prob, routed_scaling_factor: the
             router's (:func:`route`).
         n_shared_experts: shared experts, one SwiGLU MLP of hidden size I x n_shared_experts (0: none).
+        swiglu_limit: None, or the routed and shared experts' clamp before the activation
+            (:func:`kdax.nn.mlp.swiglu`).
         rngs: the parameters' random keys.
 
     Parameters: ``gate`` (:class:`TopKRouter`), ``gate_up`` [E, H, 2I] (gate columns first),
@@ -184,9 +187,11 @@ class MoE(nnx.Module):
         topk_group: int = 1,
         norm_topk_prob: bool = True,
         routed_scaling_factor: float = 1.0,
+        swiglu_limit: float | None = None,
         rngs: nnx.Rngs,
     ):
         H, I, E = hidden_size, moe_intermediate_size, num_experts
+        self.swiglu_limit = swiglu_limit
         self.gate = TopKRouter(
             H,
             E,
@@ -199,7 +204,8 @@ class MoE(nnx.Module):
         )
         init = lambda *shape: nnx.Param(jax.random.normal(rngs.params(), shape) * 0.02)
         self.gate_up, self.down = init(E, H, 2 * I), init(E, I, H)
-        mlp = GatedMLP(H, intermediate_size=I * n_shared_experts, rngs=rngs) if n_shared_experts else None
+        shared = lambda: GatedMLP(H, intermediate_size=I * n_shared_experts, swiglu_limit=swiglu_limit, rngs=rngs)
+        mlp = shared() if n_shared_experts else None
         self.shared_experts = mlp
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -212,13 +218,14 @@ class MoE(nnx.Module):
         n = 1 if over is None else axis_size(*over)
         if n > 1 and gate_up.shape[0] % n == 0:  # a serving engine's experts split over its devices
             axis = over[1]
-            run = lambda *a: lax.psum(_experts(*a, lax.axis_index(axis) * (gate_up.shape[0] // n)), axis)
+            first = lambda: lax.axis_index(axis) * (gate_up.shape[0] // n)
+            run = lambda *a: lax.psum(_experts(*a, first(), self.swiglu_limit), axis)
             spec = P(axis, None, None)
             out = jax.shard_map(
                 run, mesh=over[0], in_specs=(P(), spec, spec, P(), P()), out_specs=P(), check_vma=False
             )(x, gate_up, down, indices, weights)
         else:
-            out = _experts(x, gate_up, down, indices, weights, 0)
+            out = _experts(x, gate_up, down, indices, weights, 0, self.swiglu_limit)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out.reshape(shape)

@@ -97,3 +97,8 @@ def test_gated_mlp():
     np.testing.assert_allclose(mlp(x), ref, rtol=F32["out"], atol=F32["same"])
     with pytest.raises(ValueError, match="hidden_act"):
         GatedMLP(64, hidden_act="gelu", rngs=nnx.Rngs(0))
+    clamped = GatedMLP(64, swiglu_limit=0.5, rngs=nnx.Rngs(0))  # the same weights, GLM-5's clamp
+    g, u = x @ mlp.gate_proj.kernel[...], x @ mlp.up_proj.kernel[...]
+    assert float(jnp.mean(g > 0.5)) > 0.05 and float(jnp.mean(jnp.abs(u) > 0.5)) > 0.05  # the clamp bites
+    ref = mlp.down_proj(jax.nn.silu(jnp.minimum(g, 0.5)) * jnp.clip(u, -0.5, 0.5))
+    np.testing.assert_allclose(clamped(x), ref, rtol=F32["out"], atol=F32["same"])

@@ -44,7 +44,7 @@ def test_route_matches_the_reference(n_group, topk_group):
         np.testing.assert_allclose(np.asarray(w).sum(-1), 1.0, rtol=F32["same"])  # weights from unbiased scores
 
 
-def _moe(E=16, top_k=3, n_group=4, topk_group=2, shared=1, seed=0):
+def _moe(E=16, top_k=3, n_group=4, topk_group=2, shared=1, seed=0, limit=None):
     return MoE(
         24,
         20,
@@ -54,6 +54,7 @@ def _moe(E=16, top_k=3, n_group=4, topk_group=2, shared=1, seed=0):
         n_group=n_group,
         topk_group=topk_group,
         routed_scaling_factor=2.0,
+        swiglu_limit=limit,
         rngs=nnx.Rngs(seed),
     )
 
@@ -63,26 +64,29 @@ def _moe_reference(moe, x):
     x = np.asarray(x, np.float64)
     idx, w = (np.asarray(a) for a in moe.gate(jnp.asarray(x)))
     gate_up, down = np.asarray(moe.gate_up[...], np.float64), np.asarray(moe.down[...], np.float64)
-    silu = lambda z: z / (1 + np.exp(-z))
+    limit = np.inf if moe.swiglu_limit is None else moe.swiglu_limit
+    act = lambda g, u: np.minimum(g, limit) / (1 + np.exp(-np.minimum(g, limit))) * np.clip(u, -limit, limit)
     out = np.zeros_like(x)
     for n in range(x.shape[0]):
         for e, weight in zip(idx[n], w[n]):
             g, u = np.split(x[n] @ gate_up[e], 2)
-            out[n] += weight * (silu(g) * u) @ down[e]
+            out[n] += weight * act(g, u) @ down[e]
     s = moe.shared_experts
     if s is not None:
         kernel = lambda lin: np.asarray(lin.kernel[...], np.float64)
-        out += (silu(x @ kernel(s.gate_proj)) * (x @ kernel(s.up_proj))) @ kernel(s.down_proj)
+        out += act(x @ kernel(s.gate_proj), x @ kernel(s.up_proj)) @ kernel(s.down_proj)
     return out
 
 
+@pytest.mark.parametrize("limit", [None, 0.05])
 @pytest.mark.parametrize("use_ragged_dot", [False, True])
-def test_moe_equals_every_token_through_its_experts(use_ragged_dot, monkeypatch):
-    """Float64, batched and shaped inputs, both dispatches (ragged_dot as TPU and GPU run it)."""
+def test_moe_equals_every_token_through_its_experts(use_ragged_dot, limit, monkeypatch):
+    """Float64, batched and shaped inputs, both dispatches (ragged_dot as TPU and GPU run it),
+    with and without GLM-5's SwiGLU clamp (0.05 clips about a third of these gate values)."""
     import kdax.nn.moe as moe_module
 
     monkeypatch.setattr(moe_module, "platform", lambda: "gpu" if use_ragged_dot else "cpu")
-    moe = _moe()
+    moe = _moe(limit=limit)
     moe = nnx.merge(*jax.tree.map(lambda a: a.astype(jnp.float64), nnx.split(moe)))
     x = jax.random.normal(jax.random.key(1), (3, 11, 24), jnp.float64)
     y = moe(x)
