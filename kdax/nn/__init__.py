@@ -2,6 +2,7 @@
 
 from kdax.nn.attention import Attention, KascadeStep
 from kdax.nn.conv import ShortConvolution
+from kdax.nn.hyper import HyperConnection
 from kdax.nn.kda import KDACache, KimiDeltaAttention
 from kdax.nn.mla import MLA
 from kdax.nn.mlp import GatedMLP
@@ -12,6 +13,7 @@ __all__ = [
     "Attention",
     "GatedMLP",
     "GatedRMSNorm",
+    "HyperConnection",
     "KDACache",
     "KascadeStep",
     "KimiDeltaAttention",
