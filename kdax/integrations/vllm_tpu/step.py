@@ -42,7 +42,7 @@ from jax.sharding import PartitionSpec as P
 
 from kdax.models.kda import KDAForCausalLM, is_kda
 from kdax.nn.kda import KDACache, KimiDeltaAttention
-from kdax.ops.common.sharding import heads_over
+from kdax.ops.common.sharding import axis_names, heads_over
 from kdax.ops.kda import slots as pool_slots
 
 
@@ -233,9 +233,8 @@ def _per_group(mesh, fn, *args, whole: int = 0, time: int = 0):
     g = mesh.groups
     spec = lambda i: P() if i < whole else P(None, g) if i < whole + time else P(g)
     out = P(g) if time == 0 else (P(None, g), P(g))
-    names = lambda a: set() if a is None else set(a) if isinstance(a, tuple) else {a}
     # every axis but the heads' manual: a Pallas call is not left to XLA's partitioner on any axis
-    manual = set(mesh.mesh.axis_names) - names(mesh.heads)
+    manual = set(mesh.mesh.axis_names) - set(axis_names(mesh.heads))
     in_specs = tuple(spec(i) for i in range(len(args)))
     return jax.shard_map(fn, mesh=mesh.mesh, in_specs=in_specs, out_specs=out, axis_names=manual, check_vma=False)(
         *args

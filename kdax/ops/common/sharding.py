@@ -47,11 +47,15 @@ def heads_over(mesh, axis, *, experts=None) -> Iterator[None]:
         _HEADS.reset(token)
 
 
+def axis_names(axis) -> tuple:
+    """The mesh axis names of ``axis``: a name, a tuple of names, or None (none)."""
+    return () if axis is None else axis if isinstance(axis, tuple) else (axis,)
+
+
 def axis_size(mesh, axis) -> int:
     """The devices along ``axis`` of ``mesh`` (a name, or a tuple of names: their product)."""
-    names = axis if isinstance(axis, tuple) else (axis,)
     size = 1
-    for name in names:
+    for name in axis_names(axis):
         size *= mesh.shape[name]
     return size
 
