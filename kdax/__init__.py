@@ -3,7 +3,14 @@
 from kdax.ops.common.dispatch import explain_backend, use_backend
 from kdax.ops.common.lowering import lower
 from kdax.ops.common.validation import debug_checks
-from kdax.ops.kascade.api import kascade_anchor, kascade_anchor_decode, kascade_reuse, kascade_reuse_decode
+from kdax.ops.kascade.api import (
+    index_select,
+    indexed_attention,
+    kascade_anchor,
+    kascade_anchor_decode,
+    kascade_reuse,
+    kascade_reuse_decode,
+)
 from kdax.ops.kascade.schedule import KascadeSchedule
 from kdax.ops.kda.api import chunk_kda, fused_recurrent_kda
 from kdax.ops.kda.context_parallel import ContextParallel
@@ -21,6 +28,8 @@ __all__ = [
     "debug_checks",
     "explain_backend",
     "fused_recurrent_kda",
+    "index_select",
+    "indexed_attention",
     "kascade_anchor",
     "kascade_anchor_decode",
     "kascade_reuse",

@@ -1,11 +1,11 @@
-"""Hybrid KDA language models: FLA's layout, Kimi Linear and the Ling hybrids; configs, presets,
+"""Hybrid KDA language models: FLA's layout, Kimi Linear, the Ling hybrids and GLM-5.3-Flash; configs, presets,
 generation, checkpoints (FLA's and the hub's formats)."""
 
 from kdax.models.checkpoint import from_pretrained, save_pretrained
 from kdax.models.config import KDAConfig
 from kdax.models.generation import generate
-from kdax.models.hf_config import BailingHybridConfig, KimiLinearConfig
-from kdax.models.hybrids import BailingHybridForCausalLM, KimiLinearForCausalLM, model_class
+from kdax.models.hf_config import BailingHybridConfig, Glm5NextConfig, KimiLinearConfig
+from kdax.models.hybrids import BailingHybridForCausalLM, Glm5NextForCausalLM, KimiLinearForCausalLM, model_class
 from kdax.models.kda import KDAForCausalLM, KDAModel, ModelCache
 from kdax.models.presets import PRESETS, kimi_tiny_config, ling_tiny_config, tiny_config
 from kdax.models.sharding import shard
@@ -14,6 +14,8 @@ __all__ = [
     "PRESETS",
     "BailingHybridConfig",
     "BailingHybridForCausalLM",
+    "Glm5NextConfig",
+    "Glm5NextForCausalLM",
     "KDAConfig",
     "KDAForCausalLM",
     "KDAModel",

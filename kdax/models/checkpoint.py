@@ -104,7 +104,7 @@ def load_state_dict(model: KDAForCausalLM, tensors: Mapping, mesh: jax.sharding.
             raise ValueError(f"tensors[{wanted[0]!r}]: expected shape {tuple(value.shape)}, got {a.shape}")
         flat.append((path, _place(a.astype(value.dtype), mesh, specs.get(tuple(path)))))
     n_layers = model.config.num_hidden_layers
-    later = [k for k in names if isinstance(model, hybrids.HubCausalLM) and hybrids.layer_of(k) >= n_layers]
+    later = [k for k in names if isinstance(model, hybrids.HubCausalLM) and hybrids.set_aside(k, n_layers)]
     extra = sorted(set(names) - set(later))
     if extra:
         raise ValueError(f"tensors: unexpected entries {extra[:8]} (the config may not match the checkpoint)")
@@ -134,7 +134,8 @@ def save_pretrained(model: KDAForCausalLM, directory: str) -> None:
     if jax.process_index() != 0:
         return
     os.makedirs(directory, exist_ok=True)
-    config = {**model.config.to_dict(), "architectures": [type(model).__name__]}
+    name = model.architecture() if isinstance(model, hybrids.HubCausalLM) else type(model).__name__
+    config = {**model.config.to_dict(), "architectures": [name]}
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
     safetensors.numpy.save_file(tensors, os.path.join(directory, "model.safetensors"))

@@ -69,6 +69,9 @@ class _MLAMoEConfig:
 
     MODEL_TYPE: ClassVar[str] = ""
     ALIASES: ClassVar[dict[str, str]] = _ALIASES
+    LAYER_TYPES: ClassVar[tuple[str, ...]] = LAYER_TYPES  # (softmax attention, KDA)
+    LEGACY_LAYER_TYPES: ClassVar[dict[str, str]] = _LEGACY_LAYER_TYPES
+    MIN_ROPE_HEAD_DIM: ClassVar[int] = 1
 
     @property
     def qk_head_dim(self) -> int:
@@ -85,7 +88,6 @@ class _MLAMoEConfig:
             "num_attention_heads",
             "n_shared_experts",
             "kv_lora_rank",
-            "qk_rope_head_dim",
             "v_head_dim",
             "qk_nope_head_dim",
             "n_group",
@@ -95,8 +97,9 @@ class _MLAMoEConfig:
             "num_local_experts",
         ):
             _int(name, getattr(self, name))
+        _int("qk_rope_head_dim", self.qk_rope_head_dim, minimum=self.MIN_ROPE_HEAD_DIM)
         for name in ("q_lora_rank", "pretraining_tp"):
-            _optional_int(name, getattr(self, name))
+            _optional_int(name, getattr(self, name, None))
         for name in ("output_router_logits", "norm_topk_prob", "use_cache", "tie_word_embeddings", "attention_bias"):
             _bool(name, getattr(self, name))
 
@@ -151,12 +154,12 @@ class _MLAMoEConfig:
                 if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.vocab_size:
                     raise ValueError(f"{name}: expected None or token ids in [0, {self.vocab_size}), got {value!r}")
 
-        for name, allowed in (("layer_types", LAYER_TYPES), ("mlp_layer_types", MLP_LAYER_TYPES)):
+        for name, allowed in (("layer_types", self.LAYER_TYPES), ("mlp_layer_types", MLP_LAYER_TYPES)):
             types = getattr(self, name)
             if not isinstance(types, (list, tuple)):
                 raise ValueError(f"{name}: expected a list of {allowed}, got {types!r}")
             if name == "layer_types":
-                types = [_LEGACY_LAYER_TYPES.get(t, t) for t in types]
+                types = [self.LEGACY_LAYER_TYPES.get(t, t) for t in types]
             types = list(types)
             setattr(self, name, types)
             bad = [t for t in types if t not in allowed]
@@ -603,4 +606,278 @@ class BailingHybridConfig(_MLAMoEConfig):
         return d
 
 
-__all__ = ["BailingHybridConfig", "KimiLinearConfig"]
+@dataclasses.dataclass
+class Glm5NextConfig(_MLAMoEConfig):
+    """GLM-5.3-Flash (transformers' ``glm5_next``): KDA layers with the bounded gate and NoPE MLA
+    layers with a DSA indexer ("indexed_attention"), hyper-connections of ``hc_mult`` residual
+    streams around every sublayer, dense MLPs and a mixture of experts with a SwiGLU clamp.
+
+    The text fields, names and defaults are transformers' ``Glm5NextTextConfig``'s.
+    :meth:`from_dict` reads a multimodal config.json (``model_type`` "glm5_next", the text fields
+    under ``text_config``), a flat one (the text fields at the top level) or a text config
+    ("glm5_next_text"); ``layer_types`` spelled "full_attention", "deepseek_sparse_attention" or
+    "attention" mean "indexed_attention", "mamba" means "linear_attention"; ``indexer_types``
+    comes from ``index_topk_pattern`` or ``index_topk_freq``/``index_skip_topk_offset`` when not
+    given, and ``linear_attn_config``'s ``head_dim``, ``num_heads``, ``short_conv_kernel_size``
+    and ``gate_lower_bound`` override the ``linear_*`` fields, as in transformers. The vision
+    tower's config and the multimodal token ids are kept for round trips (kdax runs the text
+    model); :meth:`to_dict` writes the multimodal form transformers' ``Glm5NextConfig`` reads.
+
+    Attributes (beyond :class:`KimiLinearConfig`'s MLA, MoE and token fields):
+        n_routed_experts: the routed experts (:attr:`num_local_experts`).
+        layer_types: per layer "indexed_attention" (MLA with the DSA indexer) or
+            "linear_attention" (KDA) (None: MLA on the 0-indexed layers 3, 7, 11, ...).
+        mlp_layer_types: per layer "dense" or "sparse" (None: dense on the first three).
+        indexer_types: per layer "full" (the layer runs its indexer) or "shared" (an indexed
+            layer reuses the selection of the "full" indexed layer right before it).
+        index_topk: the keys each query selects, a multiple of ``index_kpool``.
+        index_head_dim, index_n_heads: the indexer's query heads and their dim.
+        index_kpool: the keys a pooled index key summarises (the selection's unit).
+        index_kpool_always_select_tail: each query also attends its own incomplete pool.
+        swiglu_limit: the MLPs' and experts' clamp (:func:`kdax.nn.mlp.swiglu`), None for none.
+        linear_head_dim, linear_num_heads, linear_conv_kernel_dim: the KDA layers' head dim (at
+            most 256), heads and short-convolution size.
+        linear_lower_bound: the KDA gate's lower bound (negative), or None for the softplus gate.
+        hc_mult: the residual streams; hc_eps, hc_sinkhorn_iters: the hyper-connections' epsilon
+            and Sinkhorn iterations (:class:`kdax.nn.HyperConnection`).
+        router_aux_loss_coef: the load-balancing loss weight in training, unused.
+        vision_config: the vision tower's config as read (None: none given).
+        image_token_id, video_token_id, image_start_token_id, image_end_token_id,
+            video_start_token_id, video_end_token_id: the multimodal config's token ids.
+
+    Raises:
+        ValueError: naming the field that is wrong: everything :class:`KimiLinearConfig` checks
+            (``qk_rope_head_dim`` must be 0: transformers' GLM-5.3 MLA has no RoPE), and
+            ``q_lora_rank`` None; ``indexer_types`` entries not "full"/"shared", not one per
+            layer, or a "shared" indexed layer not right after a "full" indexed layer whose next
+            entry is "shared"; ``index_topk`` not a positive multiple of ``index_kpool``; an
+            indexer or hyper-connection size not a positive int; ``linear_lower_bound`` not None
+            or negative; ``hc_eps`` not positive.
+    """
+
+    MODEL_TYPE: ClassVar[str] = "glm5_next"
+    TEXT_MODEL_TYPE: ClassVar[str] = "glm5_next_text"
+    ALIASES: ClassVar[dict[str, str]] = {"n_routed_experts": "num_local_experts"}
+    LAYER_TYPES: ClassVar[tuple[str, ...]] = ("indexed_attention", "linear_attention")
+    LEGACY_LAYER_TYPES: ClassVar[dict[str, str]] = {
+        "full_attention": "indexed_attention",
+        "deepseek_sparse_attention": "indexed_attention",
+        "attention": "indexed_attention",
+        "mamba": "linear_attention",
+    }
+    MIN_ROPE_HEAD_DIM: ClassVar[int] = 0
+    MULTIMODAL: ClassVar[tuple[str, ...]] = (
+        "vision_config",
+        "image_token_id",
+        "video_token_id",
+        "image_start_token_id",
+        "image_end_token_id",
+        "video_start_token_id",
+        "video_end_token_id",
+    )
+
+    vocab_size: int = 154880
+    hidden_size: int = 4096
+    intermediate_size: int = 12288
+    moe_intermediate_size: int = 2048
+    num_hidden_layers: int = 45
+    num_attention_heads: int = 64
+    num_key_value_heads: int | None = 64
+    n_shared_experts: int = 1
+    n_routed_experts: int = 288
+    num_experts_per_tok: int = 8
+    routed_scaling_factor: float = 2.5
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    kv_lora_rank: int = 512
+    q_lora_rank: int | None = 1536
+    qk_rope_head_dim: int = 0
+    qk_nope_head_dim: int = 256
+    v_head_dim: int = 256
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 1048576
+    initializer_range: float = 0.02
+    rms_norm_eps: float = 1e-5
+    use_cache: bool = True
+    pad_token_id: int | None = 154820
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    attention_bias: bool = False
+    attention_dropout: float = 0.0
+    mlp_layer_types: list[str] | None = None
+    layer_types: list[str] | None = None
+    indexer_types: list[str] | None = None
+    index_topk: int = 2048
+    index_head_dim: int = 128
+    index_n_heads: int = 32
+    index_kpool: int = 16
+    index_kpool_always_select_tail: bool = True
+    swiglu_limit: float | None = 10.0
+    linear_head_dim: int = 128
+    linear_num_heads: int = 64
+    linear_conv_kernel_dim: int = 4
+    linear_lower_bound: float | None = -5.0
+    hc_mult: int = 4
+    hc_eps: float = 1e-6
+    hc_sinkhorn_iters: int = 20
+    router_aux_loss_coef: float = 0.001
+    output_router_logits: bool = False
+    tie_word_embeddings: bool = False
+    vision_config: dict | None = None
+    image_token_id: int = 154854
+    video_token_id: int = 154855
+    image_start_token_id: int = 154830
+    image_end_token_id: int = 154831
+    video_start_token_id: int = 154832
+    video_end_token_id: int = 154833
+
+    def __post_init__(self):
+        L = self.num_hidden_layers
+        _int("num_hidden_layers", L)
+        if self.layer_types is None:
+            self.layer_types = ["indexed_attention" if i % 4 == 3 else "linear_attention" for i in range(L)]
+        if self.mlp_layer_types is None:
+            self.mlp_layer_types = ["dense" if i < 3 else "sparse" for i in range(L)]
+        if self.indexer_types is None:
+            self.indexer_types = ["full"] * L
+        if self.q_lora_rank is None:
+            raise ValueError("q_lora_rank: expected a positive int (GLM-5.3's MLA has a low-rank query), got None")
+        self._validate_common()
+        if self.qk_rope_head_dim != 0:
+            raise ValueError(f"qk_rope_head_dim: expected 0 (GLM-5.3's MLA has no RoPE), got {self.qk_rope_head_dim}")
+        self._check_linear_head_dim("linear_head_dim", self.linear_head_dim)
+        for name in (
+            "linear_num_heads",
+            "linear_conv_kernel_dim",
+            "index_topk",
+            "index_head_dim",
+            "index_n_heads",
+            "index_kpool",
+            "hc_mult",
+            "hc_sinkhorn_iters",
+        ):
+            _int(name, getattr(self, name))
+        if self.index_topk % self.index_kpool:
+            raise ValueError(
+                f"index_topk: expected a multiple of index_kpool={self.index_kpool}, got {self.index_topk}"
+            )
+        _bool("index_kpool_always_select_tail", self.index_kpool_always_select_tail)
+        if self.linear_lower_bound is not None:
+            self.linear_lower_bound = _float("linear_lower_bound", self.linear_lower_bound)
+            if self.linear_lower_bound >= 0:
+                raise ValueError(
+                    f"linear_lower_bound: expected None or a negative float, got {self.linear_lower_bound}"
+                )
+        if self.swiglu_limit is not None:
+            self.swiglu_limit = _float("swiglu_limit", self.swiglu_limit, positive=True)
+        self.hc_eps = _float("hc_eps", self.hc_eps, positive=True)
+        self.router_aux_loss_coef = _float("router_aux_loss_coef", self.router_aux_loss_coef)
+        self._check_indexer_types()
+
+    def _check_indexer_types(self) -> None:
+        types = self.indexer_types
+        if not isinstance(types, (list, tuple)) or len(types) != self.num_hidden_layers:
+            raise ValueError(
+                f"indexer_types: expected num_hidden_layers={self.num_hidden_layers} entries, got {types!r}"
+            )
+        self.indexer_types = list(types)
+        bad = [t for t in types if t not in ("full", "shared")]
+        if bad:
+            raise ValueError(f"indexer_types: expected entries in ('full', 'shared'), got {bad[0]!r}")
+        for i in range(self.num_hidden_layers):
+            if self.layer_types[i] == "indexed_attention" and types[i] == "shared":
+                ok = i > 0 and self.layer_types[i - 1] == "indexed_attention" and types[i - 1] == "full"
+                if not ok:
+                    raise ValueError(
+                        f"indexer_types: layer {i} is 'shared', so layer {i - 1} must be a 'full' indexed_attention "
+                        "layer (a shared layer reuses the selection of the layer right before it, as in transformers)"
+                    )
+
+    def __hash__(self):
+        return _MLAMoEConfig.__hash__(self)
+
+    @property
+    def num_local_experts(self) -> int:
+        """The routed experts, ``n_routed_experts``."""
+        return self.n_routed_experts
+
+    @property
+    def rope_theta(self) -> None:
+        """None: GLM-5.3's MLA layers use no positional encoding."""
+        return None
+
+    def index_width(self) -> int:
+        """The keys a query's selection lists: ``index_topk`` plus the tail's ``index_kpool - 1``."""
+        return self.index_topk + (self.index_kpool - 1 if self.index_kpool_always_select_tail else 0)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The multimodal config.json transformers' ``Glm5NextConfig`` reads: the text fields under
+        ``text_config``, the vision config and token ids at the top level."""
+        d = dataclasses.asdict(self)
+        top = {k: d.pop(k) for k in self.MULTIMODAL}
+        if top["vision_config"] is None:
+            del top["vision_config"]
+        text = {"model_type": self.TEXT_MODEL_TYPE, **d}
+        return {
+            "model_type": self.MODEL_TYPE,
+            "text_config": text,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            **top,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]):
+        """Build a config from a config.json or transformers' ``to_dict()`` (multimodal, flat or text).
+
+        Raises:
+            ValueError: ``model_type`` is neither "glm5_next" nor "glm5_next_text"; any error of
+                the constructor.
+        """
+        model_type = d.get("model_type", cls.MODEL_TYPE)
+        if model_type not in (cls.MODEL_TYPE, cls.TEXT_MODEL_TYPE):
+            raise ValueError(f"model_type: expected {cls.MODEL_TYPE!r} or {cls.TEXT_MODEL_TYPE!r}, got {model_type!r}")
+        text = d.get("text_config")
+        if text is not None and not isinstance(text, dict):
+            raise ValueError(f"text_config: expected None or a dict, got {text!r}")
+        merged = {**(text if text is not None else d)}
+        for k in cls.MULTIMODAL:
+            if k in d:
+                merged[k] = d[k]
+        merged["model_type"] = cls.MODEL_TYPE
+        return super().from_dict(merged)
+
+    @classmethod
+    def _prepare(cls, d: dict[str, Any]) -> dict[str, Any]:
+        L = d.get("num_hidden_layers", cls.num_hidden_layers)
+        _int("num_hidden_layers", L)
+        lac = d.get("linear_attn_config")
+        if lac is not None:
+            if not isinstance(lac, dict):
+                raise ValueError(f"linear_attn_config: expected None or a dict, got {lac!r}")
+            for key, field in (
+                ("head_dim", "linear_head_dim"),
+                ("num_heads", "linear_num_heads"),
+                ("short_conv_kernel_size", "linear_conv_kernel_dim"),
+                ("gate_lower_bound", "linear_lower_bound"),
+            ):
+                if key in lac:
+                    d[field] = lac[key]
+            if lac.get("safe_gate", True) and d.get("linear_lower_bound", cls.linear_lower_bound) is None:
+                d["linear_lower_bound"] = -5.0
+        if d.get("indexer_types") is None:
+            pattern = d.get("index_topk_pattern")
+            if isinstance(pattern, str):
+                if set(pattern) - {"F", "S"}:
+                    raise ValueError(f"index_topk_pattern: expected a string of 'F' and 'S', got {pattern!r}")
+                d["indexer_types"] = [{"F": "full", "S": "shared"}[c] for c in pattern]
+            elif pattern is not None:
+                d["indexer_types"] = list(pattern)
+            else:
+                freq = max(d.get("index_topk_freq", 1), 1)
+                offset = d.get("index_skip_topk_offset", 2)
+                d["indexer_types"] = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(L)]
+        return d
+
+
+__all__ = ["BailingHybridConfig", "Glm5NextConfig", "KimiLinearConfig"]

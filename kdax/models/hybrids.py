@@ -20,12 +20,15 @@ from __future__ import annotations
 
 import re
 
+import jax
 import numpy as np
 from flax import nnx
 
-from kdax.models.hf_config import BailingHybridConfig, KimiLinearConfig
-from kdax.models.kda import KDAForCausalLM
+from kdax.models.glm5 import Glm5Model
+from kdax.models.hf_config import BailingHybridConfig, Glm5NextConfig, KimiLinearConfig
+from kdax.models.kda import KDAForCausalLM, Segments, _arange, _check_ids
 from kdax.nn import MLA, GatedMLP, KimiDeltaAttention, MoE
+from kdax.nn.dsa import IndexedMLA
 from kdax.nn.moe import Buffer
 
 
@@ -65,8 +68,9 @@ def _kda(config, layer_idx: int, backend: str, rngs: nnx.Rngs, **gate) -> KimiDe
 
 def _mlp(config, layer_idx: int, rngs: nnx.Rngs):
     c = config
+    limit = getattr(c, "swiglu_limit", None)
     if c.mlp_layer_types[layer_idx] == "dense":
-        return GatedMLP(c.hidden_size, intermediate_size=c.intermediate_size, rngs=rngs)
+        return GatedMLP(c.hidden_size, intermediate_size=c.intermediate_size, swiglu_limit=limit, rngs=rngs)
     return MoE(
         c.hidden_size,
         c.moe_intermediate_size,
@@ -77,6 +81,7 @@ def _mlp(config, layer_idx: int, rngs: nnx.Rngs):
         topk_group=c.topk_group,
         norm_topk_prob=c.norm_topk_prob,
         routed_scaling_factor=c.routed_scaling_factor,
+        swiglu_limit=limit,
         rngs=rngs,
     )
 
@@ -90,9 +95,15 @@ class HubCausalLM(KDAForCausalLM):
 
     def __init__(self, config, *, backend: str = "auto", rngs: nnx.Rngs):
         super().__init__(config, backend=backend, rngs=rngs)
-        # the checkpoint's layers past num_hidden_layers (Ling's multi-token prediction), as loaded:
-        # hub name -> Buffer; the causal forward does not use them, save_pretrained writes them back
+        # the checkpoint's tensors the text model does not use (layers past num_hidden_layers: Ling's
+        # and GLM-5.3's multi-token prediction; GLM-5.3's vision tower), as loaded: hub name ->
+        # Buffer; save_pretrained writes them back
         self.mtp = nnx.Dict()
+
+    @classmethod
+    def architecture(cls) -> str:
+        """The transformers class whose weight layout the checkpoints have (config.json's ``architectures``)."""
+        return cls.__name__
 
     @staticmethod
     def kda_gates(config) -> dict:
@@ -147,7 +158,86 @@ class BailingHybridForCausalLM(HubCausalLM):
         return {"low_rank_gates": False, "lower_bound": config.kda_lower_bound if config.kda_safe_gate else None}
 
 
-MODELS = {"kimi_linear": KimiLinearForCausalLM, "bailing_hybrid": BailingHybridForCausalLM}
+class Glm5NextForCausalLM(HubCausalLM):
+    """Z.ai's GLM-5.3-Flash text model (transformers' ``Glm5NextForConditionalGeneration`` without
+    its vision tower): KDA layers with the bounded gate, NoPE MLA layers with DSA indexed
+    attention (:class:`kdax.nn.dsa.IndexedMLA`), hyper-connections over ``hc_mult`` residual
+    streams, dense MLPs and experts with a SwiGLU clamp. The interface of
+    :class:`kdax.models.KDAForCausalLM` without packed sequences or a Kascade schedule (the
+    indexed layers select their own keys); :meth:`selections` gives the indexers' choices.
+    Checkpoints keep the vision tower's tensors as loaded (``mtp``) and write them back.
+
+    Args:
+        config: a :class:`kdax.models.Glm5NextConfig`.
+        backend: the KDA layers' backend.
+        rngs: the parameters' random keys.
+    """
+
+    config_class = Glm5NextConfig
+    model_class = Glm5Model
+
+    @classmethod
+    def architecture(cls) -> str:
+        return "Glm5NextForConditionalGeneration"
+
+    @classmethod
+    def layer(cls, config: Glm5NextConfig, layer_idx: int, *, backend: str, rngs: nnx.Rngs):
+        c = config
+        if c.layer_types[layer_idx] == "indexed_attention":
+            attn = IndexedMLA(
+                c.hidden_size,
+                c.num_attention_heads,
+                kv_lora_rank=c.kv_lora_rank,
+                qk_nope_head_dim=c.qk_nope_head_dim,
+                v_head_dim=c.v_head_dim,
+                q_lora_rank=c.q_lora_rank,
+                index_heads=c.index_n_heads,
+                index_head_dim=c.index_head_dim,
+                index_topk=c.index_topk,
+                index_kpool=c.index_kpool,
+                index_tail=c.index_kpool_always_select_tail,
+                shared=c.indexer_types[layer_idx] == "shared",
+                attention_bias=c.attention_bias,
+                layer_idx=layer_idx,
+                norm_eps=c.rms_norm_eps,
+                rngs=rngs,
+            )
+        else:
+            bound = c.linear_lower_bound
+            attn = _kda(c, layer_idx, backend, rngs, lower_bound=bound, safe_gate=bound is not None)
+        return attn, _mlp(c, layer_idx, rngs)
+
+    def __call__(self, input_ids, *, attention_mask=None, cu_seqlens=None, kascade=None):
+        """Logits of every position, as :meth:`kdax.models.KDAForCausalLM.__call__`.
+
+        Raises:
+            ValueError: as there, and ``cu_seqlens`` or ``kascade`` given (the indexed layers
+                take rows, and select their own keys).
+        """
+        if cu_seqlens is not None:
+            raise ValueError("cu_seqlens: expected None (GLM-5.3's indexed layers take rows; pass attention_mask)")
+        return super().__call__(input_ids, attention_mask=attention_mask, kascade=kascade)
+
+    def _check_kascade(self, kascade) -> None:
+        if kascade is not None:
+            raise ValueError("kascade: expected None (GLM-5.3's indexed layers select their own keys)")
+
+    def selections(self, input_ids) -> dict[int, jax.Array]:
+        """The keys each query of ``input_ids`` [B, T] attends in each "full" indexed layer.
+
+        Returns:
+            {layer: indices [B, T, index_topk + index_kpool - 1] int32}: the selected pools' keys
+            ascending (-1 in unfilled slots), then the tail's (:func:`kdax.index_select`).
+        """
+        B, T = _check_ids(input_ids, self.config.vocab_size)
+        return self.model(input_ids, Segments(None, _arange(B, T), None), selections=True)[2]
+
+
+MODELS = {
+    "kimi_linear": KimiLinearForCausalLM,
+    "bailing_hybrid": BailingHybridForCausalLM,
+    "glm5_next": Glm5NextForCausalLM,
+}
 
 
 def model_class(config) -> type[KDAForCausalLM]:
@@ -179,6 +269,15 @@ _RULES = {
         (r"\.([fg])_proj\.layers\.1\.", r".\1_b_proj."),
         (r"\.mlp\.(gate\.|shared_experts\.)", r".block_sparse_moe.\1"),
     ],
+    "glm5_next": [
+        (r"^model\.embeddings\.embedding$", "model.embed_tokens.weight"),
+        *_COMMON,
+        (r"\.([fg])_proj\.layers\.0\.", r".\1_a_proj."),
+        (r"\.([fg])_proj\.layers\.1\.", r".\1_b_proj."),
+        (r"\.(attn|ffn)_hc\.", r".hc_\1_"),
+        (r"\.k_norm\.scale$", ".k_norm.weight"),
+        (r"^model\.", "model.language_model."),
+    ],
     "bailing_hybrid": [
         (r"^model\.embeddings\.embedding$", "model.word_embeddings.weight"),
         *_COMMON,
@@ -187,10 +286,11 @@ _RULES = {
         (r"\.gate\.e_score_correction_bias$", ".gate.expert_bias"),
     ],
 }
-# each expert's tensors: (projection names of gate, up, down), under the MoE's hub prefix
+# each expert's tensors: (projection names of gate, up, down), under the MoE's hub prefix of layer {}
 _EXPERTS = {
-    "kimi_linear": (("w1", "w3", "w2"), "block_sparse_moe"),
-    "bailing_hybrid": (("gate_proj", "up_proj", "down_proj"), "mlp"),
+    "kimi_linear": (("w1", "w3", "w2"), "model.layers.{}.block_sparse_moe"),
+    "bailing_hybrid": (("gate_proj", "up_proj", "down_proj"), "model.layers.{}.mlp"),
+    "glm5_next": (("gate_proj", "up_proj", "down_proj"), "model.language_model.layers.{}.mlp"),
 }
 
 
@@ -220,7 +320,7 @@ def hub_entries(model: HubCausalLM):
             continue
         if leaf in ("gate_up", "down") and len(path) == 5:  # MoE experts: [E, H, 2I] and [E, I, H]
             projs = (gate, up) if leaf == "gate_up" else (down,)
-            base = f"model.layers.{path[2]}.{prefix}.experts"
+            base = prefix.format(path[2]) + ".experts"
             yield path, value, [f"{base}.{e}.{p}.weight" for e in range(value.shape[0]) for p in projs], "experts"
             continue
         name, transpose = _hub_name(model_type, path)
@@ -258,5 +358,11 @@ def canonical_name(name: str) -> str:
 
 def layer_of(name: str) -> int:
     """The decoder layer a checkpoint tensor belongs to (-1: none)."""
-    m = re.match(r"model\.layers\.(\d+)\.", name)
+    m = re.match(r"model\.(?:language_model\.)?layers\.(\d+)\.", name)
     return int(m.group(1)) if m else -1
+
+
+def set_aside(name: str, num_layers: int) -> bool:
+    """Whether a checkpoint tensor is one the text model does not use and keeps as loaded: a layer
+    past ``num_layers`` (multi-token prediction) or GLM-5.3's vision tower."""
+    return layer_of(name) >= num_layers or name.startswith("model.visual.")

@@ -164,6 +164,21 @@ class KDABlock(nnx.Module):
 
         Args:
             x: [B, T, hidden_size].
+            seg, cache, output_cache, mode, kascade: as :meth:`mix`.
+
+        Returns:
+            (x [B, T, hidden_size], the mixer's new cache or None, a Kascade anchor's selection
+            or None).
+        """
+        h, cache, indices = self.mix(self.attn_norm(x), seg, cache, output_cache, mode, kascade)
+        x = x + h
+        return x + self.mlp(self.mlp_norm(x)), cache, indices
+
+    def mix(self, h, seg: Segments, cache=None, output_cache=False, mode=None, kascade=None):
+        """The token mixer on the normalised input h [B, T, hidden_size].
+
+        Args:
+            h: [B, T, hidden_size].
             seg: how the tokens group into sequences.
             cache: the mixer's cache (a :class:`kdax.nn.KDACache` with one state per KDA
                 sequence, or an attention layer's (k, v)), or None.
@@ -172,10 +187,9 @@ class KDABlock(nnx.Module):
             kascade: the :class:`kdax.nn.KascadeStep` an attention mixer runs, or None (dense).
 
         Returns:
-            (x [B, T, hidden_size], the mixer's new cache or None, a Kascade anchor's selection
-            or None).
+            (the mixer's output [B, T, hidden_size], its new cache or None, a Kascade anchor's
+            selection or None).
         """
-        h = self.attn_norm(x)
         indices = None
         if not is_kda(self) and kascade is not None:
             h, cache, indices = self.attn(
@@ -196,8 +210,7 @@ class KDABlock(nnx.Module):
                 accepted=seg.kda_accepted,
             )
             h = flat.reshape(B, T, D)
-        x = x + h
-        return x + self.mlp(self.mlp_norm(x)), cache, indices
+        return h, cache, indices
 
 
 def is_kda(block: KDABlock) -> bool:
@@ -281,12 +294,13 @@ class KDAForCausalLM(nnx.Module):
     """
 
     config_class = KDAConfig
+    model_class = KDAModel
 
     def __init__(self, config: KDAConfig, *, backend: str = "auto", rngs: nnx.Rngs):
         if not isinstance(config, self.config_class):
             raise ValueError(f"config: expected a {self.config_class.__name__}, got {type(config).__name__}")
         self.config = config
-        self.model = KDAModel(config, type(self).layer, eps=self.norm_eps(config), backend=backend, rngs=rngs)
+        self.model = self.model_class(config, type(self).layer, eps=self.norm_eps(config), backend=backend, rngs=rngs)
         if not config.tie_word_embeddings:
             self.lm_head = nnx.Linear(config.hidden_size, config.vocab_size, use_bias=False, rngs=rngs)
         _init_weights(self, config.initializer_range, rngs)

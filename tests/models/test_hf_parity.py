@@ -1,7 +1,8 @@
-"""Kimi Linear and the Ling hybrids against transformers: tiny random models that transformers built
-and saved (tests/fixtures/hf, made by scripts/hf_parity_fixtures.py with transformers 5.24.0),
-their float32 logits on T = 70 tokens (not a multiple of the chunk), on a left-padded batch, and
-their greedy continuations; kdax's save_pretrained writes the same tensors back."""
+"""Kimi Linear, the Ling hybrids and GLM-5.3-Flash against transformers: tiny random models that
+transformers built and saved (tests/fixtures/hf, made by scripts/hf_parity_fixtures.py with
+transformers 5.24.0), their float32 logits on T = 70 tokens (not a multiple of the chunk), on a
+left-padded batch, and their greedy continuations; GLM's indexers' selections; kdax's
+save_pretrained writes the same tensors back."""
 
 import json
 import os
@@ -12,10 +13,18 @@ import pytest
 from safetensors.numpy import load_file
 
 from kdax.bench.measure import rel_rms
-from kdax.models import BailingHybridForCausalLM, KimiLinearForCausalLM, from_pretrained, generate, save_pretrained
+from kdax.models import (
+    BailingHybridForCausalLM,
+    Glm5NextForCausalLM,
+    KimiLinearForCausalLM,
+    from_pretrained,
+    generate,
+    save_pretrained,
+)
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "..", "fixtures", "hf")
-CASES = ["kimi_a", "kimi_b", "ling_a", "ling_b"]
+CASES = ["kimi_a", "kimi_b", "ling_a", "ling_b", "glm5_a", "glm5_b"]
+FAMILIES = {"kimi": KimiLinearForCausalLM, "ling": BailingHybridForCausalLM, "glm5": Glm5NextForCausalLM}
 PARITY = 1e-4  # rel. RMS of the logits against transformers' float32 (the issue's bar)
 
 
@@ -34,7 +43,7 @@ def _tensors(directory):
 @pytest.mark.parametrize("case", CASES)
 def test_logits_match_transformers(case):
     model = from_pretrained(os.path.join(FIXTURES, case), backend="xla")
-    assert isinstance(model, KimiLinearForCausalLM if case.startswith("kimi") else BailingHybridForCausalLM)
+    assert isinstance(model, FAMILIES[case.split("_")[0]])
     e = _expected(case)
     assert rel_rms(model(jnp.asarray(e["input_ids"])), e["logits"]) <= PARITY
     mask = e["attention_mask"].astype(bool)  # row 0 left-padded: compare the tokens' positions
@@ -51,15 +60,34 @@ def test_greedy_continuation_equals_transformers(case):
     np.testing.assert_array_equal(generate(model, jnp.asarray(e["prompt"]), n), e["greedy"])
 
 
-@pytest.mark.parametrize("case", ["kimi_a", "ling_b"])
+@pytest.mark.parametrize("case", ["glm5_a", "glm5_b"])
+@pytest.mark.parametrize("backend", ["xla", "naive"])
+def test_indexers_select_what_transformers_selects(case, backend):
+    """Each full indexed layer's keys per query, as sets (transformers lists them by score), equal
+    transformers' on T = 70 tokens, well past index_topk: pools, the tail, -1 padding; the
+    fixtures' inputs keep every query's k-th and next pool scores index_gap apart (no near-ties)."""
+    import kdax
+
+    model = from_pretrained(os.path.join(FIXTURES, case), backend="xla")
+    e = _expected(case)
+    assert float(e["index_gap"]) >= 1e-4
+    with kdax.use_backend(backend):
+        got = model.selections(jnp.asarray(e["input_ids"]))
+    assert len(got) == len(e["indices"])
+    for (layer, indices), want in zip(sorted(got.items()), e["indices"]):
+        assert indices.shape == want.shape
+        np.testing.assert_array_equal(np.sort(indices, -1), np.sort(want, -1), err_msg=f"layer {layer}")
+
+
+@pytest.mark.parametrize("case", ["kimi_a", "ling_b", "glm5_a", "glm5_b"])
 def test_save_pretrained_writes_the_hub_tensors(case, tmp_path):
-    """The same names, shapes and values as the checkpoint (ling_b's MTP layer too, kept as loaded
-    in model.mtp), and a config that reads back to the same config."""
+    """The same names, shapes and values as the checkpoint (ling_b's MTP layer and GLM-5.3's
+    vision tower too, kept as loaded in model.mtp), and a config that reads back to the same config."""
     src = os.path.join(FIXTURES, case)
     model = from_pretrained(src, backend="xla")
     save_pretrained(model, str(tmp_path))
     ours, theirs = _tensors(tmp_path), _tensors(src)
-    assert len(model.mtp) == (34 if case == "ling_b" else 0)
+    assert len(model.mtp) == {"ling_b": 34, "glm5_a": 25, "glm5_b": 25}.get(case, 0)
     if case.startswith("kimi"):  # transformers writes the dense MLPs under block_sparse_moe; the hub under mlp
         theirs = {k.replace("block_sparse_moe.gate_proj", "mlp.gate_proj"): v for k, v in theirs.items()}
         theirs = {k.replace("block_sparse_moe.up_proj", "mlp.up_proj"): v for k, v in theirs.items()}
@@ -75,7 +103,8 @@ def test_save_pretrained_writes_the_hub_tensors(case, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "case", ["kimi_b", "ling_b", *(pytest.param(c, marks=pytest.mark.slow) for c in ("kimi_a", "ling_a"))]
+    "case",
+    ["kimi_b", "ling_b", "glm5_b", *(pytest.param(c, marks=pytest.mark.slow) for c in ("kimi_a", "ling_a", "glm5_a"))],
 )
 def test_bfloat16_loads_and_generates(case):
     """astype(bf16): the logits as near float32's as transformers' own bf16 (2.8-5.4% on these

@@ -15,7 +15,16 @@ from kdax.ops.common.dispatch import BACKENDS, OpBackends, register
 from kdax.ops.common.sharding import per_shard
 from kdax.ops.common.validation import fail
 from kdax.ops.kascade import pallas_gpu, pallas_tpu, reference, xla
-from kdax.ops.kascade.checks import POOL_SIZE, TILE_SIZE, check_call, decode_k_max, prefill_k_max, row_lengths
+from kdax.ops.kascade.checks import (
+    POOL_SIZE,
+    TILE_SIZE,
+    check_call,
+    check_index_call,
+    check_indexed_call,
+    decode_k_max,
+    prefill_k_max,
+    row_lengths,
+)
 
 CONFIGS = {"xla": xla.Config, "pallas_tpu": pallas_tpu.Config, "pallas_gpu": pallas_gpu.Config}  # per-call configs
 Config = xla.Config | pallas_tpu.Config | pallas_gpu.Config
@@ -354,6 +363,126 @@ def kascade_reuse_decode(
     lengths = row_lengths(lengths, q.shape[0], caches[0].shape[1])
     o = Options(backend, config, _scale(q, scale), auto, pool_size=pool_size, cache_layout=cache_layout)
     return _compiled("reuse_decode", o, q, k_cache, v_cache, lengths, jnp.asarray(indices, jnp.int32), head_map)
+
+
+# DSA (GLM-5.3's indexed attention): the indexer's selection and the attention over it; xla's cores only so far
+_DSA = {
+    name: register(OpBackends(name, ("xla",), {"xla": xla.Config})) for name in ("index_select", "indexed_attention")
+}
+
+
+def index_select(
+    q: jax.Array,
+    weights: jax.Array,
+    keys: jax.Array,
+    gates: jax.Array,
+    ape: jax.Array,
+    *,
+    topk: int,
+    kpool: int,
+    tail: bool = True,
+    scale: float | None = None,
+    q_positions: jax.Array | None = None,
+    lengths: jax.Array | None = None,
+    backend: str = "auto",
+    config: xla.Config | None = None,
+) -> jax.Array:
+    """DSA's lightning-indexer selection (GLM-5.3's indexed attention), Kascade's selection by a
+    learned scorer: each query's ``topk / kpool`` pools of largest index score among the whole
+    pools whose last key it sees, then its own incomplete pool.
+
+    Pool p holds keys p kpool .. (p + 1) kpool - 1; its key is a per-channel softmax over the
+    pool's keys of ``gates + ape`` weighting ``keys``. Query t at position q_t scores it
+    ``sum_h weights[t, h] relu(scale q[t, h] . pool_p)`` (float32), among the pools with
+    (p + 1) kpool - 1 <= q_t and (p + 1) kpool <= the row's length. ReLU makes exact ties
+    common; they go to the smaller pool (transformers' ``torch.topk`` leaves their order open).
+    Not differentiable (the indices are integers). Compiled once per shape and static option.
+
+    Args:
+        q: [B, T, Hi, d] the index queries.
+        weights: [B, T, Hi] the heads' weights.
+        keys, gates: [B, S, d] each key's index key and pooling logits (S >= T: a cache).
+        ape: [kpool, d] the pooling logits' bias per position in a pool.
+        topk: the keys selected in whole pools, a positive multiple of ``kpool``.
+        kpool: keys per pool.
+        tail: append each query's incomplete pool, keys q_t + 1 - (q_t + 1) % kpool .. q_t.
+        scale: d ** -0.5 when None.
+        q_positions: [B, T] int, the queries' positions among the keys (default 0..T-1); a
+            query at or past its row's length, or negative, selects nothing.
+        lengths: [B] int, the valid keys of each row (default S).
+        backend: "auto", "xla" or "naive" (the float64-capable reference).
+        config: an :class:`kdax.ops.kascade.xla.Config`, or None.
+
+    Returns:
+        indices [B, T, topk + (kpool - 1 if tail else 0)] int32: the selected pools' keys
+        ascending (-1 in unfilled slots), then the tail's (-1 for none).
+
+    Raises:
+        ValueError: a bad argument, named, with what was expected and what came.
+        NotImplementedError: a backend this op lacks.
+    """
+    _check_common(backend, dtype=q.dtype)
+    options = {"topk": topk, "kpool": kpool, "scale": scale}
+    q_positions, lengths = check_index_call(q, weights, keys, gates, ape, q_positions, lengths, **options)
+    backend, config = _DSA["index_select"].resolve(backend, q.dtype, config)
+    o = (backend, config, int(topk), int(kpool), bool(tail), q.shape[-1] ** -0.5 if scale is None else float(scale))
+    return _index_select(o, q, weights, keys, gates, ape, q_positions, lengths)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _index_select(o, q, weights, keys, gates, ape, q_positions, lengths):
+    backend, config, topk, kpool, tail, scale = o
+    args = (q, weights, keys, gates, ape)
+    options = {"topk": topk, "kpool": kpool, "tail": tail, "scale": scale}
+    if backend == "naive":
+        return reference.naive_index_select(*args, **options, q_positions=q_positions, lengths=lengths)
+    return xla.index_select_xla(*args, q_positions, lengths, **options, cfg=config)
+
+
+def indexed_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    indices: jax.Array,
+    *,
+    scale: float | None = None,
+    lengths: jax.Array | None = None,
+    backend: str = "auto",
+    config: xla.Config | None = None,
+) -> jax.Array:
+    """Attention of each query over the keys its row of ``indices`` lists, as :func:`index_select`
+    gives them (DSA's sparse attention; prefill and decode alike: decode is T = 1 over a cache).
+    Scores, softmax and accumulation in float32. Differentiable in q, k and v.
+
+    Args:
+        q: [B, T, H, D]; k: [B, S, G, D]; v: [B, S, G, Dv], H % G == 0 (MLA's absorbed form: G = 1,
+            k = v = the latents).
+        indices: [B, T, W] int, distinct keys per query shared by its heads, -1 for none.
+        scale: D ** -0.5 when None.
+        lengths: [B] int, the valid keys of each row (default S); listed keys past it are skipped.
+        backend: "auto", "xla" or "naive" (the float64-capable reference).
+        config: an :class:`kdax.ops.kascade.xla.Config`, or None.
+
+    Returns:
+        o [B, T, H, Dv] in q's dtype, 0 for a query with no key.
+
+    Raises:
+        ValueError: a bad argument, named, with what was expected and what came.
+        NotImplementedError: a backend this op lacks.
+    """
+    _check_common(backend, dtype=q.dtype)
+    lengths = check_indexed_call(q, k, v, indices, lengths)
+    backend, config = _DSA["indexed_attention"].resolve(backend, q.dtype, config)
+    o = (backend, config, q.shape[-1] ** -0.5 if scale is None else float(scale))
+    return _indexed_attention(o, q, k, v, jnp.asarray(indices, jnp.int32), lengths)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _indexed_attention(o, q, k, v, indices, lengths):
+    backend, config, scale = o
+    if backend == "naive":
+        return reference.naive_indexed_attention(q, k, v, indices, scale=scale, lengths=lengths)
+    return xla.indexed_attention_xla(q, k, v, indices, lengths, scale=scale, cfg=config)
 
 
 CACHE_LAYOUTS = ("BLGD", "BGLD")

@@ -251,3 +251,103 @@ def check_call(
     if indices is not None:
         check_indices(indices, (B, G) if decode else (B, G, -(-T // tile_size)), T, pool_size)
     return tenths, check_head_map(head_map, G)
+
+
+def pooled_index_keys(keys, gates, ape, kpool: int):
+    """DSA's pooled index keys: each whole pool of ``kpool`` keys from key 0 summarised per channel
+    by a softmax over its keys of ``gates + ape`` (in float32, cast to the keys' dtype), weighting
+    the keys (summed in their dtype).
+
+    Args:
+        keys, gates: [B, S, d] per-token index keys and pooling logits.
+        ape: [kpool, d] the pooling logits' bias per position in a pool.
+        kpool: keys per pool.
+
+    Returns:
+        [B, S // kpool, d] in the keys' dtype.
+    """
+    B, S, d = keys.shape
+    n = S // kpool
+    k = keys[:, : n * kpool].reshape(B, n, kpool, d)
+    logits = gates[:, : n * kpool].reshape(B, n, kpool, d).astype(jnp.float32) + ape.astype(jnp.float32)
+    p = jax.nn.softmax(logits, axis=2).astype(keys.dtype)
+    return (p * k).sum(axis=2)
+
+
+def index_tail(q_positions, lengths, kpool: int):
+    """Each query's own incomplete pool: keys (q + 1) - (q + 1) % kpool .. q of the query at
+    position q ([B, T] ints, valid below ``lengths`` [B]), [B, T, kpool - 1] int32, -1 for none."""
+    q = q_positions[..., None]
+    count = (q + 1) % kpool
+    tail = q + 1 - count + jnp.arange(kpool - 1, dtype=jnp.int32)
+    ok = (jnp.arange(kpool - 1) < count) & (q >= 0) & (q < lengths[:, None, None])
+    return jnp.where(ok, tail, -1).astype(jnp.int32)
+
+
+def check_index_call(q, weights, keys, gates, ape, q_positions, lengths, *, topk, kpool, scale=None):
+    """Every check of a DSA index selection (:func:`kdax.index_select`).
+
+    Returns:
+        (q_positions [B, T] int32, lengths [B] int32), defaults filled in (0..T-1, all S keys).
+
+    Raises:
+        ValueError: naming the first bad argument.
+    """
+    check_array("q", q, 4)
+    B, T, Hi, d = q.shape
+    if min(B, T, Hi, d) < 1:
+        fail("q", "a [B, T, Hi, d] array with every size >= 1", f"shape {tuple(q.shape)}")
+    check_array("weights", weights, 3, (B, T, Hi))
+    check_array("keys", keys, 3)
+    S = keys.shape[1]
+    if keys.shape[0] != B or keys.shape[2] != d or S < 1:
+        fail("keys", f"shape (B={B}, S >= 1, d={d}) matching q", f"shape {tuple(keys.shape)}")
+    check_array("gates", gates, 3, keys.shape)
+    if isinstance(kpool, bool) or not isinstance(kpool, (int, np.integer)) or kpool < 1:
+        fail("kpool", "a positive int", repr(kpool))
+    if isinstance(topk, bool) or not isinstance(topk, (int, np.integer)) or topk < kpool or topk % kpool:
+        fail("topk", f"a positive multiple of kpool={kpool}", repr(topk))
+    check_array("ape", ape, 2, (kpool, d))
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float, np.integer, np.floating))):
+        fail("scale", "a Python float or None", type(scale).__name__)
+    if q_positions is None:
+        q_positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    else:
+        check_array("q_positions", q_positions, 2, (B, T), integer=True)
+    if lengths is not None:
+        check_lengths(lengths, B, S)
+    return jnp.asarray(q_positions, jnp.int32), row_lengths(lengths, B, S)
+
+
+def check_indexed_call(q, k, v, indices, lengths):
+    """Every check of an indexed attention call (:func:`kdax.indexed_attention`).
+
+    Returns:
+        lengths [B] int32 (all S keys when None).
+
+    Raises:
+        ValueError: naming the first bad argument.
+    """
+    check_array("q", q, 4)
+    B, T, H, D = q.shape
+    if min(B, T, H, D) < 1:
+        fail("q", "a [B, T, H, D] array with every size >= 1", f"shape {tuple(q.shape)}")
+    check_array("k", k, 4)
+    S, G = k.shape[1], k.shape[2]
+    if k.shape[0] != B or S < 1 or G < 1 or H % G or k.shape[3] != D:
+        fail("k", f"shape (B={B}, S >= 1, G dividing H={H}, D={D})", f"shape {tuple(k.shape)}")
+    check_array("v", v, 4)
+    if v.shape[:3] != k.shape[:3]:
+        fail("v", f"shape ({B}, {S}, {G}, Dv) matching k", f"shape {tuple(v.shape)}")
+    if q.dtype != k.dtype or q.dtype != v.dtype:
+        fail("k, v", f"the dtype of q ({q.dtype})", f"{k.dtype}, {v.dtype}")
+    check_array("indices", indices, 3, integer=True)
+    if indices.shape[:2] != (B, T) or indices.shape[2] < 1:
+        fail("indices", f"shape ({B}, {T}, W >= 1)", f"shape {tuple(indices.shape)}")
+    if not _traced(indices):
+        arr = np.asarray(indices)
+        if arr.min() < -1 or arr.max() >= S:
+            fail("indices", f"values in [-1, {S}) (key positions, -1 for none)", f"[{arr.min()}, {arr.max()}]")
+    if lengths is not None:
+        check_lengths(lengths, B, S)
+    return row_lengths(lengths, B, S)

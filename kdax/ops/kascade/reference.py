@@ -23,11 +23,15 @@ from kdax.ops.kascade.checks import (
     POOL_SIZE,
     TILE_SIZE,
     check_call,
+    check_index_call,
+    check_indexed_call,
     check_options,
     decode_k_max,
+    index_tail,
     pool_count,
     pool_keys,
     pool_scores,
+    pooled_index_keys,
     prefill_k_max,
     row_lengths,
 )
@@ -300,3 +304,70 @@ def naive_kascade_reuse_decode(
     tail = jnp.arange(L)[None, :] >= (jnp.asarray(lengths)[:, None] // pool_size * pool_size)  # [B, L]
     allowed = (_members(jnp.asarray(indices), L) | tail[:, None])[:, :, None] & valid
     return _decode_attend(scores, allowed, v_cache, q.dtype)
+
+
+def naive_index_select(
+    q, weights, keys, gates, ape, *, topk, kpool, tail=True, scale=None, q_positions=None, lengths=None
+) -> jax.Array:
+    """DSA's lightning-indexer selection (GLM-5.3's): each query's ``topk / kpool`` pools of
+    largest index score among the whole pools whose last key it sees, then its own incomplete pool.
+
+    Pool p holds keys p kpool .. (p + 1) kpool - 1; its key is :func:`pooled_index_keys`. Query t
+    (at position q_t) scores pool p as ``sum_h weights[t, h] relu(scale q[t, h] . pool_p)`` in
+    float32, among the pools with (p + 1) kpool - 1 <= q_t and (p + 1) kpool <= the row's length;
+    ties go to the smaller pool.
+
+    Args:
+        q: [B, T, Hi, d] the index queries.
+        weights: [B, T, Hi] the heads' weights.
+        keys, gates: [B, S, d] the keys' index keys and pooling logits.
+        ape: [kpool, d] the pooling logits' bias per position in a pool.
+        topk: the keys selected in whole pools, a multiple of ``kpool``.
+        kpool: keys per pool.
+        tail: append each query's incomplete pool, keys q_t + 1 - (q_t + 1) % kpool .. q_t.
+        scale: d ** -0.5 when None.
+        q_positions: [B, T] the queries' positions (default 0..T-1); a query at or past its
+            row's length, or negative, selects nothing.
+        lengths: [B] the valid keys of each row (default S).
+
+    Returns:
+        indices [B, T, topk + (kpool - 1 if tail else 0)] int32: the selected pools' keys
+        ascending (-1 in unfilled slots), then the tail's (-1 for none).
+    """
+    q_positions, lengths = check_index_call(
+        q, weights, keys, gates, ape, q_positions, lengths, topk=topk, kpool=kpool, scale=scale
+    )
+    dt = jnp.promote_types(q.dtype, jnp.float32)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    pooled = pooled_index_keys(keys, gates, ape, kpool)
+    s = jnp.maximum(jnp.einsum("bthd,bpd->bthp", q.astype(dt), pooled.astype(dt), precision=_HI) * scale, 0)
+    scores = jnp.einsum("bth,bthp->btp", weights.astype(dt), s, precision=_HI)
+    k_max = topk // kpool
+    scores = jnp.pad(scores, ((0, 0), (0, 0), (0, max(0, k_max - scores.shape[-1]))))
+    ends = (jnp.arange(scores.shape[-1]) + 1) * kpool - 1
+    q_ok = (q_positions >= 0) & (q_positions < lengths[:, None])
+    candidate = (ends <= q_positions[..., None]) & (ends < lengths[:, None, None]) & q_ok[..., None]
+    keep = jnp.minimum(candidate.sum(-1), k_max)
+    indices = pool_keys(_top(jnp.where(candidate, scores, -jnp.inf), k_max, keep), kpool)
+    if tail and kpool > 1:
+        indices = jnp.concatenate([indices, index_tail(q_positions, lengths, kpool)], -1)
+    return indices
+
+
+def naive_indexed_attention(q, k, v, indices, *, scale=None, lengths=None) -> jax.Array:
+    """Attention of each query over the keys its row of ``indices`` lists (DSA's sparse attention).
+
+    Args:
+        q: [B, T, H, D]; k: [B, S, G, D]; v: [B, S, G, Dv], H % G == 0.
+        indices: [B, T, W] int, the keys each query attends, shared by its heads (-1: none).
+        scale: D ** -0.5 when None.
+        lengths: [B] the valid keys of each row (default S); listed keys at or past it are skipped.
+
+    Returns:
+        o [B, T, H, Dv] in q's dtype, 0 for a query with no key.
+    """
+    lengths = check_indexed_call(q, k, v, indices, lengths)
+    S = k.shape[1]
+    qg, kc, vc = _cast(q, k, v, scale)
+    allowed = _members(jnp.asarray(indices), S) & (jnp.arange(S) < lengths[:, None, None])
+    return _attend(qg, kc, vc, allowed[:, None, None]).astype(q.dtype)

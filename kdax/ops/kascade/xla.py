@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from kdax.ops.common.arrays import masked_softmax
-from kdax.ops.kascade.checks import pool_count, pool_keys, pool_scores
+from kdax.ops.kascade.checks import index_tail, pool_count, pool_keys, pool_scores, pooled_index_keys
 
 
 @dataclasses.dataclass(frozen=True)
@@ -311,3 +311,66 @@ def kascade_reuse_decode_xla(q, k_cache, v_cache, lengths, indices, *, pool_size
     allowed = (indices >= 0) & (indices < lengths[:, None, None])
     o = jnp.einsum("bgrk,bgkd->bgrd", masked_softmax(s, allowed[:, :, None]), vs.astype(acc), precision=prec)
     return o.reshape(B, H, D).astype(q.dtype)
+
+
+def _query_blocks(T: int, per_query: int, cfg: Config) -> tuple[int, int]:
+    """(queries a block, blocks) so one block's intermediates take at most ``cfg.block_bytes``."""
+    nb = max(1, min(T, cfg.block_bytes // max(1, per_query)))
+    return nb, -(-T // nb)
+
+
+def _by_query_blocks(fn, T: int, nb: int, NB: int, *arrays):
+    """fn over blocks of ``nb`` queries of each [B, T, ...] array (padded to NB * nb; lax.map),
+    its [B, nb, ...] results put back together as [B, T, ...]."""
+    pad = lambda x: jnp.pad(x, [(0, 0), (0, NB * nb - T)] + [(0, 0)] * (x.ndim - 2))
+    blocks = [jnp.moveaxis(pad(x).reshape(x.shape[0], NB, nb, *x.shape[2:]), 1, 0) for x in arrays]
+    out = lax.map(lambda b: fn(*b), tuple(blocks))
+    return jnp.moveaxis(out, 0, 1).reshape(out.shape[1], NB * nb, *out.shape[3:])[:, :T]
+
+
+def index_select_xla(q, weights, keys, gates, ape, q_positions, lengths, *, topk, kpool, tail, scale, cfg):
+    """See :func:`kdax.index_select`: the pools' keys once, then blocks of queries' float32 scores
+    and ``lax.top_k`` (ties toward the smaller pool). Returns indices [B, T, W] int32."""
+    B, T, Hi, _ = q.shape
+    acc, prec = _acc(q.dtype), _precision(q.dtype)
+    pooled = pooled_index_keys(keys, gates, ape, kpool).astype(acc)  # [B, NP, d]
+    k_max = topk // kpool
+    NP = pooled.shape[1]
+    width = max(NP, k_max)
+    ends = (jnp.arange(width) + 1) * kpool - 1
+
+    def block(qb, wb, pb):
+        s = jnp.einsum("bthd,bpd->bthp", qb.astype(acc), pooled, precision=prec) * scale
+        scores = jnp.einsum("bth,bthp->btp", wb.astype(acc), jnp.maximum(s, 0), precision=prec)
+        scores = jnp.pad(scores, ((0, 0), (0, 0), (0, width - NP)))
+        ok = (pb >= 0) & (pb < lengths[:, None])
+        candidate = (ends <= pb[..., None]) & (ends < lengths[:, None, None]) & ok[..., None]
+        keep = jnp.minimum(candidate.sum(-1), k_max)
+        return pool_keys(top(jnp.where(candidate, scores, -jnp.inf), k_max, keep), kpool)
+
+    nb, NB = _query_blocks(T, 4 * B * (Hi + 1) * width, cfg)
+    indices = _by_query_blocks(block, T, nb, NB, q, weights, q_positions)
+    if tail and kpool > 1:
+        indices = jnp.concatenate([indices, index_tail(q_positions, lengths, kpool)], -1)
+    return indices
+
+
+def indexed_attention_xla(q, k, v, indices, lengths, *, scale, cfg):
+    """See :func:`kdax.indexed_attention`: blocks of queries gather their listed keys and values
+    (shared by the heads) and attend them, in float32. Returns o [B, T, H, Dv] in q's dtype."""
+    B, T, H, D = q.shape
+    G, Dv, W = k.shape[2], v.shape[3], indices.shape[2]
+    acc, prec = _acc(q.dtype), _precision(q.dtype)
+
+    def block(qb, ib):
+        n = qb.shape[1]
+        take = lambda x: jnp.take_along_axis(x, jnp.maximum(ib, 0).reshape(B, n * W, 1, 1), axis=1)
+        ks, vs = (take(x).reshape(B, n, W, G, x.shape[-1]) for x in (k, v))
+        qg = qb.reshape(B, n, G, H // G, D)
+        s = jnp.einsum("btgrd,btwgd->btgrw", qg, ks, preferred_element_type=acc, precision=prec) * scale
+        allowed = ((ib >= 0) & (ib < lengths[:, None, None]))[:, :, None, None]
+        o = jnp.einsum("btgrw,btwgd->btgrd", masked_softmax(s, allowed), vs.astype(acc), precision=prec)
+        return o.reshape(B, n, H, Dv).astype(q.dtype)
+
+    nb, NB = _query_blocks(T, 4 * B * W * (G * (D + Dv) + H), cfg)
+    return _by_query_blocks(block, T, nb, NB, q, indices)
