@@ -7,7 +7,7 @@ from kdax.models.generation import generate
 from kdax.models.hf_config import BailingHybridConfig, Glm5NextConfig, KimiLinearConfig
 from kdax.models.hybrids import BailingHybridForCausalLM, Glm5NextForCausalLM, KimiLinearForCausalLM, model_class
 from kdax.models.kda import KDAForCausalLM, KDAModel, ModelCache
-from kdax.models.presets import PRESETS, kimi_tiny_config, ling_tiny_config, tiny_config
+from kdax.models.presets import PRESETS, glm5_tiny_config, kimi_tiny_config, ling_tiny_config, tiny_config
 from kdax.models.sharding import shard
 
 __all__ = [
@@ -25,6 +25,7 @@ __all__ = [
     "from_pretrained",
     "model_class",
     "generate",
+    "glm5_tiny_config",
     "kimi_tiny_config",
     "ling_tiny_config",
     "save_pretrained",

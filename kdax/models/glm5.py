@@ -15,6 +15,7 @@ from flax import nnx
 
 from kdax.models.kda import KDABlock, Segments, is_kda
 from kdax.nn import HyperConnection, RMSNorm
+from kdax.ops.common.sharding import Layout
 
 
 class HyperBlock(KDABlock):
@@ -84,7 +85,7 @@ class Glm5Model(nnx.Module):
         self.layers = nnx.List(blocks)
         self.norm = RMSNorm(c.hidden_size, eps=eps)
         self.streams = c.hc_mult
-        self.layout = None  # the models of kdax.models.shard's layouts; not laid out yet
+        self.layout: Layout | None = None  # set by kdax.models.shard
 
     def __call__(
         self, input_ids, seg: Segments, caches=None, output_cache=False, mode=None, kascade=None, *, selections=False
@@ -104,13 +105,19 @@ class Glm5Model(nnx.Module):
             (hidden [B, T, hidden_size], a tuple of per-layer caches), then with ``selections``
             {layer: [B, T, W] int32}.
         """
-        x = self.embeddings(input_ids)
+        L = self.layout if caches is None else None  # decoding: as XLA partitions it
+        if L is None:
+            spread, x = (lambda x: x), self.embeddings(input_ids)
+        else:  # as KDAModel: the table gathered before the look-up, rows and time spread over the mesh
+            spread = lambda x: L.constrain(x, L.data, L.context, *(None,) * (x.ndim - 2))
+            x = spread(jnp.take(L.constrain(self.embeddings.embedding[...], None, None), input_ids, axis=0))
         x = jnp.broadcast_to(x[:, :, None], (*x.shape[:2], self.streams, x.shape[-1]))
         caches = (None,) * len(self.layers) if caches is None else caches
         new, chosen, indices = [], {}, None
         for i, (layer, cache) in enumerate(zip(self.layers, caches)):
             shared = not is_kda(layer) and layer.attn.indexer is None
             x, cache, indices = layer(x, seg, cache, output_cache, mode, indices if shared else None)
+            x = spread(x)
             if indices is not None and not shared:
                 chosen[i] = indices
             new.append(cache)

@@ -18,6 +18,7 @@ The checkpoints keep the hub's tensor names (as transformers' ``save_pretrained`
 
 from __future__ import annotations
 
+import functools
 import re
 
 import jax
@@ -30,6 +31,7 @@ from kdax.models.kda import KDAForCausalLM, Segments, _arange, _check_ids
 from kdax.nn import MLA, GatedMLP, KimiDeltaAttention, MoE
 from kdax.nn.dsa import IndexedMLA
 from kdax.nn.moe import Buffer
+from kdax.ops.common import dispatch
 
 
 def _mla(config, layer_idx: int, rngs: nnx.Rngs, *, output_gate: bool) -> MLA:
@@ -207,13 +209,18 @@ class Glm5NextForCausalLM(HubCausalLM):
             attn = _kda(c, layer_idx, backend, rngs, lower_bound=bound, safe_gate=bound is not None)
         return attn, _mlp(c, layer_idx, rngs)
 
-    def __call__(self, input_ids, *, attention_mask=None, cu_seqlens=None, kascade=None):
+    def __call__(self, input_ids, *, attention_mask=None, cu_seqlens=None, kascade=None, pixel_values=None):
         """Logits of every position, as :meth:`kdax.models.KDAForCausalLM.__call__`.
 
         Raises:
             ValueError: as there, and ``cu_seqlens`` or ``kascade`` given (the indexed layers
-                take rows, and select their own keys).
+                take rows, and select their own keys), or ``pixel_values`` (kdax runs the text model).
         """
+        if pixel_values is not None:
+            raise ValueError(
+                "pixel_values: expected None; kdax runs GLM-5.3-Flash's text model (the vision tower's tensors are "
+                "kept as loaded for save_pretrained, not run): pass text token ids"
+            )
         if cu_seqlens is not None:
             raise ValueError("cu_seqlens: expected None (GLM-5.3's indexed layers take rows; pass attention_mask)")
         return super().__call__(input_ids, attention_mask=attention_mask, kascade=kascade)
@@ -229,8 +236,17 @@ class Glm5NextForCausalLM(HubCausalLM):
             {layer: indices [B, T, index_topk + index_kpool - 1] int32}: the selected pools' keys
             ascending (-1 in unfilled slots), then the tail's (:func:`kdax.index_select`).
         """
-        B, T = _check_ids(input_ids, self.config.vocab_size)
-        return self.model(input_ids, Segments(None, _arange(B, T), None), selections=True)[2]
+        _check_ids(input_ids, self.config.vocab_size)
+        graphdef, state = nnx.split(self)
+        return _selections(graphdef, state, input_ids, dispatch.context())
+
+
+@functools.partial(jax.jit, static_argnums=(0, 3))
+def _selections(graphdef, state, input_ids, ctx):
+    """:meth:`Glm5NextForCausalLM.selections`, compiled once per shape and dispatch context."""
+    with dispatch.restored(ctx):
+        B, T = input_ids.shape
+        return nnx.merge(graphdef, state).model(input_ids, Segments(None, _arange(B, T), None), selections=True)[2]
 
 
 MODELS = {

@@ -1,5 +1,5 @@
 """Model presets, shared by ``kdax train`` and ``kdax bench model``: ``PRESETS`` maps a name
-to a function that returns its config (:class:`KDAConfig`, or a Kimi Linear or Ling one; build
+to a function that returns its config (:class:`KDAConfig`, or a Kimi Linear, Ling or GLM-5.3 one; build
 the model with :func:`kdax.models.model_class`)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kdax.models.config import KDAConfig
-from kdax.models.hf_config import BailingHybridConfig, KimiLinearConfig
+from kdax.models.hf_config import BailingHybridConfig, Glm5NextConfig, KimiLinearConfig
 
 
 def tiny_config(**overrides) -> KDAConfig:
@@ -109,11 +109,41 @@ def ling_tiny_config(**overrides) -> BailingHybridConfig:
     return BailingHybridConfig(**{**args, **overrides})
 
 
-PRESETS: dict[str, Callable[[], KDAConfig | KimiLinearConfig | BailingHybridConfig]] = {
+def glm5_tiny_config(**overrides) -> Glm5NextConfig:
+    """A 4-layer byte-level GLM-5.3-Flash (hidden 128, 2 residual streams; KDA on layers 0 and 3,
+    DSA indexed attention on 1 and 2, layer 2 sharing layer 1's selection of 16 keys in pools of
+    4 plus the tail; 8 experts, top-2 after a dense first layer).
+
+    Args:
+        **overrides: Glm5NextConfig fields that replace the preset's.
+
+    Returns:
+        The config.
+    """
+    args = {
+        **{k: v for k, v in _TINY_MLA_MOE.items() if k not in ("num_local_experts", "qk_rope_head_dim")},
+        "n_routed_experts": 8,
+        "qk_rope_head_dim": 0,
+        "q_lora_rank": 64,
+        "layer_types": ["linear_attention", "indexed_attention", "indexed_attention", "linear_attention"],
+        "indexer_types": ["full", "full", "shared", "full"],
+        "index_topk": 16,
+        "index_kpool": 4,
+        "index_n_heads": 4,
+        "index_head_dim": 32,
+        "linear_head_dim": 32,
+        "linear_num_heads": 4,
+        "hc_mult": 2,
+    }
+    return Glm5NextConfig(**{**args, **overrides})
+
+
+PRESETS: dict[str, Callable[[], KDAConfig | KimiLinearConfig | BailingHybridConfig | Glm5NextConfig]] = {
     "tiny": tiny_config,
     "attn8": attn8_config,
     # FLA's KDAConfig defaults (24 layers, hidden 2048, 16 heads of 128) with attention on every 4th layer
     "24x2048": lambda: KDAConfig(attn={"layers": [3, 7, 11, 15, 19, 23], "num_heads": 16}),
     "kimi-tiny": kimi_tiny_config,
     "ling-tiny": ling_tiny_config,
+    "glm5-tiny": glm5_tiny_config,
 }

@@ -17,6 +17,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from kdax.models.glm5 import Glm5Model
 from kdax.models.kda import KDAForCausalLM, KDAModel
 from kdax.nn import MLA, Attention, GatedMLP, KimiDeltaAttention, MoE
 from kdax.nn.moe import Buffer
@@ -220,7 +221,7 @@ def shard(model: KDAForCausalLM, mesh: jax.sharding.Mesh) -> KDAForCausalLM:
         var.set_metadata(out_sharding=tuple(specs[tuple(path)]), mesh=mesh)
     layout = Layout.of(mesh)
     for _, module in nnx.iter_graph(model):
-        if isinstance(module, KimiDeltaAttention | Attention | KDAModel):
+        if isinstance(module, KimiDeltaAttention | Attention | KDAModel | Glm5Model):
             module.layout = layout
     nnx.update(model, place(nnx.state(model, nnx.Any(nnx.Param, Buffer)), mesh))  # buffers replicated
     return model

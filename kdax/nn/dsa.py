@@ -141,39 +141,61 @@ class IndexedMLA(MLA):
         B, T, _ = x.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-        q_resid = self.q_a_layernorm(self.q_a_proj(x))
-        q_nope = self.q_b_proj(q_resid).reshape(B, T, self.num_heads, self.qk_head_dim)
-        kv = self.kv_a_proj_with_mqa(x)
-        new = (self.kv_a_layernorm(kv[..., : self.kv_lora_rank])[:, :, None], kv[..., self.kv_lora_rank :][:, :, None])
-        if self.indexer is not None:
-            new = (*new, *self.indexer.keys(jax.lax.stop_gradient(x)))
+        q_resid, q_nope, new = self.entries(x)
         if cache is None:
             keys, lengths = new, _row_tokens(positions, segment_ids)[:, 0]
         else:
             cache, n = store_tokens(positions, segment_ids, cache, new)
             keys, lengths = cache, positions[:, 0] + n[:, 0]
         if self.indexer is not None:
-            stop = jax.lax.stop_gradient
-            q_idx, weights = self.indexer.queries(stop(x), stop(q_resid))
-            index_keys, gates = (stop(a[:, :, 0]).astype(q_idx.dtype) for a in keys[2:])
-            ape = self.indexer.index_kpool_compress_ape[...].astype(q_idx.dtype)
-            indices = index_select(
-                q_idx,
-                weights,
-                index_keys,
-                gates,
-                ape,
-                topk=self.index_topk,
-                kpool=self.index_kpool,
-                tail=self.index_tail,
-                q_positions=positions,
-                lengths=lengths,
-            )
+            index_keys, gates = (a[:, :, 0] for a in keys[2:])
+            indices = self.select(x, q_resid, index_keys, gates, positions, lengths)
         elif indices is None:
             raise ValueError(f"indices: layer {self.layer_idx} shares the previous layer's selection; got None")
-        f32 = lambda a: a.astype(jnp.promote_types(x.dtype, jnp.float32))
-        w_uk, w_uv = (f32(w) for w in self._kv_b())
-        q_lat = jnp.einsum("bthd,rhd->bthr", f32(q_nope), w_uk)
-        latent = f32(keys[0])
+        return self.attend(x, q_nope, keys[0], indices, lengths), cache, indices
+
+    def entries(self, x: jax.Array):
+        """The projections of x [B, T, hidden_size]: (the low-rank query q_resid [B, T, q_lora_rank],
+        q_nope [B, T, heads, qk_nope_head_dim], the tokens' cache entries: latent [B, T, 1, r],
+        k_rope [B, T, 1, 0], and with an indexer its keys and pooling logits [B, T, 1, d])."""
+        B, T, _ = x.shape
+        q_resid = self.q_a_layernorm(self.q_a_proj(x))
+        q_nope = self.q_b_proj(q_resid).reshape(B, T, self.num_heads, self.qk_head_dim)
+        kv = self.kv_a_proj_with_mqa(x)
+        new = (self.kv_a_layernorm(kv[..., : self.kv_lora_rank])[:, :, None], kv[..., self.kv_lora_rank :][:, :, None])
+        if self.indexer is not None:
+            new = (*new, *self.indexer.keys(jax.lax.stop_gradient(x)))
+        return q_resid, q_nope, new
+
+    def select(self, x, q_resid, index_keys, gates, positions, lengths, key_rows=None) -> jax.Array:
+        """The indexer's selection (:func:`kdax.index_select`, no gradient) for the queries of x
+        [B, T, hidden_size] at ``positions`` [B, T] over keys [Bk, S, d] (each row's first
+        ``lengths`` [Bk] valid; ``key_rows`` [B, T]: the row each query reads, default its own):
+        indices [B, T, W] int32."""
+        stop = jax.lax.stop_gradient
+        q_idx, weights = self.indexer.queries(stop(x), stop(q_resid))
+        index_keys, gates = (stop(a).astype(q_idx.dtype) for a in (index_keys, gates))
+        return index_select(
+            q_idx,
+            weights,
+            index_keys,
+            gates,
+            self.indexer.index_kpool_compress_ape[...].astype(q_idx.dtype),
+            topk=self.index_topk,
+            kpool=self.index_kpool,
+            tail=self.index_tail,
+            q_positions=positions,
+            lengths=lengths,
+            key_rows=key_rows,
+        )
+
+    def attend(self, x, q_nope, latent, indices, lengths=None) -> jax.Array:
+        """The layer's output [B, T, hidden_size]: each query over the latents [B, S, 1, r] its row of
+        ``indices`` [B, T, W] lists (:func:`kdax.indexed_attention`, absorbed form), in float32 at
+        least (the latents' dtype where wider)."""
+        dt = jnp.promote_types(x.dtype, jnp.float32)
+        w_uk, w_uv = (w.astype(dt) for w in self._kv_b())
+        q_lat = jnp.einsum("bthd,rhd->bthr", q_nope.astype(dt), w_uk)
+        latent = latent.astype(dt)
         o = indexed_attention(q_lat, latent, latent, indices, scale=self.qk_head_dim**-0.5, lengths=lengths)
-        return self._out(x, jnp.einsum("bthr,rhd->bthd", o, w_uv)), cache, indices
+        return self._out(x, jnp.einsum("bthr,rhd->bthd", o, w_uv))

@@ -54,11 +54,13 @@ def _engine(scenario, prompts, max_tokens, checkpoint=CHECKPOINT):
     return json.loads(lines[-1][len("RESULT ") :])
 
 
-@pytest.mark.parametrize("case", ["kimi_a", "ling_a"])
+@pytest.mark.parametrize("case", ["kimi_a", "ling_a", "glm5_a", "glm5_b"])
 def test_greedy_tokens_equal_generate(case):
     """Three requests prefilled together (6, 11 and 2 tokens), then decoded together; Kimi
-    Linear (MLA pages as the engine's MLA layout) and Ling (vLLM takes it for plain attention:
-    the plugin sizes its pages, and reads its config.json where transformers cannot)."""
+    Linear (MLA pages as the engine's MLA layout), Ling (vLLM takes it for plain attention:
+    the plugin sizes its pages, and reads its config.json where transformers cannot) and GLM-5.3
+    (multimodal and flat config.json; pages wide enough for the indexer's keys beside the latents,
+    selections of 4 and 8 keys well inside these prompts and continuations)."""
     checkpoint = os.path.join(os.path.dirname(CHECKPOINT), case)
     out = _engine("greedy", PROMPTS, 6, checkpoint)
     model = from_pretrained(checkpoint, backend="xla")

@@ -22,7 +22,11 @@ PAGE = 4  # tokens a page (and, in align mode, a state block)
 R, T, M = 4, 24, 12  # requests, tokens and pages a request at most, of a step
 
 
-@pytest.fixture(scope="module", params=["kimi_a", pytest.param("ling_a", marks=pytest.mark.slow)])
+# GLM-5.3 (7 minutes here, its greedy references compiling per prompt) by hand with -m slow
+@pytest.fixture(
+    scope="module",
+    params=["kimi_a", *(pytest.param(c, marks=pytest.mark.slow) for c in ("ling_a", "glm5_b", "glm5_a"))],
+)
 def model(request):
     return from_pretrained(os.path.join(FIXTURES, request.param), backend="xla")
 
@@ -241,12 +245,13 @@ def test_plugin_refuses_another_tpu_inference_and_leaves_processes_without_it_al
 def test_verify_steps_run_the_recurrent_form_on_the_short_requests_alone(model, monkeypatch):
     """A step with drafts and a prompt chunk: the KDA layers run the chunked form over the step and
     the recurrent form over a row of at most R * (num_spec + 1) tokens (the verify rows'), not over
-    the prompt chunk; the MLA layers run the paged op."""
-    from kdax.nn import mla
+    the prompt chunk; the MLA layers run the paged op (GLM's indexed layers: the indexed op over the
+    pages' latents)."""
+    from kdax.nn import dsa, mla
     from kdax.nn.kda import KimiDeltaAttention
 
     calls, paged = [], []
-    kda_call, mla_call = KimiDeltaAttention.__call__, mla.paged_latent_attention
+    kda_call, mla_call, dsa_call = KimiDeltaAttention.__call__, mla.paged_latent_attention, dsa.indexed_attention
 
     def spy(self, x, **kw):
         calls.append((kw.get("mode"), x.shape[1]))
@@ -258,6 +263,7 @@ def test_verify_steps_run_the_recurrent_form_on_the_short_requests_alone(model, 
 
     monkeypatch.setattr(KimiDeltaAttention, "__call__", spy)
     monkeypatch.setattr(mla, "paged_latent_attention", spy_paged)
+    monkeypatch.setattr(dsa, "indexed_attention", lambda *a, **kw: paged.append(a[1].shape) or dsa_call(*a, **kw))
     num_spec, big_T = 1, 40
     caches = init_caches(model, 8, 24, PAGE)
     qsl = np.array([0, 2, 32, 33, 33], np.int32)  # a verify row of 2, a chunk of 30, a decode row, padding

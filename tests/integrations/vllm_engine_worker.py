@@ -79,7 +79,7 @@ def main(checkpoint: str, scenario: str, prompts: list[list[int]], max_tokens: i
         additional_config=extra,
         **options,
     )
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, detokenize=False)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, detokenize=False, ignore_eos=True)  # as generate()
     if "align" in parts:  # one after the other: the second finds the first's blocks cached
         out = [llm.generate([{"prompt_token_ids": p}], params)[0] for p in prompts]
     else:

@@ -14,6 +14,7 @@ from kdax.bench.measure import rel_rms
 from kdax.models import (
     PRESETS,
     BailingHybridForCausalLM,
+    Glm5NextForCausalLM,
     KDAConfig,
     KDAForCausalLM,
     KimiLinearForCausalLM,
@@ -243,7 +244,8 @@ def test_config_round_trips_through_json():
 
 
 def test_presets_build_their_configs():
-    assert set(PRESETS) == {"tiny", "attn8", "24x2048", "kimi-tiny", "ling-tiny"} and PRESETS["tiny"] is tiny_config
+    assert set(PRESETS) == {"tiny", "attn8", "24x2048", "kimi-tiny", "ling-tiny", "glm5-tiny"}
+    assert PRESETS["tiny"] is tiny_config and model_class(PRESETS["glm5-tiny"]()) is Glm5NextForCausalLM
     kimi, ling = PRESETS["kimi-tiny"](), PRESETS["ling-tiny"]()
     assert model_class(kimi) is KimiLinearForCausalLM and model_class(ling) is BailingHybridForCausalLM
     assert kimi.vocab_size == ling.vocab_size == 256 and model_class(tiny_config()) is KDAForCausalLM

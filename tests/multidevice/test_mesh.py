@@ -90,8 +90,9 @@ def test_context_parallel_and_sharded_ops_on_8_devices():
 
 
 @pytest.mark.slow
-def test_kimi_linear_and_ling_with_an_expert_axis_on_8_devices():
-    """Kimi Linear on data=2,expert=2,context=2 and Ling on data=2,model=2,expert=2 (KDA, MLA, MoE):
+def test_kimi_linear_ling_and_glm5_with_an_expert_axis_on_8_devices():
+    """Kimi Linear on data=2,expert=2,context=2, Ling and GLM-5.3 on data=2,model=2,expert=2 (KDA, MLA,
+    DSA, MoE):
     loss and every gradient against one device, experts stored split; two AdamW steps of Kimi."""
     h = _worker("hybrids")
     failures = []

@@ -230,12 +230,13 @@ def model_on_mesh():
 
 
 def hybrids_on_mesh():
-    """The tiny Kimi Linear and Ling models (KDA, MLA, MoE; 4 heads, 8 experts): loss and gradients on
-    a data=2,expert=2,context=2 (Kimi) and a data=2,model=2,expert=2 (Ling) mesh against one device, and
+    """The tiny Kimi Linear, Ling and GLM-5.3 models (KDA, MLA, DSA, MoE; 4 heads, 8 experts): loss and
+    gradients on a data=2,expert=2,context=2 (Kimi) and a data=2,model=2,expert=2 (Ling, GLM) mesh against
+    one device, and
     two AdamW steps of Kimi on its mesh against one device."""
     from flax import nnx
 
-    from kdax.models import kimi_tiny_config, ling_tiny_config, model_class
+    from kdax.models import glm5_tiny_config, kimi_tiny_config, ling_tiny_config, model_class
 
     batch = np.random.default_rng(1).integers(0, 256, (4, 129)).astype(np.int32)
     grad = nnx.jit(nnx.value_and_grad(train.loss_fn))
@@ -243,6 +244,7 @@ def hybrids_on_mesh():
     cases = (
         ("kimi", kimi_tiny_config(), "data=2,expert=2,context=2"),
         ("ling", ling_tiny_config(), "data=2,model=2,expert=2"),
+        ("glm5", glm5_tiny_config(), "data=2,model=2,expert=2"),
     )
     for name, config, spec in cases:
         fresh = lambda config=config: model_class(config)(config, rngs=nnx.Rngs(0))

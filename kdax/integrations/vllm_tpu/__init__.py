@@ -1,9 +1,9 @@
-"""Serve kdax's Kimi Linear and Ling models on vLLM's TPU engine (tpu-inference), as a vLLM
-plugin (docs/serving.md, "vLLM").
+"""Serve kdax's Kimi Linear, Ling and GLM-5.3-Flash models on vLLM's TPU engine (tpu-inference),
+as a vLLM plugin (docs/serving.md, "vLLM").
 
 Installed with kdax, the ``vllm.general_plugins`` entry point ``kdax`` calls :func:`register`
-in every vLLM process: it registers the ``KimiLinearForCausalLM`` and
-``BailingHybridForCausalLM`` architectures on :class:`~kdax.integrations.vllm_tpu.engine.KdaxForCausalLM`
+in every vLLM process: it registers the ``KimiLinearForCausalLM``, ``BailingHybridForCausalLM``
+and ``Glm5NextForConditionalGeneration`` architectures on :class:`~kdax.integrations.vllm_tpu.engine.KdaxForCausalLM`
 and gives their KDA layers state pools in the engine's cache specs. The engine code it relies
 on is tpu-inference's: :data:`TPU_INFERENCE_VERSION` is the release it is written against.
 """

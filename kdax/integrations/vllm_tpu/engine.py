@@ -1,4 +1,4 @@
-"""kdax's Kimi Linear and Ling models as tpu-inference models (vLLM's TPU engine).
+"""kdax's Kimi Linear, Ling and GLM-5.3-Flash models as tpu-inference models (vLLM's TPU engine).
 
 :class:`KdaxForCausalLM` is what tpu-inference's model runner builds and calls: constructed
 as ``cls(vllm_config, rng, mesh)``, called with the engine's caches and
@@ -17,16 +17,17 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from kdax.integrations.vllm_tpu.step import StateSlots, StepBatch, StepMesh, forward, kda_state_shapes
+from kdax.integrations.vllm_tpu.step import StateSlots, StepBatch, StepMesh, forward, kda_state_shapes, page_width
 from kdax.models import from_pretrained
 from kdax.models.kda import is_kda
 from kdax.ops.common.sharding import axis_size
 
-ARCHITECTURES = ("KimiLinearForCausalLM", "BailingHybridForCausalLM")
+ARCHITECTURES = ("KimiLinearForCausalLM", "BailingHybridForCausalLM", "Glm5NextForConditionalGeneration")
 
 
 class KdaxForCausalLM(nnx.Module):
-    """A Hugging Face checkpoint of Kimi Linear or Ling served by tpu-inference on kdax's model.
+    """A Hugging Face checkpoint of Kimi Linear, Ling or GLM-5.3-Flash (its text model) served by
+    tpu-inference on kdax's model.
 
     Args:
         vllm_config: the engine's config (model path and dtype, cache mode, drafts).
@@ -198,7 +199,7 @@ def _placements(model, mesh, gather: bool = False) -> dict:
 
 def _layer_kinds(hf_config) -> tuple[bool, ...]:
     """Whether each layer of a Hugging Face config is a KDA layer."""
-    return tuple(t != "full_attention" for t in hf_config.layer_types)
+    return tuple(t == "linear_attention" for t in _family(hf_config)[1].layer_types)
 
 
 def _family(hf_config):
@@ -236,14 +237,18 @@ def patch_cache_specs() -> None:
         if getattr(hf, "architectures", [None])[0] not in ARCHITECTURES:
             return specs
         kinds = _layer_kinds(hf)
-        if not self.use_mla:  # a family vLLM does not know as MLA (Ling): pages of the latents
+        cls, config = _family(hf)
+        width = page_width(nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0))))
+        # a family vLLM does not know as MLA (Ling), or whose entries are wider than an MLA page
+        # (GLM-5.3: the indexer's keys beside the latents): pages of one head of the entries' width
+        if not self.use_mla or width > config.kv_lora_rank + config.qk_rope_head_dim:
             from tpu_inference import utils
             from tpu_inference.layers.common.sharding import ShardingAxisName
 
             heads = utils.get_padded_num_heads(
                 1, utils.get_mesh_shape_product(self.runner.mesh, ShardingAxisName.ATTN_HEAD)
             )
-            width = utils.get_padded_head_dim(hf.kv_lora_rank + hf.qk_rope_head_dim)
+            width = utils.get_padded_head_dim(width)
             for i, kda in enumerate(kinds):
                 if not kda:
                     specs[f"layer.{i}"] = self._create_attention_spec(self.runner.cache_config.block_size, heads, width)
@@ -290,19 +295,37 @@ def _with_state_specs(vllm_config, specs: dict, kinds: tuple[bool, ...]):
 
 
 def register_configs() -> None:
-    """Let vLLM read Ling's ``bailing_hybrid`` config.json where the installed transformers does
-    not know it (vllm-tpu 0.32.0 pins transformers < 5.20): a plain ``PretrainedConfig`` of its
-    fields, which is all the engine reads (kdax reads the checkpoint's config itself)."""
+    """Let vLLM read Ling's ``bailing_hybrid`` and GLM-5.3's ``glm5_next`` config.json where the
+    installed transformers does not know them (vllm-tpu 0.32.0 pins transformers < 5.20): plain
+    ``PretrainedConfig``s of their fields (GLM's text fields as its ``text_config``, a flat file's
+    too), which is all the engine reads (kdax reads the checkpoint's config itself)."""
     from transformers import AutoConfig, PretrainedConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    if "bailing_hybrid" in CONFIG_MAPPING:
-        return
+    if "bailing_hybrid" not in CONFIG_MAPPING:
 
-    class BailingHybridConfig(PretrainedConfig):
-        model_type = "bailing_hybrid"
+        class BailingHybridConfig(PretrainedConfig):
+            model_type = "bailing_hybrid"
 
-    AutoConfig.register("bailing_hybrid", BailingHybridConfig)
+        AutoConfig.register("bailing_hybrid", BailingHybridConfig)
+    if "glm5_next" not in CONFIG_MAPPING:
+
+        class Glm5NextTextConfig(PretrainedConfig):
+            model_type = "glm5_next_text"
+
+        class Glm5NextConfig(PretrainedConfig):
+            model_type = "glm5_next"
+            sub_configs = {"text_config": Glm5NextTextConfig}
+
+            def __init__(self, text_config=None, vision_config=None, **kwargs):
+                text = {k: v for k, v in kwargs.items() if k not in ("architectures", "dtype", "torch_dtype")}
+                text = text_config if text_config is not None else text
+                self.text_config = text if isinstance(text, PretrainedConfig) else Glm5NextTextConfig(**text)
+                self.vision_config = vision_config
+                super().__init__(**kwargs)
+
+        AutoConfig.register("glm5_next_text", Glm5NextTextConfig)
+        AutoConfig.register("glm5_next", Glm5NextConfig)
 
 
 def enable_cpu() -> None:

@@ -40,7 +40,10 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from kdax.models.glm5 import Glm5Model
 from kdax.models.kda import KDAForCausalLM, is_kda
+from kdax.nn.dsa import IndexedMLA
+from kdax.nn.hyper import HyperConnection
 from kdax.nn.kda import KDACache, KimiDeltaAttention
 from kdax.ops.common.sharding import axis_names, heads_over
 from kdax.ops.kda import slots as pool_slots
@@ -93,15 +96,28 @@ def kda_state_shapes(layer: KimiDeltaAttention) -> tuple[tuple[int, ...], ...]:
     return (layer.conv_size, width), (layer.num_v_heads, layer.head_k_dim, layer.head_v_dim), (1,)
 
 
+def page_width(model: KDAForCausalLM) -> int:
+    """The width of an MLA page's token entries: ``kv_lora_rank + qk_rope_head_dim``, and with
+    GLM-5.3's indexers their keys and pooling logits after (2 * index_head_dim): every MLA layer's
+    pages one width (0 for a model without MLA)."""
+    widths = [0]
+    for b in model.model.layers:
+        if not is_kda(b):
+            a = b.attn
+            extra = 2 * a.indexer.head_dim if isinstance(a, IndexedMLA) and a.indexer is not None else 0
+            widths.append(a.kv_lora_rank + a.qk_rope_head_dim + extra)
+    return max(widths)
+
+
 def init_caches(model: KDAForCausalLM, num_slots: int, num_pages: int, page_size: int, width: int | None = None):
     """Zeroed caches in the engine's layout, as the engine allocates them (tests and tools).
 
     Args:
-        model: a Kimi Linear or Ling model (KDA and MLA layers).
+        model: a Kimi Linear, Ling or GLM-5.3 model (KDA and MLA layers).
         num_slots: the state slots of each KDA layer.
         num_pages: the pages of each MLA layer.
         page_size: the tokens of a page.
-        width: the entries' width of an MLA page (default kv_lora_rank + qk_rope_head_dim).
+        width: the entries' width of an MLA page (default :func:`page_width`).
 
     Returns:
         A list, per layer: (conv, recurrent, tag) arrays [num_slots, ...] (KDA) or pages
@@ -114,8 +130,7 @@ def init_caches(model: KDAForCausalLM, num_slots: int, num_pages: int, page_size
             dtypes = (model.dtype, jnp.float32, jnp.int32)
             caches.append(tuple(jnp.zeros((num_slots, *s), d) for s, d in zip(shapes, dtypes)))
         else:
-            w = width or b.attn.kv_lora_rank + b.attn.qk_rope_head_dim
-            caches.append(jnp.zeros((num_pages, page_size, w), model.dtype))
+            caches.append(jnp.zeros((num_pages, page_size, width or page_width(model)), model.dtype))
     return caches
 
 
@@ -199,6 +214,8 @@ def forward(
 
 
 def _forward(model, caches, batch: StepBatch, num_spec: int, mla_backend: str, mesh):
+    if isinstance(model.model, Glm5Model):
+        return _forward_streams(model, caches, batch, num_spec, mesh)
     step = _per_group(mesh, _Step.of, batch.positions, batch.query_start_loc, batch.seq_lens)
     x = model.model.embeddings(batch.tokens[None])
     new = []
@@ -212,6 +229,64 @@ def _forward(model, caches, batch: StepBatch, num_spec: int, mla_backend: str, m
         x = x + b.mlp(b.mlp_norm(x))
         new.append(cache)
     return model.model.norm(x)[0], new
+
+
+def _forward_streams(model, caches, batch: StepBatch, num_spec: int, mesh):
+    """:func:`_forward` of GLM-5.3 (:class:`kdax.models.glm5.Glm5Model`): the residual streams
+    through each layer's hyper-connections, the indexed layers on the pages (:func:`_dsa_mix`), a
+    shared one with the selection of the layer before it."""
+    if mesh is not None and mesh.groups is not None:
+        raise NotImplementedError(
+            "GLM-5.3-Flash with data-parallel attention groups: not yet (serve it with tensor parallelism alone)"
+        )
+    step = _Step.of(batch.positions, batch.query_start_loc, batch.seq_lens)
+    m = model.model
+    x = m.embeddings(batch.tokens[None])
+    x = jnp.broadcast_to(x[:, :, None], (*x.shape[:2], m.streams, x.shape[-1]))
+    new, indices = [], None
+    for b, cache, layer in zip(m.layers, caches, batch.layers):
+        h, post, comb = b.attn_hc(x)
+        if is_kda(b):
+            y, cache = _kda_mix(b, h, cache, layer, step, num_spec)
+            indices = None
+        else:
+            y, cache, indices = _dsa_mix(b, h, cache, layer, step, indices)
+        x = HyperConnection.combine(x, y, post, comb)
+        h, post, comb = b.ffn_hc(x)
+        x = HyperConnection.combine(x, b.mlp(b.mlp_norm(h)), post, comb)
+        new.append(cache)
+    return m.norm(x.mean(axis=-2))[0], new
+
+
+def _dsa_mix(b, x, pages, table, step: _Step, shared):
+    """An indexed layer's mixer (:class:`kdax.nn.dsa.IndexedMLA`) over the step's requests: the
+    tokens' entries (latent, then the indexer's key and pooling logits) into their pages; the
+    indexer over each request's keys read from its pages (:func:`kdax.index_select` with each
+    token's request as its row), or the previous layer's selection (``shared``); then each token
+    over its selected latents, read from the pages where they lie (no copy of a context). Returns
+    (its output [1, T, hidden], the pages, the selection [1, T, W])."""
+    attn, positions = b.attn, step.positions
+    h = b.attn_norm(x)
+    q_resid, q_nope, new = attn.entries(h)
+    entry = jnp.concatenate([a[0, :, 0] for a in new], -1)  # [T, r (+ 2d)]
+    N, size, width = pages.shape
+    entry = jnp.pad(entry, ((0, 0), (0, width - entry.shape[1])))
+    column = jnp.clip(positions // size, 0, table.shape[1] - 1)
+    page = table[step.request, column]
+    page = jnp.where(step.live & (page >= 0), page, N)  # N: dropped
+    pages = pages.at[page, positions % size].set(entry.astype(pages.dtype), mode="drop")
+    r = attn.kv_lora_rank
+    if attn.indexer is not None:
+        d = attn.indexer.head_dim
+        R, M = table.shape
+        at = r + attn.qk_rope_head_dim
+        cols = jnp.take(pages[:, :, at : at + 2 * d], jnp.maximum(table, 0), axis=0).reshape(R, M * size, 2 * d)
+        query_at = jnp.where(step.live, positions, -1)[None]  # padding selects nothing
+        shared = attn.select(h, q_resid, cols[..., :d], cols[..., d:], query_at, step.seq_lens, step.request[None])
+    flat = table[step.request[:, None], jnp.clip(shared[0] // size, 0, table.shape[1] - 1)] * size + shared[0] % size
+    flat = jnp.where(shared[0] >= 0, flat, -1)[None]  # each selected key's row in the pages, [1, T, W]
+    latent = pages[:, :, :r].reshape(1, N * size, 1, r)
+    return attn.attend(h, q_nope, latent, flat), pages, shared
 
 
 def _mix(graph, weights, x, cache, layer, step: _Step, *, num_spec: int, backend: str):

@@ -384,6 +384,7 @@ def index_select(
     scale: float | None = None,
     q_positions: jax.Array | None = None,
     lengths: jax.Array | None = None,
+    key_rows: jax.Array | None = None,
     backend: str = "auto",
     config: xla.Config | None = None,
 ) -> jax.Array:
@@ -401,7 +402,8 @@ def index_select(
     Args:
         q: [B, T, Hi, d] the index queries.
         weights: [B, T, Hi] the heads' weights.
-        keys, gates: [B, S, d] each key's index key and pooling logits (S >= T: a cache).
+        keys, gates: [B, S, d] each key's index key and pooling logits (S >= T: a cache); with
+            ``key_rows``, [Bk, S, d] of any Bk.
         ape: [kpool, d] the pooling logits' bias per position in a pool.
         topk: the keys selected in whole pools, a positive multiple of ``kpool``.
         kpool: keys per pool.
@@ -409,7 +411,9 @@ def index_select(
         scale: d ** -0.5 when None.
         q_positions: [B, T] int, the queries' positions among the keys (default 0..T-1); a
             query at or past its row's length, or negative, selects nothing.
-        lengths: [B] int, the valid keys of each row (default S).
+        lengths: [Bk] int, the valid keys of each row of keys (default S).
+        key_rows: [B, T] int, the row of keys each query reads (default its own row): the
+            requests of a serving step's flat batch over their rows of keys.
         backend: "auto", "xla" or "naive" (the float64-capable reference).
         config: an :class:`kdax.ops.kascade.xla.Config`, or None.
 
@@ -423,20 +427,25 @@ def index_select(
     """
     _check_common(backend, dtype=q.dtype)
     options = {"topk": topk, "kpool": kpool, "scale": scale}
-    q_positions, lengths = check_index_call(q, weights, keys, gates, ape, q_positions, lengths, **options)
+    rows = key_rows
+    q_positions, lengths, key_rows = check_index_call(
+        q, weights, keys, gates, ape, q_positions, lengths, **options, key_rows=key_rows
+    )
     backend, config = _DSA["index_select"].resolve(backend, q.dtype, config)
     o = (backend, config, int(topk), int(kpool), bool(tail), q.shape[-1] ** -0.5 if scale is None else float(scale))
-    return _index_select(o, q, weights, keys, gates, ape, q_positions, lengths)
+    return _index_select(o, q, weights, keys, gates, ape, q_positions, lengths, None if rows is None else key_rows)
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _index_select(o, q, weights, keys, gates, ape, q_positions, lengths):
+def _index_select(o, q, weights, keys, gates, ape, q_positions, lengths, key_rows):
     backend, config, topk, kpool, tail, scale = o
     args = (q, weights, keys, gates, ape)
     options = {"topk": topk, "kpool": kpool, "tail": tail, "scale": scale}
     if backend == "naive":
-        return reference.naive_index_select(*args, **options, q_positions=q_positions, lengths=lengths)
-    return xla.index_select_xla(*args, q_positions, lengths, **options, cfg=config)
+        return reference.naive_index_select(
+            *args, **options, q_positions=q_positions, lengths=lengths, key_rows=key_rows
+        )
+    return xla.index_select_xla(*args, q_positions, lengths, key_rows, **options, cfg=config)
 
 
 def indexed_attention(

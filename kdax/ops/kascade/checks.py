@@ -276,19 +276,21 @@ def pooled_index_keys(keys, gates, ape, kpool: int):
 
 def index_tail(q_positions, lengths, kpool: int):
     """Each query's own incomplete pool: keys (q + 1) - (q + 1) % kpool .. q of the query at
-    position q ([B, T] ints, valid below ``lengths`` [B]), [B, T, kpool - 1] int32, -1 for none."""
+    position q ([B, T] ints, valid below its row's length, ``lengths`` [B, T]), [B, T, kpool - 1]
+    int32, -1 for none."""
     q = q_positions[..., None]
     count = (q + 1) % kpool
     tail = q + 1 - count + jnp.arange(kpool - 1, dtype=jnp.int32)
-    ok = (jnp.arange(kpool - 1) < count) & (q >= 0) & (q < lengths[:, None, None])
+    ok = (jnp.arange(kpool - 1) < count) & (q >= 0) & (q < lengths[..., None])
     return jnp.where(ok, tail, -1).astype(jnp.int32)
 
 
-def check_index_call(q, weights, keys, gates, ape, q_positions, lengths, *, topk, kpool, scale=None):
+def check_index_call(q, weights, keys, gates, ape, q_positions, lengths, *, topk, kpool, scale=None, key_rows=None):
     """Every check of a DSA index selection (:func:`kdax.index_select`).
 
     Returns:
-        (q_positions [B, T] int32, lengths [B] int32), defaults filled in (0..T-1, all S keys).
+        (q_positions [B, T] int32, lengths [Bk] int32, key_rows [B, T] int32), defaults filled in
+        (0..T-1, all S keys, each query its own row).
 
     Raises:
         ValueError: naming the first bad argument.
@@ -299,9 +301,10 @@ def check_index_call(q, weights, keys, gates, ape, q_positions, lengths, *, topk
         fail("q", "a [B, T, Hi, d] array with every size >= 1", f"shape {tuple(q.shape)}")
     check_array("weights", weights, 3, (B, T, Hi))
     check_array("keys", keys, 3)
-    S = keys.shape[1]
-    if keys.shape[0] != B or keys.shape[2] != d or S < 1:
-        fail("keys", f"shape (B={B}, S >= 1, d={d}) matching q", f"shape {tuple(keys.shape)}")
+    Bk, S = keys.shape[:2]
+    if (key_rows is None and Bk != B) or keys.shape[2] != d or S < 1 or Bk < 1:
+        rows = f"B={B}" if key_rows is None else "Bk >= 1"
+        fail("keys", f"shape ({rows}, S >= 1, d={d}) matching q", f"shape {tuple(keys.shape)}")
     check_array("gates", gates, 3, keys.shape)
     if isinstance(kpool, bool) or not isinstance(kpool, (int, np.integer)) or kpool < 1:
         fail("kpool", "a positive int", repr(kpool))
@@ -315,8 +318,16 @@ def check_index_call(q, weights, keys, gates, ape, q_positions, lengths, *, topk
     else:
         check_array("q_positions", q_positions, 2, (B, T), integer=True)
     if lengths is not None:
-        check_lengths(lengths, B, S)
-    return jnp.asarray(q_positions, jnp.int32), row_lengths(lengths, B, S)
+        check_lengths(lengths, Bk, S)
+    if key_rows is None:
+        key_rows = jnp.broadcast_to(jnp.arange(B, dtype=jnp.int32)[:, None], (B, T))
+    else:
+        check_array("key_rows", key_rows, 2, (B, T), integer=True)
+        if not _traced(key_rows):
+            arr = np.asarray(key_rows)
+            if arr.min() < 0 or arr.max() >= Bk:
+                fail("key_rows", f"values in [0, {Bk}) (rows of keys)", f"[{arr.min()}, {arr.max()}]")
+    return jnp.asarray(q_positions, jnp.int32), row_lengths(lengths, Bk, S), jnp.asarray(key_rows, jnp.int32)
 
 
 def check_indexed_call(q, k, v, indices, lengths):

@@ -307,7 +307,7 @@ def naive_kascade_reuse_decode(
 
 
 def naive_index_select(
-    q, weights, keys, gates, ape, *, topk, kpool, tail=True, scale=None, q_positions=None, lengths=None
+    q, weights, keys, gates, ape, *, topk, kpool, tail=True, scale=None, q_positions=None, lengths=None, key_rows=None
 ) -> jax.Array:
     """DSA's lightning-indexer selection (GLM-5.3's): each query's ``topk / kpool`` pools of
     largest index score among the whole pools whose last key it sees, then its own incomplete pool.
@@ -328,25 +328,28 @@ def naive_index_select(
         scale: d ** -0.5 when None.
         q_positions: [B, T] the queries' positions (default 0..T-1); a query at or past its
             row's length, or negative, selects nothing.
-        lengths: [B] the valid keys of each row (default S).
+        lengths: [Bk] the valid keys of each row of keys (default S).
+        key_rows: [B, T] int, the row of keys and gates each query reads (default its own row b;
+            keys may then have Bk rows of any number: a serving step's requests).
 
     Returns:
         indices [B, T, topk + (kpool - 1 if tail else 0)] int32: the selected pools' keys
         ascending (-1 in unfilled slots), then the tail's (-1 for none).
     """
-    q_positions, lengths = check_index_call(
-        q, weights, keys, gates, ape, q_positions, lengths, topk=topk, kpool=kpool, scale=scale
+    q_positions, lengths, key_rows = check_index_call(
+        q, weights, keys, gates, ape, q_positions, lengths, topk=topk, kpool=kpool, scale=scale, key_rows=key_rows
     )
     dt = jnp.promote_types(q.dtype, jnp.float32)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    pooled = pooled_index_keys(keys, gates, ape, kpool)
-    s = jnp.maximum(jnp.einsum("bthd,bpd->bthp", q.astype(dt), pooled.astype(dt), precision=_HI) * scale, 0)
+    pooled = pooled_index_keys(keys, gates, ape, kpool)[key_rows]  # [B, T, NP, d]
+    lengths = lengths[key_rows]  # [B, T]
+    s = jnp.maximum(jnp.einsum("bthd,btpd->bthp", q.astype(dt), pooled.astype(dt), precision=_HI) * scale, 0)
     scores = jnp.einsum("bth,bthp->btp", weights.astype(dt), s, precision=_HI)
     k_max = topk // kpool
     scores = jnp.pad(scores, ((0, 0), (0, 0), (0, max(0, k_max - scores.shape[-1]))))
     ends = (jnp.arange(scores.shape[-1]) + 1) * kpool - 1
-    q_ok = (q_positions >= 0) & (q_positions < lengths[:, None])
-    candidate = (ends <= q_positions[..., None]) & (ends < lengths[:, None, None]) & q_ok[..., None]
+    q_ok = (q_positions >= 0) & (q_positions < lengths)
+    candidate = (ends <= q_positions[..., None]) & (ends < lengths[..., None]) & q_ok[..., None]
     keep = jnp.minimum(candidate.sum(-1), k_max)
     indices = pool_keys(_top(jnp.where(candidate, scores, -jnp.inf), k_max, keep), kpool)
     if tail and kpool > 1:

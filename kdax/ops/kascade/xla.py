@@ -328,9 +328,10 @@ def _by_query_blocks(fn, T: int, nb: int, NB: int, *arrays):
     return jnp.moveaxis(out, 0, 1).reshape(out.shape[1], NB * nb, *out.shape[3:])[:, :T]
 
 
-def index_select_xla(q, weights, keys, gates, ape, q_positions, lengths, *, topk, kpool, tail, scale, cfg):
+def index_select_xla(q, weights, keys, gates, ape, q_positions, lengths, key_rows, *, topk, kpool, tail, scale, cfg):
     """See :func:`kdax.index_select`: the pools' keys once, then blocks of queries' float32 scores
-    and ``lax.top_k`` (ties toward the smaller pool). Returns indices [B, T, W] int32."""
+    (each query against its row's pools) and ``lax.top_k`` (ties toward the smaller pool). Returns
+    indices [B, T, W] int32."""
     B, T, Hi, _ = q.shape
     acc, prec = _acc(q.dtype), _precision(q.dtype)
     pooled = pooled_index_keys(keys, gates, ape, kpool).astype(acc)  # [B, NP, d]
@@ -339,19 +340,26 @@ def index_select_xla(q, weights, keys, gates, ape, q_positions, lengths, *, topk
     width = max(NP, k_max)
     ends = (jnp.arange(width) + 1) * kpool - 1
 
-    def block(qb, wb, pb):
-        s = jnp.einsum("bthd,bpd->bthp", qb.astype(acc), pooled, precision=prec) * scale
-        scores = jnp.einsum("bth,bthp->btp", wb.astype(acc), jnp.maximum(s, 0), precision=prec)
+    own = keys.shape[0] == B and key_rows is None  # each query its own row: no gather of the pools
+
+    def block(qb, wb, pb, rb):
+        if own:
+            s = jnp.einsum("bthd,bpd->bthp", qb.astype(acc), pooled, precision=prec)
+        else:
+            s = jnp.einsum("bthd,btpd->bthp", qb.astype(acc), pooled[rb], precision=prec)
+        scores = jnp.einsum("bth,bthp->btp", wb.astype(acc), jnp.maximum(s * scale, 0), precision=prec)
         scores = jnp.pad(scores, ((0, 0), (0, 0), (0, width - NP)))
-        ok = (pb >= 0) & (pb < lengths[:, None])
-        candidate = (ends <= pb[..., None]) & (ends < lengths[:, None, None]) & ok[..., None]
+        n = lengths[rb]  # [B, nb]
+        candidate = (ends <= pb[..., None]) & (ends < n[..., None]) & ((pb >= 0) & (pb < n))[..., None]
         keep = jnp.minimum(candidate.sum(-1), k_max)
         return pool_keys(top(jnp.where(candidate, scores, -jnp.inf), k_max, keep), kpool)
 
-    nb, NB = _query_blocks(T, 4 * B * (Hi + 1) * width, cfg)
-    indices = _by_query_blocks(block, T, nb, NB, q, weights, q_positions)
+    rows = jnp.broadcast_to(jnp.arange(B, dtype=jnp.int32)[:, None], (B, T)) if key_rows is None else key_rows
+    per_query = 4 * B * ((Hi + 1) * width + (0 if own else NP * q.shape[-1]))
+    nb, NB = _query_blocks(T, per_query, cfg)
+    indices = _by_query_blocks(block, T, nb, NB, q, weights, q_positions, rows)
     if tail and kpool > 1:
-        indices = jnp.concatenate([indices, index_tail(q_positions, lengths, kpool)], -1)
+        indices = jnp.concatenate([indices, index_tail(q_positions, lengths[rows], kpool)], -1)
     return indices
 
 
