@@ -588,7 +588,21 @@ def cases(make):
     for dtype in ("bfloat16", "float32"):
         for T, R, width in ((16, 16, 640), (200, 2, 256)):  # a decode step, prompt chunks
             out.append((f"paged_latent_attention {dtype} T={T} R={R} W={width}", *mla_call(dtype, T, R, width, make)))
+        out.append((f"indexed_attention {dtype} T=40 S=300 W=43", *dsa_call(dtype, make)))
     return out
+
+
+def dsa_call(dtype: str, make, B=2, T=40, S=300, H=8, D=128, W=43):
+    """DSA's attention (pallas_tpu) as GLM-5.3's absorbed layers run it: H query heads over one latent
+    head (k = v), W keys a query (pools of 4 up to 40 keys, then a tail of 3), S keys a row."""
+    import jax.numpy as jnp
+
+    import kdax
+
+    dt, i32 = jnp.dtype(dtype), jnp.int32
+    k = make((B, S, 1, D), dt)
+    args = [make((B, T, H, D), dt), k, make((B, T, W), i32), make((B,), i32)]
+    return lambda q, k, i, n: kdax.indexed_attention(q, k, k, i, lengths=n, backend="pallas_tpu"), args
 
 
 def mla_call(dtype: str, T: int, R: int, width: int, make, H=4, page=16, M=64):

@@ -191,11 +191,10 @@ class IndexedMLA(MLA):
 
     def attend(self, x, q_nope, latent, indices, lengths=None) -> jax.Array:
         """The layer's output [B, T, hidden_size]: each query over the latents [B, S, 1, r] its row of
-        ``indices`` [B, T, W] lists (:func:`kdax.indexed_attention`, absorbed form), in float32 at
-        least (the latents' dtype where wider)."""
+        ``indices`` [B, T, W] lists (:func:`kdax.indexed_attention`, absorbed form; the queries moved
+        into latent space in float32 and cast to the latents' dtype, so a cache is read as it is)."""
         dt = jnp.promote_types(x.dtype, jnp.float32)
         w_uk, w_uv = (w.astype(dt) for w in self._kv_b())
-        q_lat = jnp.einsum("bthd,rhd->bthr", q_nope.astype(dt), w_uk)
-        latent = latent.astype(dt)
+        q_lat = jnp.einsum("bthd,rhd->bthr", q_nope.astype(dt), w_uk).astype(latent.dtype)
         o = indexed_attention(q_lat, latent, latent, indices, scale=self.qk_head_dim**-0.5, lengths=lengths)
-        return self._out(x, jnp.einsum("bthr,rhd->bthd", o, w_uv))
+        return self._out(x, jnp.einsum("bthr,rhd->bthd", o.astype(dt), w_uv))

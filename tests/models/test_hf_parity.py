@@ -79,6 +79,18 @@ def test_indexers_select_what_transformers_selects(case, backend):
         np.testing.assert_array_equal(np.sort(indices, -1), np.sort(want, -1), err_msg=f"layer {layer}")
 
 
+@pytest.mark.slow  # 45 s: the kernel interpreted (tests/ops/kascade/test_dsa.py runs it in CI on small shapes)
+def test_indexed_attention_on_the_tpu_kernel_gives_transformers_logits():
+    """GLM-5.3's indexed layers with kdax.use_backend("pallas_tpu"): the attention over the selected
+    latents on the TPU's sparse decode token kernel (Pallas interpreter), the logits within the bar."""
+    import kdax
+
+    model = from_pretrained(os.path.join(FIXTURES, "glm5_b"), backend="xla")
+    e = _expected("glm5_b")
+    with kdax.use_backend("pallas_tpu"):
+        assert rel_rms(model(jnp.asarray(e["input_ids"])), e["logits"]) <= PARITY
+
+
 @pytest.mark.parametrize("case", ["kimi_a", "ling_b", "glm5_a", "glm5_b"])
 def test_save_pretrained_writes_the_hub_tensors(case, tmp_path):
     """The same names, shapes and values as the checkpoint (ling_b's MTP layer and GLM-5.3's

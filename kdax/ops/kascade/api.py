@@ -365,9 +365,13 @@ def kascade_reuse_decode(
     return _compiled("reuse_decode", o, q, k_cache, v_cache, lengths, jnp.asarray(indices, jnp.int32), head_map)
 
 
-# DSA (GLM-5.3's indexed attention): the indexer's selection and the attention over it; xla's cores only so far
+# DSA (GLM-5.3's indexed attention): the indexer's selection (xla's core) and the attention over it
+# (xla's, and the TPU's sparse decode token kernel over each query)
 _DSA = {
-    name: register(OpBackends(name, ("xla",), {"xla": xla.Config})) for name in ("index_select", "indexed_attention")
+    "index_select": register(OpBackends("index_select", ("xla",), {"xla": xla.Config})),
+    "indexed_attention": register(
+        OpBackends("indexed_attention", ("xla", "pallas_tpu"), {"xla": xla.Config, "pallas_tpu": pallas_tpu.Config})
+    ),
 }
 
 
@@ -469,8 +473,10 @@ def indexed_attention(
         indices: [B, T, W] int, distinct keys per query shared by its heads, -1 for none.
         scale: D ** -0.5 when None.
         lengths: [B] int, the valid keys of each row (default S); listed keys past it are skipped.
-        backend: "auto", "xla" or "naive" (the float64-capable reference).
-        config: an :class:`kdax.ops.kascade.xla.Config`, or None.
+        backend: "auto", "xla", "naive" (the float64-capable reference) or "pallas_tpu" (v of k's
+            shape; forward-only: derivatives through xla's core).
+        config: the backend's config (:class:`kdax.ops.kascade.xla.Config`,
+            :class:`kdax.ops.kascade.pallas_tpu.Config`), or None.
 
     Returns:
         o [B, T, H, Dv] in q's dtype, 0 for a query with no key.
@@ -482,6 +488,8 @@ def indexed_attention(
     _check_common(backend, dtype=q.dtype)
     lengths = check_indexed_call(q, k, v, indices, lengths)
     backend, config = _DSA["indexed_attention"].resolve(backend, q.dtype, config)
+    if backend == "pallas_tpu" and v.shape != k.shape:
+        fail("v", f"k's shape {tuple(k.shape)} with backend='pallas_tpu' (the decode kernel's caches)", v.shape)
     o = (backend, config, q.shape[-1] ** -0.5 if scale is None else float(scale))
     return _indexed_attention(o, q, k, v, jnp.asarray(indices, jnp.int32), lengths)
 
@@ -491,7 +499,11 @@ def _indexed_attention(o, q, k, v, indices, lengths):
     backend, config, scale = o
     if backend == "naive":
         return reference.naive_indexed_attention(q, k, v, indices, scale=scale, lengths=lengths)
-    return xla.indexed_attention_xla(q, k, v, indices, lengths, scale=scale, cfg=config)
+    args, static = (q, k, v, indices, lengths), {"scale": scale, "cfg": config}
+    if backend == "pallas_tpu":  # derivatives through xla's core (the same op)
+        name, xla_core = "indexed_attention (pallas_tpu)", xla.indexed_attention_xla
+        return _forward_only(pallas_tpu.indexed_attention_tpu, name, xla_core, *args, **static)
+    return xla.indexed_attention_xla(*args, **static)
 
 
 CACHE_LAYOUTS = ("BLGD", "BGLD")

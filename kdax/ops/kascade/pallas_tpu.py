@@ -310,6 +310,16 @@ def _cache_rows(dtype, G: int, cache_layout: str = "BLGD"):
     return True, pick
 
 
+def _row_copies(dtype, G: int, cache_layout: str = "BLGD"):
+    """:func:`_cache_rows` for the kernels that copy single rows (the sparse decode's token kernel): a
+    narrower cache of one KV head [B, L, 1, D] is read as blocks [n, 1, D] too, since a bf16 row is
+    half of a packed sublane of an [n, D] buffer, which Mosaic cannot write alone (in [n, 1, D] it is
+    the first row of its own tile)."""
+    if jnp.dtype(dtype).itemsize < 4 and G == 1 and cache_layout == "BLGD":
+        return True, lambda x, g: x[:, 0, :]
+    return _cache_rows(dtype, G, cache_layout)
+
+
 def _cache_reads(b, g, pick, key0=0, cache_layout="BLGD"):
     """(src, head) for :class:`_Blocks` reading KV head g of row b of a cache [B, L, G, D] (or heads
     first, [B, G, L, D]) from key ``key0`` on: head g's rows, or with ``pick`` (:func:`_cache_rows`)
@@ -870,39 +880,20 @@ def _decode_scores_kernel(lengths_ref, q_ref, k_hbm, *rest, R, bd, nl, scale2, p
         acc_ref[...], m_ref[...], l_ref[...] = acc, m, l
 
 
-def _decode_attend_kernel(
-    lengths_ref,
-    nblk_ref,
-    q_ref,
-    k_hbm,
-    v_hbm,
-    idx_hbm,
-    acc_ref,
-    m_ref,
-    l_ref,
-    kbuf,
-    vbuf,
-    sems,
-    idx_smem,
-    idx_vmem,
-    *,
-    R,
-    bd,
-    per_split,
-    scale2,
-    prec,
-    pick,
-    layout,
-):
-    """Grid (B, G, splits). q [Rq, D]; k, v [B, Lp, G, D] (or [B, G, Lp, D]) and idx [B, G, blocks, S] in HBM
+def _decode_attend_kernel(lengths_ref, nblk_ref, *refs, R, bd, per_split, scale2, prec, pick, layout, rows=False):
+    """Grid (B, G, splits). q [Rq, D]; k, v [Bc, Lp, G, D] (or [Bc, G, Lp, D]) and idx [B, G, blocks, S] in HBM
     (:func:`_index_rows`); out: the split's partial acc [Rq, D], m, l [Rq, 1]. ``pick``: see
-    :func:`_cache_rows`."""
+    :func:`_row_copies`. With ``rows`` a third scalar-prefetched array [B] comes first among ``refs``:
+    the cache row each query row reads (else its own)."""
+    if rows:
+        rows_ref, *refs = refs
+    q_ref, k_hbm, v_hbm, idx_hbm, acc_ref, m_ref, l_ref, kbuf, vbuf, sems, idx_smem, idx_vmem = refs
     b, g, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     length = lengths_ref[b]
     q = q_ref[...]
     row_ok = lax.broadcasted_iota(jnp.int32, (q.shape[0], 1), 0) < R
     sel = (lambda i: idx_hbm.at[b, g, pl.ds(sp * per_split + i, 1)], idx_smem, idx_vmem)
-    src, head = _cache_reads(b, g, pick, cache_layout=layout)
+    src, head = _cache_reads(rows_ref[b] if rows else b, g, pick, cache_layout=layout)
     reads = _Blocks(k_hbm, v_hbm, src, kbuf, vbuf, sems, bd, sel, pick=head)
 
     def step(state, i, keys, kb, vb):
@@ -1004,11 +995,15 @@ def kascade_anchor_decode_tpu(
     return idx, kascade_reuse_decode_tpu(q, k_cache, v_cache, lengths, idx, **reuse)
 
 
-def kascade_reuse_decode_tpu(q, k_cache, v_cache, lengths, indices, *, pool_size, scale, cache_layout, cfg):
-    """See :func:`kdax.kascade_reuse_decode`. indices [B, G, k] already remapped. Returns o [B, H, D]."""
+def kascade_reuse_decode_tpu(
+    q, k_cache, v_cache, lengths, indices, *, pool_size, scale, cache_layout, cfg, cache_rows=None
+):
+    """See :func:`kdax.kascade_reuse_decode`. indices [B, G, k] already remapped. ``cache_rows``: None,
+    or [B] int32, the row of the caches [Bc, ...] each query row reads (the token kernels then, as
+    :func:`kdax.indexed_attention` runs its queries). Returns o [B, H, D]."""
     B, H, D = q.shape
     L, G = (k_cache.shape[2], k_cache.shape[1]) if cache_layout == "BGLD" else k_cache.shape[1:3]
-    if _decode_pools(pool_size, L, q.dtype, G, cache_layout):
+    if cache_rows is None and _decode_pools(pool_size, L, q.dtype, G, cache_layout):
         return bl.decode_output(
             *_pool_decode_attend(q, k_cache, v_cache, lengths, indices, G, L, pool_size, scale, cache_layout, cfg), q
         )
@@ -1017,7 +1012,7 @@ def kascade_reuse_decode_tpu(q, k_cache, v_cache, lengths, indices, *, pool_size
     Rq, S, per_split = _decode_plan(q, G, dataclasses.replace(cfg, block_decode=bd), indices.shape[-1])
     hbm = pl.BlockSpec(memory_space=pl.ANY)
     specs, shapes = bl.decode_partials(B, G, S, Rq, D, lambda b, g, s, *_: (b, g, s, 0, 0))
-    whole, pick = _cache_rows(q.dtype, G, cache_layout)
+    whole, pick = _row_copies(q.dtype, G, cache_layout)
     kernel = functools.partial(
         _decode_attend_kernel,
         R=H // G,
@@ -1027,13 +1022,15 @@ def kascade_reuse_decode_tpu(q, k_cache, v_cache, lengths, indices, *, pool_size
         prec=bl.precision(q.dtype),
         pick=pick,
         layout=cache_layout,
+        rows=cache_rows is not None,
     )
     idx = _index_rows(indices, bd, S * per_split)
+    prefetch = (lengths, bl.selection_blocks(indices, bd), *(() if cache_rows is None else (cache_rows,)))
     parts = _call(
         kernel,
         name="kascade_decode_attend",
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2,
+            num_scalar_prefetch=len(prefetch),
             grid=(B, G, S),
             in_specs=[pl.BlockSpec((None, None, Rq, D), lambda b, g, s, *_: (b, g, 0, 0)), hbm, hbm, hbm],
             out_specs=specs,
@@ -1042,8 +1039,21 @@ def kascade_reuse_decode_tpu(q, k_cache, v_cache, lengths, indices, *, pool_size
         out_shape=shapes,
         interpret=_interpret(cfg),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",) * 3),
-    )(lengths, bl.selection_blocks(indices, bd), bl.pack_decode_queries(q, G, Rq, D), k_cache, v_cache, idx)
+    )(*prefetch, bl.pack_decode_queries(q, G, Rq, D), k_cache, v_cache, idx)
     return bl.decode_output(*parts, q)
+
+
+def indexed_attention_tpu(q, k, v, indices, lengths, *, scale, cfg):
+    """See :func:`kdax.indexed_attention` (v of k's shape): each query a row of the sparse decode's
+    token kernel (:func:`kascade_reuse_decode_tpu`) reading its batch row's keys (``cache_rows``), its
+    listed keys copied a row at a time into blocks of the decode block. q [B, T, H, D]; k, v
+    [B, S, G, D]; indices [B, T, W]; lengths [B]. Returns o [B, T, H, D] in q's dtype."""
+    B, T, H, D = q.shape
+    G, W = k.shape[2], indices.shape[-1]
+    rows = jnp.repeat(jnp.arange(B, dtype=jnp.int32), T)
+    idx = jnp.broadcast_to(indices.reshape(B * T, 1, W), (B * T, G, W))
+    options = {"pool_size": 1, "scale": scale, "cache_layout": "BLGD", "cfg": cfg, "cache_rows": rows}
+    return kascade_reuse_decode_tpu(q.reshape(B * T, H, D), k, v, lengths[rows], idx, **options).reshape(B, T, H, D)
 
 
 # ----------------------------------------------------------------------------- decode over pools

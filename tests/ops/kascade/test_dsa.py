@@ -165,6 +165,31 @@ def test_indexed_attention_is_the_definition_with_gradients(case):
         assert np.all(np.asarray(want)[empty] == 0)
 
 
+@pytest.mark.parametrize("case", [CASES[0], CASES[4], CASES[6]], ids=str)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_tpu_kernel_is_the_definition(case, dtype):
+    """pallas_tpu (the sparse decode's token kernel over each query, interpreted here): GQA, rows of
+    0 and 1 keys, a decode step over a cache; float32 and bfloat16; gradients through xla's core."""
+    arrays = inputs(case)
+    indices = select(case, arrays, "naive")
+    B, T, S = case.B, case.T, case.S or case.T
+    r = np.random.default_rng(4)
+    q = jnp.asarray(r.standard_normal((B, T, 4, 16)), dtype)
+    k, v = (jnp.asarray(r.standard_normal((B, S, 2, 16)), dtype) for _ in range(2))
+    lengths = arrays[-1]
+    got = kdax.indexed_attention(q, k, v, indices, lengths=lengths, backend="pallas_tpu")
+    f64 = lambda x: x.astype(jnp.float64)
+    want = kdax.indexed_attention(f64(q), f64(k), f64(v), indices, lengths=lengths, backend="naive")
+    assert got.dtype == dtype and rel_rms(got, want) <= (1e-2 if dtype == jnp.bfloat16 else 1e-5)
+    if dtype == jnp.float32:
+        grad = lambda backend: jax.grad(
+            lambda q: jnp.sum(jnp.sin(kdax.indexed_attention(q, k, v, indices, lengths=lengths, backend=backend)))
+        )(q)
+        assert rel_rms(grad("pallas_tpu"), grad("xla")) <= 1e-6
+    with pytest.raises(ValueError, match="v: expected k's shape"):
+        kdax.indexed_attention(q, k, v[..., :8], indices, backend="pallas_tpu")
+
+
 def test_full_selection_is_dense_causal_attention():
     """With every earlier key selected, indexed attention is causal attention."""
     case = Case("dense", B=2, T=30, topk=32)
@@ -238,7 +263,7 @@ def test_bad_arguments_raise_value_errors_naming_them(call, match):
         call()
 
 
-def test_kernel_backends_are_not_there_yet():
+def test_the_selection_has_no_kernels_yet():
     with pytest.raises(NotImplementedError, match="index_select"):
         _bad(backend="pallas_tpu")()
     assert kdax.explain_backend(op="index_select")[0] == "xla"
