@@ -589,7 +589,22 @@ def cases(make):
         for T, R, width in ((16, 16, 640), (200, 2, 256)):  # a decode step, prompt chunks
             out.append((f"paged_latent_attention {dtype} T={T} R={R} W={width}", *mla_call(dtype, T, R, width, make)))
         out.append((f"indexed_attention {dtype} T=40 S=300 W=43", *dsa_call(dtype, make)))
+        out.append((f"index_select {dtype} T=40 S=300 pools of 4", *index_call(dtype, make)))
     return out
+
+
+def index_call(dtype: str, make, B=2, T=40, S=300, Hi=8, d=128):
+    """DSA's selection (pallas_tpu: the index scores' kernel, the selection in XLA): 40 keys in pools
+    of 4 and the tail, T queries over S keys a row."""
+    import jax.numpy as jnp
+
+    import kdax
+
+    dt = jnp.dtype(dtype)
+    args = [make((B, T, Hi, d), dt), make((B, T, Hi), jnp.float32), make((B, S, d), dt), make((B, S, d), dt)]
+    args += [make((4, d), dt), make((B,), jnp.int32)]
+    fn = lambda q, w, k, g, a, n: kdax.index_select(q, w, k, g, a, topk=40, kpool=4, lengths=n, backend="pallas_tpu")
+    return fn, args
 
 
 def dsa_call(dtype: str, make, B=2, T=40, S=300, H=8, D=128, W=43):

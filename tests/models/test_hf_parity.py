@@ -61,7 +61,7 @@ def test_greedy_continuation_equals_transformers(case):
 
 
 @pytest.mark.parametrize("case", ["glm5_a", "glm5_b"])
-@pytest.mark.parametrize("backend", ["xla", "naive"])
+@pytest.mark.parametrize("backend", ["xla", "naive", pytest.param("pallas_tpu", marks=pytest.mark.slow)])
 def test_indexers_select_what_transformers_selects(case, backend):
     """Each full indexed layer's keys per query, as sets (transformers lists them by score), equal
     transformers' on T = 70 tokens, well past index_topk: pools, the tail, -1 padding; the

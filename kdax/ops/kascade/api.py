@@ -368,7 +368,9 @@ def kascade_reuse_decode(
 # DSA (GLM-5.3's indexed attention): the indexer's selection (xla's core) and the attention over it
 # (xla's, and the TPU's sparse decode token kernel over each query)
 _DSA = {
-    "index_select": register(OpBackends("index_select", ("xla",), {"xla": xla.Config})),
+    "index_select": register(
+        OpBackends("index_select", ("xla", "pallas_tpu"), {"xla": xla.Config, "pallas_tpu": pallas_tpu.Config})
+    ),
     "indexed_attention": register(
         OpBackends("indexed_attention", ("xla", "pallas_tpu"), {"xla": xla.Config, "pallas_tpu": pallas_tpu.Config})
     ),
@@ -417,9 +419,11 @@ def index_select(
             query at or past its row's length, or negative, selects nothing.
         lengths: [Bk] int, the valid keys of each row of keys (default S).
         key_rows: [B, T] int, the row of keys each query reads (default its own row): the
-            requests of a serving step's flat batch over their rows of keys.
-        backend: "auto", "xla" or "naive" (the float64-capable reference).
-        config: an :class:`kdax.ops.kascade.xla.Config`, or None.
+            requests of a serving step's flat batch over their rows of keys (not with pallas_tpu).
+        backend: "auto", "xla", "naive" (the float64-capable reference) or "pallas_tpu" (the
+            scores on the MXU, the selection in XLA).
+        config: the backend's config (:class:`kdax.ops.kascade.xla.Config`,
+            :class:`kdax.ops.kascade.pallas_tpu.Config`), or None.
 
     Returns:
         indices [B, T, topk + (kpool - 1 if tail else 0)] int32: the selected pools' keys
@@ -449,7 +453,8 @@ def _index_select(o, q, weights, keys, gates, ape, q_positions, lengths, key_row
         return reference.naive_index_select(
             *args, **options, q_positions=q_positions, lengths=lengths, key_rows=key_rows
         )
-    return xla.index_select_xla(*args, q_positions, lengths, key_rows, **options, cfg=config)
+    core = pallas_tpu.index_select_tpu if backend == "pallas_tpu" else xla.index_select_xla
+    return core(*args, q_positions, lengths, key_rows, **options, cfg=config)
 
 
 def indexed_attention(

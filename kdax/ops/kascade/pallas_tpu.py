@@ -37,8 +37,8 @@ from jax.experimental.pallas import tpu as pltpu
 from kdax.ops.common import dispatch
 from kdax.ops.common.arrays import LOG2E, round_up
 from kdax.ops.kascade import blocks as bl
-from kdax.ops.kascade.checks import pool_count, pool_keys
-from kdax.ops.kascade.xla import compact, decode_select_pools, select_pools, with_decode_tail
+from kdax.ops.kascade.checks import index_tail, pool_count, pool_keys, pooled_index_keys
+from kdax.ops.kascade.xla import compact, decode_select_pools, select_index_pools, select_pools, with_decode_tail
 
 LANE = 128
 
@@ -1054,6 +1054,56 @@ def indexed_attention_tpu(q, k, v, indices, lengths, *, scale, cfg):
     idx = jnp.broadcast_to(indices.reshape(B * T, 1, W), (B * T, G, W))
     options = {"pool_size": 1, "scale": scale, "cache_layout": "BLGD", "cfg": cfg, "cache_rows": rows}
     return kascade_reuse_decode_tpu(q.reshape(B * T, H, D), k, v, lengths[rows], idx, **options).reshape(B, T, H, D)
+
+
+def _index_scores_kernel(q_ref, w_ref, k_ref, o_ref, *, heads, scale, prec):
+    """Grid (B, query blocks): DSA's index scores of a block of queries against its row's pools,
+    ``sum_h w_h relu(scale q_h . pool)``. q [Hi, bq, d], w [bq, Hi] float32, the row's pooled keys
+    [NPp, d] (resident); out [bq, NPp] float32. The heads unrolled: Hi products [bq, d] x [d, NPp]."""
+    acc = jnp.zeros(o_ref.shape, jnp.float32)
+    for h in range(heads):
+        s = bl.dot_nt(q_ref[h], k_ref[...], prec) * scale
+        acc = acc + w_ref[:, h : h + 1] * jnp.maximum(s, 0)
+    o_ref[...] = acc
+
+
+def index_select_tpu(q, weights, keys, gates, ape, q_positions, lengths, key_rows, *, topk, kpool, tail, scale, cfg):
+    """See :func:`kdax.index_select`: the pools' keys in XLA (one pass over the keys), the scores of
+    every query against every pool of its row on the MXU (``kascade_index_scores``, the row's pooled
+    keys resident in VMEM, blocks of queries whose scores take at most 2 MiB), the selection from
+    them in XLA (:func:`kdax.ops.kascade.xla.select_index_pools`), as Kascade's anchors select.
+    Queries reading other rows (``key_rows``) run on xla. Returns indices [B, T, W] int32."""
+    if key_rows is not None:
+        raise NotImplementedError("index_select (pallas_tpu): key_rows (queries reading other rows) runs on xla")
+    B, T, Hi, d = q.shape
+    pooled = pooled_index_keys(keys, gates, ape, kpool)  # [B, NP, d]
+    NP = pooled.shape[1]
+    NPp = round_up(max(NP, 1), LANE)
+    bq = max(8, min(256, round_up(T, 8), (2 << 20) // (4 * NPp) // 8 * 8))
+    Tp = round_up(T, bq)
+    qt = jnp.pad(q.transpose(0, 2, 1, 3), ((0, 0), (0, 0), (0, Tp - T), (0, 0)))  # [B, Hi, Tp, d]
+    wt = jnp.pad(weights.astype(jnp.float32), ((0, 0), (0, Tp - T), (0, 0)))  # [B, Tp, Hi]
+    kp = jnp.pad(pooled, ((0, 0), (0, NPp - NP), (0, 0))).astype(q.dtype)
+    kernel = functools.partial(_index_scores_kernel, heads=Hi, scale=scale, prec=bl.precision(q.dtype))
+    scores = _call(
+        kernel,
+        name="kascade_index_scores",
+        grid=(B, Tp // bq),
+        in_specs=[
+            pl.BlockSpec((None, Hi, bq, d), lambda b, t: (b, 0, t, 0)),
+            pl.BlockSpec((None, bq, Hi), lambda b, t: (b, t, 0)),
+            pl.BlockSpec((None, NPp, d), lambda b, t: (b, 0, 0)),
+        ],
+        out_specs=pl.BlockSpec((None, bq, NPp), lambda b, t: (b, t, 0)),
+        out_shape=jax.ShapeDtypeStruct((B, Tp, NPp), jnp.float32),
+        interpret=_interpret(cfg),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+    )(qt, wt, kp)[:, :T, :NP]
+    n = jnp.broadcast_to(lengths[:, None], (B, T))
+    indices = select_index_pools(scores, q_positions, n, topk=topk, kpool=kpool)
+    if tail and kpool > 1:
+        indices = jnp.concatenate([indices, index_tail(q_positions, n, kpool)], -1)
+    return indices
 
 
 # ----------------------------------------------------------------------------- decode over pools

@@ -328,6 +328,20 @@ def _by_query_blocks(fn, T: int, nb: int, NB: int, *arrays):
     return jnp.moveaxis(out, 0, 1).reshape(out.shape[1], NB * nb, *out.shape[3:])[:, :T]
 
 
+def select_index_pools(scores, q_positions, lengths, *, topk: int, kpool: int):
+    """DSA's pools from the index scores [B, T, NP] float32 of queries at ``q_positions`` [B, T] in
+    rows of ``lengths`` [B, T] valid keys: each query's ``topk / kpool`` best whole pools whose last
+    key it sees (ties toward the smaller pool), as their keys [B, T, topk] ascending, then -1."""
+    k_max, NP = topk // kpool, scores.shape[-1]
+    width = max(NP, k_max)
+    scores = jnp.pad(scores, ((0, 0), (0, 0), (0, width - NP)))
+    ends = (jnp.arange(width) + 1) * kpool - 1
+    ok = (q_positions >= 0) & (q_positions < lengths)
+    candidate = (ends <= q_positions[..., None]) & (ends < lengths[..., None]) & ok[..., None]
+    keep = jnp.minimum(candidate.sum(-1), k_max)
+    return pool_keys(top(jnp.where(candidate, scores, -jnp.inf), k_max, keep), kpool)
+
+
 def index_select_xla(q, weights, keys, gates, ape, q_positions, lengths, key_rows, *, topk, kpool, tail, scale, cfg):
     """See :func:`kdax.index_select`: the pools' keys once, then blocks of queries' float32 scores
     (each query against its row's pools) and ``lax.top_k`` (ties toward the smaller pool). Returns
@@ -335,11 +349,7 @@ def index_select_xla(q, weights, keys, gates, ape, q_positions, lengths, key_row
     B, T, Hi, _ = q.shape
     acc, prec = _acc(q.dtype), _precision(q.dtype)
     pooled = pooled_index_keys(keys, gates, ape, kpool).astype(acc)  # [B, NP, d]
-    k_max = topk // kpool
     NP = pooled.shape[1]
-    width = max(NP, k_max)
-    ends = (jnp.arange(width) + 1) * kpool - 1
-
     own = keys.shape[0] == B and key_rows is None  # each query its own row: no gather of the pools
 
     def block(qb, wb, pb, rb):
@@ -348,13 +358,10 @@ def index_select_xla(q, weights, keys, gates, ape, q_positions, lengths, key_row
         else:
             s = jnp.einsum("bthd,btpd->bthp", qb.astype(acc), pooled[rb], precision=prec)
         scores = jnp.einsum("bth,bthp->btp", wb.astype(acc), jnp.maximum(s * scale, 0), precision=prec)
-        scores = jnp.pad(scores, ((0, 0), (0, 0), (0, width - NP)))
-        n = lengths[rb]  # [B, nb]
-        candidate = (ends <= pb[..., None]) & (ends < n[..., None]) & ((pb >= 0) & (pb < n))[..., None]
-        keep = jnp.minimum(candidate.sum(-1), k_max)
-        return pool_keys(top(jnp.where(candidate, scores, -jnp.inf), k_max, keep), kpool)
+        return select_index_pools(scores, pb, lengths[rb], topk=topk, kpool=kpool)
 
     rows = jnp.broadcast_to(jnp.arange(B, dtype=jnp.int32)[:, None], (B, T)) if key_rows is None else key_rows
+    width = max(NP, topk // kpool)
     per_query = 4 * B * ((Hi + 1) * width + (0 if own else NP * q.shape[-1]))
     nb, NB = _query_blocks(T, per_query, cfg)
     indices = _by_query_blocks(block, T, nb, NB, q, weights, q_positions, rows)

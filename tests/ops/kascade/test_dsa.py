@@ -263,7 +263,18 @@ def test_bad_arguments_raise_value_errors_naming_them(call, match):
         call()
 
 
-def test_the_selection_has_no_kernels_yet():
-    with pytest.raises(NotImplementedError, match="index_select"):
-        _bad(backend="pallas_tpu")()
-    assert kdax.explain_backend(op="index_select")[0] == "xla"
+@pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[4], CASES[5], CASES[6]], ids=str)
+def test_tpu_selection_is_the_definition(case):
+    """pallas_tpu's scores (interpreted) select exactly the reference's keys; float32 and bf16."""
+    arrays = inputs(case, jnp.float32)
+    np.testing.assert_array_equal(select(case, arrays, "pallas_tpu"), select(case, arrays, "xla"))
+    bf16 = inputs(case, jnp.bfloat16)
+    assert select(case, bf16, "pallas_tpu").shape == select(case, bf16, "xla").shape
+
+
+def test_the_tpu_selection_leaves_key_rows_to_xla():
+    q, w, keys, gates, ape, _, _ = inputs(CASES[0], jnp.float32)
+    rows = jnp.zeros(q.shape[:2], jnp.int32)
+    with pytest.raises(NotImplementedError, match="key_rows"):
+        kdax.index_select(q, w, keys, gates, ape, topk=8, kpool=4, key_rows=rows, backend="pallas_tpu")
+    assert kdax.explain_backend(op="index_select")[0] == "xla"  # on this CPU
