@@ -692,6 +692,40 @@ def peer_calls(chip: str, make) -> list[Peer]:
             )
             out.append(Peer("fused_recurrent_kda", dtype, "B=64 T=1 H=32 K=V=128", "fwd", backend, step, dargs))
         out += _paged_mla(dtype, make)
+        out += _dsa(dtype, make)
+    return out
+
+
+def _dsa(dtype: str, make) -> list[Peer]:
+    """GLM-5.3-Flash's DSA on one device holding a layer's heads (an attention group of one device):
+    the attention's 64 heads over one latent head of 512 and the indexer's 32 heads of 128, pools
+    of 16, 2048 keys and the tail a query; a prefill of 4,096 tokens and a decode step of 64 rows at
+    32K. The token kernel's block loop counted at its mean trips over the queries."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    import kdax
+
+    dt, i32, f32, out = jnp.dtype(dtype), jnp.int32, jnp.float32, []
+    H, r, Hi, d, P, topk = 64, 512, 32, 128, 16, 2048
+    W = topk + P - 1
+    for B, T, S in ((1, 4096, 4096), (64, 1, 32768)):
+        keys = np.minimum(np.arange(S - T, S) + 1, W)  # the keys each query attends
+        trips = {"kascade_decode_attend": float(np.mean(-(-keys // 128)))}
+        shape = f"B={B} T={T} S={S} H={H} r={r} W={W}"
+        args = [make((B, T, H, r), dt), make((B, S, 1, r), dt), make((B, T, W), i32), make((B,), i32)]
+        for backend in ("pallas_tpu", "xla"):
+            f = lambda q, k, i, n, backend=backend: kdax.indexed_attention(q, k, k, i, lengths=n, backend=backend)
+            t = trips if backend == "pallas_tpu" else None
+            out.append(Peer("indexed_attention", dtype, shape, "fwd", backend, f, args, trips=t))
+        shape = f"B={B} T={T} S={S} Hi={Hi} d={d} pools of {P} topk={topk}"
+        args = [make((B, T, Hi, d), dt), make((B, T, Hi), f32), make((B, S, d), dt), make((B, S, d), dt)]
+        args += [make((P, d), dt), make((B, T), i32), make((B,), i32)]
+        for backend in ("pallas_tpu", "xla"):
+            f = lambda q, w, k, g, a, p, n, backend=backend: kdax.index_select(
+                q, w, k, g, a, topk=topk, kpool=P, q_positions=p, lengths=n, backend=backend
+            )
+            out.append(Peer("index_select", dtype, shape, "fwd", backend, f, args))
     return out
 
 

@@ -884,7 +884,7 @@ def _decode_attend_kernel(lengths_ref, nblk_ref, *refs, R, bd, per_split, scale2
     """Grid (B, G, splits). q [Rq, D]; k, v [Bc, Lp, G, D] (or [Bc, G, Lp, D]) and idx [B, G, blocks, S] in HBM
     (:func:`_index_rows`); out: the split's partial acc [Rq, D], m, l [Rq, 1]. ``pick``: see
     :func:`_row_copies`. With ``rows`` a third scalar-prefetched array [B] comes first among ``refs``:
-    the cache row each query row reads (else its own)."""
+    the cache row each query row reads (else its own), and nblk is flat, [B * G]."""
     if rows:
         rows_ref, *refs = refs
     q_ref, k_hbm, v_hbm, idx_hbm, acc_ref, m_ref, l_ref, kbuf, vbuf, sems, idx_smem, idx_vmem = refs
@@ -900,7 +900,8 @@ def _decode_attend_kernel(lengths_ref, nblk_ref, *refs, R, bd, per_split, scale2
         s2 = jnp.where(row_ok & (keys >= 0) & (keys < length), bl.dot_nt(q, kb, prec) * scale2, -jnp.inf)
         return bl.softmax_step(state, s2, vb, prec)
 
-    count = jnp.clip(nblk_ref[b, g] - sp * per_split, 0, per_split)
+    blocks = nblk_ref[b * pl.num_programs(1) + g] if rows else nblk_ref[b, g]
+    count = jnp.clip(blocks - sp * per_split, 0, per_split)
     m_ref[...], l_ref[...], acc_ref[...] = reads.scan(count, step, bl.start_softmax(*q.shape))
 
 
@@ -1025,7 +1026,10 @@ def kascade_reuse_decode_tpu(
         rows=cache_rows is not None,
     )
     idx = _index_rows(indices, bd, S * per_split)
-    prefetch = (lengths, bl.selection_blocks(indices, bd), *(() if cache_rows is None else (cache_rows,)))
+    blocks = bl.selection_blocks(indices, bd)
+    if cache_rows is not None:  # one query a row: [B, G] would pad to [B, 128] words in SMEM (2 MiB at B = 4096)
+        blocks = blocks.reshape(-1)
+    prefetch = (lengths, blocks, *(() if cache_rows is None else (cache_rows,)))
     parts = _call(
         kernel,
         name="kascade_decode_attend",

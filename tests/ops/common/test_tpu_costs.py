@@ -9,7 +9,7 @@ import kdax
 from kdax.ops.common import dispatch, tpu_costs
 
 TPU_OPS = ("chunk_kda", "fused_recurrent_kda", "kascade_anchor", "kascade_reuse", "kascade_anchor_decode")
-TPU_OPS += ("kascade_reuse_decode", "paged_latent_attention")
+TPU_OPS += ("kascade_reuse_decode", "paged_latent_attention", "index_select", "indexed_attention")
 
 
 def _entry(kernel_cycles, xla_cycles, compiles=True, lower_bound=False, dtype="float32", xla_bound=False):
