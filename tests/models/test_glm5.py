@@ -42,6 +42,7 @@ def test_a_prompt_prefilled_in_parts_then_decoded_is_the_forward(model):
     assert rel_rms(step, whole[:, 41]) <= F32["out"] and (cache.lengths == 42).all()
 
 
+@pytest.mark.slow  # CI's time; run by hand with -m slow
 def test_rows_of_different_lengths_prefill_as_each_alone(model):
     ids = _ids(2, 30, seed=1)
     cache = model.init_cache(2, 32)
@@ -49,6 +50,7 @@ def test_rows_of_different_lengths_prefill_as_each_alone(model):
     assert rel_rms(logits[1, :17], model(ids[1:, :17])[0]) <= F32["out"]
 
 
+@pytest.mark.slow  # CI's time; run by hand with -m slow
 def test_gradients_reach_every_weight_but_the_indexers():
     """transformers runs the indexer without gradients; everything else learns."""
     model = Glm5NextForCausalLM(glm5_tiny_config(), rngs=nnx.Rngs(0))
@@ -108,6 +110,7 @@ def test_config_reads_transformers_spellings():
         Glm5NextConfig.from_dict({"model_type": "kimi_linear"})
 
 
+@pytest.mark.slow  # CI's time; run by hand with -m slow
 def test_selections_shapes_and_tracing(model):
     ids = _ids(2, 25)
     got = model.selections(ids)

@@ -165,8 +165,16 @@ def test_indexed_attention_is_the_definition_with_gradients(case):
         assert np.all(np.asarray(want)[empty] == 0)
 
 
-@pytest.mark.parametrize("case", [CASES[0], CASES[4], CASES[6]], ids=str)
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize(
+    "case, dtype",
+    [
+        (CASES[0], jnp.float32),
+        (CASES[6], jnp.bfloat16),
+        *(pytest.param(c, d, marks=pytest.mark.slow) for c, d in ((CASES[4], jnp.float32), (CASES[4], jnp.bfloat16))),
+        *(pytest.param(c, d, marks=pytest.mark.slow) for c, d in ((CASES[0], jnp.bfloat16), (CASES[6], jnp.float32))),
+    ],
+    ids=lambda x: str(x) if isinstance(x, Case) else jnp.dtype(x).name,
+)
 def test_tpu_kernel_is_the_definition(case, dtype):
     """pallas_tpu (the sparse decode's token kernel over each query, interpreted here): GQA, rows of
     0 and 1 keys, a decode step over a cache; float32 and bfloat16; gradients through xla's core."""
@@ -263,7 +271,9 @@ def test_bad_arguments_raise_value_errors_naming_them(call, match):
         call()
 
 
-@pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[4], CASES[5], CASES[6]], ids=str)
+@pytest.mark.parametrize(
+    "case", [CASES[0], CASES[6], *(pytest.param(c, marks=pytest.mark.slow) for c in CASES[1:2] + CASES[4:6])], ids=str
+)
 def test_tpu_selection_is_the_definition(case):
     """pallas_tpu's scores (interpreted) select exactly the reference's keys; float32 and bf16."""
     arrays = inputs(case, jnp.float32)
