@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
-from kdax.models.kda import KDABlock, Segments, is_kda
+from kdax.models.kda import KDABlock, Segments, embed, is_kda
 from kdax.nn import HyperConnection, RMSNorm
 from kdax.ops.common.sharding import Layout
 
@@ -105,12 +105,7 @@ class Glm5Model(nnx.Module):
             (hidden [B, T, hidden_size], a tuple of per-layer caches), then with ``selections``
             {layer: [B, T, W] int32}.
         """
-        L = self.layout if caches is None else None  # decoding: as XLA partitions it
-        if L is None:
-            spread, x = (lambda x: x), self.embeddings(input_ids)
-        else:  # as KDAModel: the table gathered before the look-up, rows and time spread over the mesh
-            spread = lambda x: L.constrain(x, L.data, L.context, *(None,) * (x.ndim - 2))
-            x = spread(jnp.take(L.constrain(self.embeddings.embedding[...], None, None), input_ids, axis=0))
+        spread, x = embed(self, input_ids, caches)
         x = jnp.broadcast_to(x[:, :, None], (*x.shape[:2], self.streams, x.shape[-1]))
         caches = (None,) * len(self.layers) if caches is None else caches
         new, chosen, indices = [], {}, None

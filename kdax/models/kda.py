@@ -213,6 +213,18 @@ class KDABlock(nnx.Module):
         return h, cache, indices
 
 
+def embed(model, input_ids, caches=None):
+    """(spread, the embeddings [B, T, D]) of a model with ``embeddings`` and ``layout``: on a mesh
+    (``layout`` set, no caches) the table gathered before the look-up (FSDP) and ``spread`` laying
+    activations [B, T, ...] out with rows and time over the mesh; else the identity (decoding: as
+    XLA partitions it)."""
+    L = model.layout if caches is None else None
+    if L is None:
+        return (lambda x: x), model.embeddings(input_ids)
+    spread = lambda x: L.constrain(x, L.data, L.context, *(None,) * (x.ndim - 2))
+    return spread, spread(jnp.take(L.constrain(model.embeddings.embedding[...], None, None), input_ids, axis=0))
+
+
 def is_kda(block: KDABlock) -> bool:
     """Whether the block's mixer is a KDA layer (else a softmax one)."""
     return isinstance(block.attn, KimiDeltaAttention)
@@ -254,12 +266,7 @@ class KDAModel(nnx.Module):
             (hidden [B, T, hidden_size], a tuple of per-layer caches, None for a layer that
             returned none).
         """
-        L = self.layout if caches is None else None  # decoding: as XLA partitions it
-        if L is None:
-            spread, x = (lambda x: x), self.embeddings(input_ids)
-        else:  # the table gathered before the look-up (FSDP), rows and time spread over the mesh
-            spread = lambda x: L.constrain(x, L.data, L.context, None)
-            x = spread(jnp.take(L.constrain(self.embeddings.embedding[...], None, None), input_ids, axis=0))
+        spread, x = embed(self, input_ids, caches)
         caches = (None,) * len(self.layers) if caches is None else caches
         new, selections = [], {}
         for i, (layer, cache) in enumerate(zip(self.layers, caches)):

@@ -269,12 +269,8 @@ def _dsa_mix(b, x, pages, table, step: _Step, shared):
     h = b.attn_norm(x)
     q_resid, q_nope, new = attn.entries(h)
     entry = jnp.concatenate([a[0, :, 0] for a in new], -1)  # [T, r (+ 2d)]
-    N, size, width = pages.shape
-    entry = jnp.pad(entry, ((0, 0), (0, width - entry.shape[1])))
-    column = jnp.clip(positions // size, 0, table.shape[1] - 1)
-    page = table[step.request, column]
-    page = jnp.where(step.live & (page >= 0), page, N)  # N: dropped
-    pages = pages.at[page, positions % size].set(entry.astype(pages.dtype), mode="drop")
+    pages = _store_entries(pages, table, entry, step)
+    N, size, _ = pages.shape
     r = attn.kv_lora_rank
     if attn.indexer is not None:
         d = attn.indexer.head_dim
@@ -287,6 +283,17 @@ def _dsa_mix(b, x, pages, table, step: _Step, shared):
     flat = jnp.where(shared[0] >= 0, flat, -1)[None]  # each selected key's row in the pages, [1, T, W]
     latent = pages[:, :, :r].reshape(1, N * size, 1, r)
     return attn.attend(h, q_nope, latent, flat), pages, shared
+
+
+def _store_entries(pages, table, entry, step: _Step):
+    """The pages [N, page, width] with the step's tokens' entries [T, <= width] (zero-padded to the
+    page's width) at their positions in their requests' pages (padding tokens dropped)."""
+    N, size, width = pages.shape
+    entry = jnp.pad(entry, ((0, 0), (0, width - entry.shape[1])))
+    column = jnp.clip(step.positions // size, 0, table.shape[1] - 1)
+    page = table[step.request, column]
+    page = jnp.where(step.live & (page >= 0), page, N)  # N: dropped
+    return pages.at[page, step.positions % size].set(entry.astype(pages.dtype), mode="drop")
 
 
 def _mix(graph, weights, x, cache, layer, step: _Step, *, num_spec: int, backend: str):
@@ -408,10 +415,5 @@ def _mla_mix(b, x, pages, table, step: _Step, backend: str):
     h = b.attn_norm(x)
     q_nope, q_rope, latent, k_rope = attn.latents(h, positions[None])
     entry = jnp.concatenate([latent, k_rope], -1)[0, :, 0]  # [T, r + dr]
-    N, size, width = pages.shape
-    entry = jnp.pad(entry, ((0, 0), (0, width - entry.shape[1])))  # to the page's width
-    column = jnp.clip(positions // size, 0, table.shape[1] - 1)
-    page = table[step.request, column]
-    page = jnp.where(step.live & (page >= 0), page, N)  # N: dropped
-    pages = pages.at[page, positions % size].set(entry.astype(pages.dtype), mode="drop")
+    pages = _store_entries(pages, table, entry, step)
     return attn.paged(h, q_nope, q_rope, pages, table, step.qsl, step.seq_lens, backend=backend), pages
