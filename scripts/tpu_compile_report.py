@@ -700,7 +700,9 @@ def _dsa(dtype: str, make) -> list[Peer]:
     """GLM-5.3-Flash's DSA on one device holding a layer's heads (an attention group of one device):
     the attention's 64 heads over one latent head of 512 and the indexer's 32 heads of 128, pools
     of 16, 2048 keys and the tail a query; a prefill of 4,096 tokens and a decode step of 64 rows at
-    32K. The token kernel's block loop counted at its mean trips over the queries."""
+    32K. The attention kernel's loop counted at its mean trips over its programs (blocks of four
+    queries in the prefill; one in the decode) with no pool shared by two queries of a program: the
+    most key blocks a program reads, :func:`dsa_trips`."""
     import jax.numpy as jnp
     import numpy as np
 
@@ -710,8 +712,7 @@ def _dsa(dtype: str, make) -> list[Peer]:
     H, r, Hi, d, P, topk = 64, 512, 32, 128, 16, 2048
     W = topk + P - 1
     for B, T, S in ((1, 4096, 4096), (64, 1, 32768)):
-        keys = np.minimum(np.arange(S - T, S) + 1, W)  # the keys each query attends
-        trips = {"kascade_decode_attend": float(np.mean(-(-keys // 128)))}
+        trips = {"kascade_indexed_attend": dsa_trips(np.arange(S - T, S), topk // P, P, 4 if T > 1 else 1, 512 // P)}
         shape = f"B={B} T={T} S={S} H={H} r={r} W={W}"
         args = [make((B, T, H, r), dt), make((B, S, 1, r), dt), make((B, T, W), i32), make((B,), i32)]
         for backend in ("pallas_tpu", "xla"):
@@ -727,6 +728,21 @@ def _dsa(dtype: str, make) -> list[Peer]:
             )
             out.append(Peer("index_select", dtype, shape, "fwd", backend, f, args))
     return out
+
+
+def dsa_trips(positions, pools: int, P: int, bq: int, C: int) -> float:
+    """The mean trips of ``kascade_indexed_attend``'s loop (steps of C key blocks of P keys) over
+    its programs of ``bq`` queries at ``positions``, each query listing ``pools`` whole pools and
+    its tail, no two queries of a program sharing a pool (the most a program reads: every key
+    block the last query sees, or the queries' own blocks summed)."""
+    import numpy as np
+
+    own = np.minimum((positions + 1) // P, pools) + ((positions + 1) % P > 0)  # each query's blocks
+    n = -(-len(positions) // bq)
+    last = positions[np.minimum(np.arange(n) * bq + bq - 1, len(positions) - 1)]
+    summed = np.add.reduceat(own, np.arange(n) * bq)
+    blocks = np.minimum(-(-(last + 1) // P), summed)
+    return float(np.mean(-(-blocks // C)))
 
 
 def _paged_mla(dtype: str, make) -> list[Peer]:

@@ -282,7 +282,8 @@ def test_verify_steps_run_the_recurrent_form_on_the_short_requests_alone(model, 
     assert len(paged) == len(model.model.layers) - kda_layers
 
 
-def test_step_split_as_the_engine_splits_it_equals_one_device():
+@pytest.mark.parametrize("checkpoint, heads_maps", [("kimi_a", 7), pytest.param("glm5_b", 6, marks=pytest.mark.slow)])
+def test_step_split_as_the_engine_splits_it_equals_one_device(checkpoint, heads_maps):
     """Fake CPU devices, the weights placed as the plugin places them on the engine's mesh:
     - tensor parallel 2: the KDA and paged MLA ops run per shard of the heads (what the TPU
       kernels need: XLA cannot partition a Mosaic call) and the MoE's experts on their own
@@ -290,19 +291,21 @@ def test_step_split_as_the_engine_splits_it_equals_one_device():
     - two data-parallel attention groups of two devices (the heads split within a group, the
       attention weights also over the groups and gathered where used, the MLPs and experts over
       all four): two groups' batches side by side, each group's pages and slots
-      on its own devices, equal each group's batch run alone."""
+      on its own devices, equal each group's batch run alone.
+    Kimi Linear, and GLM-5.3 (hyper-connections around each group's mixers; a shared indexed
+    layer taking its group's selection from the layer before) by hand with -m slow."""
     import json
     import subprocess
     import sys
 
     flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
     env = {**os.environ, "XLA_FLAGS": flags.strip(), "JAX_PLATFORMS": "cpu"}
-    worker = [sys.executable, "-m", "tests.integrations.vllm_step_tp_worker", os.path.join(FIXTURES, "kimi_a")]
+    worker = [sys.executable, "-m", "tests.integrations.vllm_step_tp_worker", os.path.join(FIXTURES, checkpoint)]
     run = subprocess.run(worker, capture_output=True, text=True, env=env, timeout=900, check=False)
     assert run.returncode == 0, run.stderr[-4000:]
     r = json.loads(run.stdout.strip().splitlines()[-1])
     # KDA: chunked and recurrent calls; MLA: paged; MoE: experts; with groups, each layer's mixer too
-    assert r["heads"]["split"] > 10 and r["heads"]["shard_maps"] >= 7
+    assert r["heads"]["split"] > 10 and r["heads"]["shard_maps"] >= heads_maps
     assert r["groups"]["split"] > r["heads"]["split"]  # the latent projections too, over the groups
     assert r["groups"]["shard_maps"] >= r["heads"]["shard_maps"] + 4
     assert r["heads"]["max_rel"] < 1e-5 and r["groups"]["max_rel"] < 1e-5

@@ -235,27 +235,41 @@ def _forward_streams(model, caches, batch: StepBatch, num_spec: int, mesh):
     """:func:`_forward` of GLM-5.3 (:class:`kdax.models.glm5.Glm5Model`): the residual streams
     through each layer's hyper-connections, the indexed layers on the pages (:func:`_dsa_mix`), a
     shared one with the selection of the layer before it."""
-    if mesh is not None and mesh.groups is not None:
-        raise NotImplementedError(
-            "GLM-5.3-Flash with data-parallel attention groups: not yet (serve it with tensor parallelism alone)"
-        )
-    step = _Step.of(batch.positions, batch.query_start_loc, batch.seq_lens)
+    step = _per_group(mesh, _Step.of, batch.positions, batch.query_start_loc, batch.seq_lens)
     m = model.model
     x = m.embeddings(batch.tokens[None])
     x = jnp.broadcast_to(x[:, :, None], (*x.shape[:2], m.streams, x.shape[-1]))
     new, indices = [], None
     for b, cache, layer in zip(m.layers, caches, batch.layers):
         h, post, comb = b.attn_hc(x)
+        graph, weights = nnx.split(b)
+        mix = functools.partial(_stream_mix, graph, num_spec=num_spec)
         if is_kda(b):
-            y, cache = _kda_mix(b, h, cache, layer, step, num_spec)
+            y, cache = _per_group(mesh, mix, weights, h, cache, layer, step, whole=1, time=1)
             indices = None
         else:
-            y, cache, indices = _dsa_mix(b, h, cache, layer, step, indices)
+            before = () if indices is None else (indices,)  # the selection of the layer before
+            args = (weights, h, *before, cache, layer, step)
+            y, cache, indices = _per_group(mesh, mix, *args, whole=1, time=1 + len(before), out_time=(1, 0, 1))
         x = HyperConnection.combine(x, y, post, comb)
+        if mesh is not None and mesh.groups is not None:  # every group's tokens to the MLP's devices
+            x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh.mesh, P()))
         h, post, comb = b.ffn_hc(x)
         x = HyperConnection.combine(x, b.mlp(b.mlp_norm(h)), post, comb)
         new.append(cache)
     return m.norm(x.mean(axis=-2))[0], new
+
+
+def _stream_mix(graph, weights, h, *rest, num_spec: int):
+    """The mixer of GLM-5.3's block ``nnx.merge(graph, weights)`` over one group's requests, its
+    input h [1, T, hidden] from the streams: KDA's (output, cache) from ``rest`` (cache, slots,
+    step); an indexed layer's (output, pages, selection) from ``rest`` ([the selection of the
+    layer before,] pages, table, step)."""
+    b = nnx.merge(graph, weights)
+    if is_kda(b):
+        return _kda_mix(b, h, *rest, num_spec)
+    shared, rest = (None, rest) if len(rest) == 3 else (rest[0], rest[1:])
+    return _dsa_mix(b, h, *rest, shared)
 
 
 def _dsa_mix(b, x, pages, table, step: _Step, shared):
@@ -305,16 +319,16 @@ def _mix(graph, weights, x, cache, layer, step: _Step, *, num_spec: int, backend
     return _mla_mix(b, x, cache, layer, step, backend)
 
 
-def _per_group(mesh, fn, *args, whole: int = 0, time: int = 0):
+def _per_group(mesh, fn, *args, whole: int = 0, time: int = 0, out_time=(1, 0)):
     """``fn(*args)`` with one attention group's share of each argument under ``jax.shard_map`` over
     ``mesh.groups`` (or as it is without groups): the first ``whole`` arguments every group's, the
-    next ``time`` (0 or 1) split on their second dim ([1, T, ...]: the group's tokens), the rest
-    on their first; the outputs likewise (with ``time``, the first on its second dim)."""
+    next ``time`` split on their second dim ([1, T, ...]: the group's tokens), the rest on their
+    first; the outputs likewise (with ``time``, those ``out_time`` marks on their second dim)."""
     if mesh is None or mesh.groups is None:
         return fn(*args)
     g = mesh.groups
     spec = lambda i: P() if i < whole else P(None, g) if i < whole + time else P(g)
-    out = P(g) if time == 0 else (P(None, g), P(g))
+    out = P(g) if time == 0 else tuple(P(None, g) if t else P(g) for t in out_time)
     # every axis but the heads' manual: a Pallas call is not left to XLA's partitioner on any axis
     manual = set(mesh.mesh.axis_names) - set(axis_names(mesh.heads))
     in_specs = tuple(spec(i) for i in range(len(args)))

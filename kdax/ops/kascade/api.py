@@ -495,19 +495,20 @@ def indexed_attention(
     backend, config = _DSA["indexed_attention"].resolve(backend, q.dtype, config)
     if backend == "pallas_tpu" and v.shape != k.shape:
         fail("v", f"k's shape {tuple(k.shape)} with backend='pallas_tpu' (the decode kernel's caches)", v.shape)
-    o = (backend, config, q.shape[-1] ** -0.5 if scale is None else float(scale))
+    o = (backend, config, q.shape[-1] ** -0.5 if scale is None else float(scale), v is k)
     return _indexed_attention(o, q, k, v, jnp.asarray(indices, jnp.int32), lengths)
 
 
 @functools.partial(jax.jit, static_argnums=0)
 def _indexed_attention(o, q, k, v, indices, lengths):
-    backend, config, scale = o
+    backend, config, scale, shared = o
     if backend == "naive":
         return reference.naive_indexed_attention(q, k, v, indices, scale=scale, lengths=lengths)
     args, static = (q, k, v, indices, lengths), {"scale": scale, "cfg": config}
     if backend == "pallas_tpu":  # derivatives through xla's core (the same op)
+        kernel = functools.partial(pallas_tpu.indexed_attention_tpu, shared=shared)
         name, xla_core = "indexed_attention (pallas_tpu)", xla.indexed_attention_xla
-        return _forward_only(pallas_tpu.indexed_attention_tpu, name, xla_core, *args, **static)
+        return _forward_only(kernel, name, xla_core, *args, **static)
     return xla.indexed_attention_xla(*args, **static)
 
 

@@ -38,7 +38,13 @@ from kdax.ops.common import dispatch
 from kdax.ops.common.arrays import LOG2E, round_up
 from kdax.ops.kascade import blocks as bl
 from kdax.ops.kascade.checks import index_tail, pool_count, pool_keys, pooled_index_keys
-from kdax.ops.kascade.xla import compact, decode_select_pools, select_index_pools, select_pools, with_decode_tail
+from kdax.ops.kascade.xla import (
+    compact,
+    decode_select_pools,
+    select_index_pools,
+    select_pools,
+    with_decode_tail,
+)
 
 LANE = 128
 
@@ -70,6 +76,8 @@ class Config:
         decode_keys_bytes: the most VMEM bytes of a row's keys (one KV head) the pooled anchor
             decode keeps while it selects, so that its sparse pass reads only values from HBM;
             longer rows run two kernels and read the selected pools' keys again.
+        index_rows: query rows (queries times the query heads of a KV head) a program of the
+            indexed attention takes; its queries share each key block's read (at least one query).
         interpret: run in the Pallas TPU interpreter; None: unless on a TPU (or lowering for one).
         detect_races: in the interpreter, check the kernels for data races.
 
@@ -88,6 +96,7 @@ class Config:
     pool_rows: int = 512
     pool_scratch: int = 16 << 20
     decode_keys_bytes: int = 40 << 20
+    index_rows: int = 256
     interpret: bool | None = None
     detect_races: bool = False
 
@@ -105,6 +114,8 @@ class Config:
         for name in ("resident_bytes", "decode_keys_bytes"):
             if (n := getattr(self, name)) < 0:
                 raise ValueError(f"config.{name}: expected an int >= 0, got {n}")
+        if self.index_rows < 1:
+            raise ValueError(f"config.index_rows: expected an int >= 1, got {self.index_rows}")
         interpret = dispatch.platform() != "tpu" if self.interpret is None else self.interpret
         return dataclasses.replace(self, interpret=interpret)
 
@@ -880,28 +891,46 @@ def _decode_scores_kernel(lengths_ref, q_ref, k_hbm, *rest, R, bd, nl, scale2, p
         acc_ref[...], m_ref[...], l_ref[...] = acc, m, l
 
 
-def _decode_attend_kernel(lengths_ref, nblk_ref, *refs, R, bd, per_split, scale2, prec, pick, layout, rows=False):
-    """Grid (B, G, splits). q [Rq, D]; k, v [Bc, Lp, G, D] (or [Bc, G, Lp, D]) and idx [B, G, blocks, S] in HBM
+def _decode_attend_kernel(
+    lengths_ref,
+    nblk_ref,
+    q_ref,
+    k_hbm,
+    v_hbm,
+    idx_hbm,
+    acc_ref,
+    m_ref,
+    l_ref,
+    kbuf,
+    vbuf,
+    sems,
+    idx_smem,
+    idx_vmem,
+    *,
+    R,
+    bd,
+    per_split,
+    scale2,
+    prec,
+    pick,
+    layout,
+):
+    """Grid (B, G, splits). q [Rq, D]; k, v [B, Lp, G, D] (or [B, G, Lp, D]) and idx [B, G, blocks, S] in HBM
     (:func:`_index_rows`); out: the split's partial acc [Rq, D], m, l [Rq, 1]. ``pick``: see
-    :func:`_row_copies`. With ``rows`` a third scalar-prefetched array [B] comes first among ``refs``:
-    the cache row each query row reads (else its own), and nblk is flat, [B * G]."""
-    if rows:
-        rows_ref, *refs = refs
-    q_ref, k_hbm, v_hbm, idx_hbm, acc_ref, m_ref, l_ref, kbuf, vbuf, sems, idx_smem, idx_vmem = refs
+    :func:`_row_copies`."""
     b, g, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     length = lengths_ref[b]
     q = q_ref[...]
     row_ok = lax.broadcasted_iota(jnp.int32, (q.shape[0], 1), 0) < R
     sel = (lambda i: idx_hbm.at[b, g, pl.ds(sp * per_split + i, 1)], idx_smem, idx_vmem)
-    src, head = _cache_reads(rows_ref[b] if rows else b, g, pick, cache_layout=layout)
+    src, head = _cache_reads(b, g, pick, cache_layout=layout)
     reads = _Blocks(k_hbm, v_hbm, src, kbuf, vbuf, sems, bd, sel, pick=head)
 
     def step(state, i, keys, kb, vb):
         s2 = jnp.where(row_ok & (keys >= 0) & (keys < length), bl.dot_nt(q, kb, prec) * scale2, -jnp.inf)
         return bl.softmax_step(state, s2, vb, prec)
 
-    blocks = nblk_ref[b * pl.num_programs(1) + g] if rows else nblk_ref[b, g]
-    count = jnp.clip(blocks - sp * per_split, 0, per_split)
+    count = jnp.clip(nblk_ref[b, g] - sp * per_split, 0, per_split)
     m_ref[...], l_ref[...], acc_ref[...] = reads.scan(count, step, bl.start_softmax(*q.shape))
 
 
@@ -996,15 +1025,11 @@ def kascade_anchor_decode_tpu(
     return idx, kascade_reuse_decode_tpu(q, k_cache, v_cache, lengths, idx, **reuse)
 
 
-def kascade_reuse_decode_tpu(
-    q, k_cache, v_cache, lengths, indices, *, pool_size, scale, cache_layout, cfg, cache_rows=None
-):
-    """See :func:`kdax.kascade_reuse_decode`. indices [B, G, k] already remapped. ``cache_rows``: None,
-    or [B] int32, the row of the caches [Bc, ...] each query row reads (the token kernels then, as
-    :func:`kdax.indexed_attention` runs its queries). Returns o [B, H, D]."""
+def kascade_reuse_decode_tpu(q, k_cache, v_cache, lengths, indices, *, pool_size, scale, cache_layout, cfg):
+    """See :func:`kdax.kascade_reuse_decode`. indices [B, G, k] already remapped. Returns o [B, H, D]."""
     B, H, D = q.shape
     L, G = (k_cache.shape[2], k_cache.shape[1]) if cache_layout == "BGLD" else k_cache.shape[1:3]
-    if cache_rows is None and _decode_pools(pool_size, L, q.dtype, G, cache_layout):
+    if _decode_pools(pool_size, L, q.dtype, G, cache_layout):
         return bl.decode_output(
             *_pool_decode_attend(q, k_cache, v_cache, lengths, indices, G, L, pool_size, scale, cache_layout, cfg), q
         )
@@ -1023,13 +1048,9 @@ def kascade_reuse_decode_tpu(
         prec=bl.precision(q.dtype),
         pick=pick,
         layout=cache_layout,
-        rows=cache_rows is not None,
     )
     idx = _index_rows(indices, bd, S * per_split)
-    blocks = bl.selection_blocks(indices, bd)
-    if cache_rows is not None:  # one query a row: [B, G] would pad to [B, 128] words in SMEM (2 MiB at B = 4096)
-        blocks = blocks.reshape(-1)
-    prefetch = (lengths, blocks, *(() if cache_rows is None else (cache_rows,)))
+    prefetch = (lengths, bl.selection_blocks(indices, bd))
     parts = _call(
         kernel,
         name="kascade_decode_attend",
@@ -1047,17 +1068,156 @@ def kascade_reuse_decode_tpu(
     return bl.decode_output(*parts, q)
 
 
-def indexed_attention_tpu(q, k, v, indices, lengths, *, scale, cfg):
-    """See :func:`kdax.indexed_attention` (v of k's shape): each query a row of the sparse decode's
-    token kernel (:func:`kascade_reuse_decode_tpu`) reading its batch row's keys (``cache_rows``), its
-    listed keys copied a row at a time into blocks of the decode block. q [B, T, H, D]; k, v
-    [B, S, G, D]; indices [B, T, W]; lengths [B]. Returns o [B, T, H, D] in q's dtype."""
+# ----------------------------------------------------------------------------- DSA's indexed attention
+
+KEY_BLOCK = 16  # the keys one copy of the indexed attention reads: a packed bfloat16 tile's rows
+_INDEX_SMEM_WORDS = 16384  # the most ints a program's key block ids and bits take in SMEM (64 KiB)
+
+
+def indexed_blocks(indices, lengths, *, bq: int, cap: int):
+    """The key blocks (keys 16 j .. 16 j + 15) that each block of ``bq`` queries lists, as
+    ``kascade_indexed_attend`` reads them. indices [B, T, W] (-1, or past the row's length: none),
+    lengths [B]; ``cap`` at least min(the key blocks of a row, bq W). One sort per query block, no
+    compare of every key with every slot.
+
+    Returns:
+        ids [B, NQ, cap] int32: the blocks ascending, 0 past the count (in range);
+        counts [B, NQ] int32: the distinct blocks listed;
+        bits [B, NQ, cap * bq] int32: bit r of entry u * bq + i set when query i of the block
+        lists key 16 ids[u] + r. NQ = ceil(T / bq).
+    """
+    B, T, W = indices.shape
+    NQ, n = -(-T // bq), bq * W
+    idx = jnp.pad(indices, ((0, 0), (0, NQ * bq - T), (0, 0)), constant_values=-1)
+    ok = (idx >= 0) & (idx < lengths[:, None, None])
+    none = jnp.iinfo(jnp.int32).max
+    block = jnp.where(ok, idx // KEY_BLOCK, none).reshape(B, NQ, n)
+    bit = jnp.where(ok, jnp.left_shift(1, jnp.maximum(idx, 0) % KEY_BLOCK), 0).reshape(B, NQ, n)
+    query = jnp.broadcast_to(jnp.repeat(jnp.arange(bq, dtype=jnp.int32), W), (B, NQ, n))
+    block, query, bit = lax.sort((block, query, bit), dimension=2, num_keys=1)
+    new = (block != jnp.pad(block[..., :-1], ((0, 0), (0, 0), (1, 0)), constant_values=-1)) & (block != none)
+    slot = jnp.cumsum(new, axis=-1, dtype=jnp.int32) - 1  # each entry's block among the distinct ones
+    row = jnp.arange(B * NQ, dtype=jnp.int32).reshape(B, NQ, 1) * cap
+    drop = B * NQ * cap  # out of range: dropped
+    ids = jnp.zeros(drop, jnp.int32).at[jnp.where(new, row + slot, drop)].set(block, mode="drop")
+    at = jnp.where(block != none, (row + slot) * bq + query, drop * bq)
+    bits = jnp.zeros(drop * bq, jnp.int32).at[at].add(bit, mode="drop")  # distinct keys: the add is an or
+    return ids.reshape(B, NQ, cap), jnp.sum(new, axis=-1, dtype=jnp.int32), bits.reshape(B, NQ, cap * bq)
+
+
+def _indexed_kernel(cnt_ref, ids_ref, bits_ref, q_ref, k_hbm, *rest, R, bq, C, scale2, prec, shared):
+    """Grid (B, NQ, G): a block of ``bq`` queries, its R heads of KV head g as rows q [bq * R, D]
+    (query-major), over the key blocks its queries list (SMEM: count [1, 1], ids [1, cap], bits
+    [1, cap * bq]: :func:`indexed_blocks`). C blocks a step, each one DMA of 16 rows of k, v
+    [B, S, G * D] in HBM into two slots (K alone when ``shared``, v = k); an online softmax in
+    float32 over the keys each row's query lists (its bits). out o [bq * R, D], 0 in a row whose
+    query lists no key."""
+    if shared:
+        o_ref, kbuf, sems = rest
+        pairs = ((k_hbm, kbuf),)
+    else:
+        v_hbm, o_ref, kbuf, vbuf, sems = rest
+        pairs = ((k_hbm, kbuf), (v_hbm, vbuf))
+    b, g = pl.program_id(0), pl.program_id(2)
+    rows, D = q_ref.shape
+    n = C * KEY_BLOCK
+    count = cnt_ref[0, 0]
+    q = (q_ref[...].astype(jnp.float32) * scale2).astype(q_ref.dtype)  # log2 units
+
+    def each(c, slot, act):  # act on the copies of step c's blocks (those listed) into ``slot``
+        for j in range(C):
+
+            @pl.when(c * C + j < count)
+            def _(j=j):
+                at = pl.ds(pl.multiple_of(ids_ref[0, c * C + j] * KEY_BLOCK, KEY_BLOCK), KEY_BLOCK)
+                for a, (x, buf) in enumerate(pairs):
+                    dst = buf.at[slot, pl.ds(j * KEY_BLOCK, KEY_BLOCK)]
+                    act(pltpu.make_async_copy(x.at[b, at, pl.ds(g * D, D)], dst, sems.at[a, slot]))
+
+    lane = lax.broadcasted_iota(jnp.int32, (1, n), 1)
+    which, shift = bl.div(lane, KEY_BLOCK), bl.rem(lane, KEY_BLOCK)
+    mine = [bl.div(lax.broadcasted_iota(jnp.int32, (rows, 1), 0), R) == i for i in range(bq)]
+
+    def bias(c):  # [rows, n]: 0 where a row's query lists a key of step c, else -inf
+        out = jnp.full((rows, n), -jnp.inf, jnp.float32)
+        for i in range(bq):
+            word = jnp.zeros((1, n), jnp.int32)
+            for j in range(C):
+                word = jnp.where(which == j, bits_ref[0, (c * C + j) * bq + i], word)
+            out = jnp.where(mine[i], jnp.where(jnp.right_shift(word, shift) & 1 == 1, 0.0, -jnp.inf), out)
+        return out
+
+    def step(c, state):
+        slot = bl.rem(c, 2)
+
+        @pl.when(c + 1 < chunks)
+        def _():
+            each(c + 1, 1 - slot, lambda cp: cp.start())
+
+        each(c, slot, lambda cp: cp.wait())
+        for j in range(1, C):  # the last step's unfilled blocks: zeros (unlisted, weight 0; never NaN)
+
+            @pl.when(c * C + j >= count)
+            def _(j=j):
+                for _, buf in pairs:
+                    buf[slot, pl.ds(j * KEY_BLOCK, KEY_BLOCK)] = jnp.zeros((KEY_BLOCK, D), buf.dtype)
+
+        kb = kbuf[slot]
+        s2 = bl.dot_nt(q, kb, prec) + bias(c)
+        return bl.softmax_step(state, s2, kb if shared else vbuf[slot], prec)
+
+    chunks = bl.cdiv(count, C)
+
+    @pl.when(count > 0)
+    def _():
+        each(0, 0, lambda cp: cp.start())
+
+    o, _ = bl.finish_softmax(lax.fori_loop(0, chunks, step, bl.start_softmax(rows, D)))
+    o_ref[...] = o.astype(o_ref.dtype)
+
+
+def indexed_attention_tpu(q, k, v, indices, lengths, *, scale, cfg, shared=False):
+    """See :func:`kdax.indexed_attention` (v of k's shape; ``shared``: v is k, read once): blocks of
+    queries (``cfg.index_rows`` rows of queries times the heads of a KV head, at least one query,
+    fewer where their lists' key blocks would take over 64 KiB of SMEM) read the key blocks of 16
+    their queries list, each block one DMA shared by the block's queries and heads
+    (``kascade_indexed_attend``): :func:`kdax.index_select`'s whole pools of 16 are a block each.
+    q [B, T, H, D]; k, v [B, S, G, D]; indices [B, T, W]; lengths [B]. Returns o [B, T, H, D]."""
     B, T, H, D = q.shape
-    G, W = k.shape[2], indices.shape[-1]
-    rows = jnp.repeat(jnp.arange(B, dtype=jnp.int32), T)
-    idx = jnp.broadcast_to(indices.reshape(B * T, 1, W), (B * T, G, W))
-    options = {"pool_size": 1, "scale": scale, "cache_layout": "BLGD", "cfg": cfg, "cache_rows": rows}
-    return kascade_reuse_decode_tpu(q.reshape(B * T, H, D), k, v, lengths[rows], idx, **options).reshape(B, T, H, D)
+    S, G, W = k.shape[1], k.shape[2], indices.shape[-1]
+    R, C, NB = H // G, max(1, cfg.pool_keys // KEY_BLOCK), -(-S // KEY_BLOCK)
+    slots = lambda bq: round_up(min(NB, bq * W), C)  # a block's distinct key blocks, at most
+    bq = max(1, min(T, cfg.index_rows // R))
+    while bq > 1 and slots(bq) * (bq + 1) > _INDEX_SMEM_WORDS:
+        bq -= 1
+    cap = slots(bq)
+    ids, counts, bits = indexed_blocks(indices, lengths, bq=bq, cap=cap)
+    NQ, Sp, Dp = counts.shape[1], round_up(S, KEY_BLOCK), round_up(D, LANE)
+    pad = lambda x: x if (Sp, Dp) == (S, D) else jnp.pad(x, ((0, 0), (0, Sp - S), (0, 0), (0, Dp - D)))
+    kv = [pad(x).reshape(B, Sp, G * Dp) for x in ((k,) if shared else (k, v))]
+    qb = jnp.pad(q, ((0, 0), (0, NQ * bq - T), (0, 0), (0, Dp - D))).reshape(B, NQ, bq, G, R, Dp)
+    qb = qb.transpose(0, 1, 3, 2, 4, 5).reshape(B, NQ, G, bq * R, Dp)
+    kernel = functools.partial(
+        _indexed_kernel, R=R, bq=bq, C=C, scale2=scale * LOG2E, prec=bl.precision(q.dtype), shared=shared
+    )
+    smem = lambda m: pl.BlockSpec((None, None, 1, m), lambda b, t, g: (b, t, 0, 0), memory_space=pltpu.SMEM)
+    qspec = pl.BlockSpec((None, None, None, bq * R, Dp), lambda b, t, g: (b, t, g, 0, 0))
+    hbm = pl.BlockSpec(memory_space=pl.ANY)
+    scratch = [pltpu.VMEM((2, C * KEY_BLOCK, Dp), k.dtype) for _ in kv] + [pltpu.SemaphoreType.DMA((len(kv), 2))]
+    o = _call(
+        kernel,
+        name="kascade_indexed_attend",
+        grid=(B, NQ, G),
+        in_specs=[smem(1), smem(cap), smem(cap * bq), qspec, *(hbm for _ in kv)],
+        out_specs=qspec,
+        scratch_shapes=scratch,
+        out_shape=jax.ShapeDtypeStruct(qb.shape, q.dtype),
+        interpret=_interpret(cfg),
+        # every copy is in range: indexed_blocks gives 0 past the count
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",) * 3, disable_bounds_checks=True),
+    )(counts[..., None, None], ids[:, :, None], bits[:, :, None], qb, *kv)
+    o = o.reshape(B, NQ, G, bq, R, Dp).transpose(0, 1, 3, 2, 4, 5)
+    return o.reshape(B, NQ * bq, H, Dp)[:, :T, :, :D]
 
 
 def _index_scores_kernel(q_ref, w_ref, k_ref, o_ref, *, heads, scale, prec):

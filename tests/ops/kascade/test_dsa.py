@@ -12,7 +12,7 @@ import pytest
 
 import kdax
 from kdax.bench.measure import rel_rms
-from kdax.ops.kascade import reference, xla
+from kdax.ops.kascade import pallas_tpu, reference, xla
 from tests.tolerances import F64
 
 
@@ -176,7 +176,7 @@ def test_indexed_attention_is_the_definition_with_gradients(case):
     ids=lambda x: str(x) if isinstance(x, Case) else jnp.dtype(x).name,
 )
 def test_tpu_kernel_is_the_definition(case, dtype):
-    """pallas_tpu (the sparse decode's token kernel over each query, interpreted here): GQA, rows of
+    """pallas_tpu (blocks of queries over the key blocks they list, interpreted here): GQA, rows of
     0 and 1 keys, a decode step over a cache; float32 and bfloat16; gradients through xla's core."""
     arrays = inputs(case)
     indices = select(case, arrays, "naive")
@@ -196,6 +196,49 @@ def test_tpu_kernel_is_the_definition(case, dtype):
         assert rel_rms(grad("pallas_tpu"), grad("xla")) <= 1e-6
     with pytest.raises(ValueError, match="v: expected k's shape"):
         kdax.indexed_attention(q, k, v[..., :8], indices, backend="pallas_tpu")
+
+
+def test_key_blocks_of_query_blocks_are_the_lists():
+    """The TPU kernel's reads (pallas_tpu.indexed_blocks): each block of queries' distinct key blocks
+    of 16 ascending, and per query the bits of the keys it lists, rebuilt here key by key."""
+    r = np.random.default_rng(2)
+    B, T, W, S, bq = 2, 7, 9, 70, 3
+    keys = np.stack([[r.permutation(S)[:W] for _ in range(T)] for _ in range(B)])  # distinct keys a query
+    indices = np.where(r.random((B, T, W)) < 0.2, -1, keys)
+    lengths = np.array([70, 41])
+    ids, counts, bits = pallas_tpu.indexed_blocks(jnp.asarray(indices), jnp.asarray(lengths), bq=bq, cap=5)
+    for b in range(B):
+        for n in range(-(-T // bq)):
+            lists = [
+                {int(x) for x in indices[b, t] if 0 <= x < lengths[b]} for t in range(n * bq, min(T, (n + 1) * bq))
+            ]
+            blocks = sorted({x // 16 for keys in lists for x in keys})
+            assert counts[b, n] == len(blocks) and list(ids[b, n, : len(blocks)]) == blocks
+            assert not np.any(ids[b, n, len(blocks) :])
+            for u, blk in enumerate(blocks):
+                for i in range(bq):
+                    keys = lists[i] if i < len(lists) else set()
+                    assert bits[b, n, u * bq + i] == sum(1 << (x % 16) for x in keys if x // 16 == blk)
+
+
+def test_tpu_kernel_shares_key_blocks_across_queries():
+    """pallas_tpu with v = k (read once), DSA's pools of 16 and tails (a block of 16 keys a copy),
+    D = 60 (padded), queries two a program over blocks two a step (many steps, a last one part
+    filled): the float64 definition."""
+    case = CASES[2]
+    arrays = inputs(case)
+    indices = select(case, arrays, "naive")
+    r = np.random.default_rng(5)
+    q, k = (
+        jnp.asarray(r.standard_normal((2, case.T, 4, 60)), jnp.float32),
+        jnp.asarray(r.standard_normal((2, case.T, 1, 60)), jnp.float32),
+    )
+    config = pallas_tpu.Config(index_rows=8, pool_keys=32)
+    got = kdax.indexed_attention(q, k, k, indices, backend="pallas_tpu", config=config)
+    want = kdax.indexed_attention(
+        q.astype(jnp.float64), k.astype(jnp.float64), k.astype(jnp.float64), indices, backend="naive"
+    )
+    assert rel_rms(got, want) <= 1e-5
 
 
 def test_full_selection_is_dense_causal_attention():
