@@ -119,13 +119,14 @@ BENCHES = (kda, model, serving, kascade, cp, eager, fla_compare, gpu_tune)  # ea
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="kdax", description="kdax: Kimi Delta Attention for JAX")
+    parser = argparse.ArgumentParser(prog="kdax", description="kdax: Kimi Delta Attention for JAX", allow_abbrev=False)
     parser.add_argument("--version", action="version", version=f"kdax {kdax.__version__} (jax {jax.__version__})")
     sub = parser.add_subparsers(dest="command", required=True)
     b = sub.add_parser(
         "bench",
         help="benchmarks: KDA backends (the default), memory, a model, Kascade, context parallelism, ...",
         description="Benchmarks; `kdax bench` alone (or with kda's flags) runs `kdax bench kda`.",
+        allow_abbrev=False,
     )
     bench = b.add_subparsers(dest="bench")
     for module in BENCHES:
@@ -148,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         help="several hosts, each running this command: jax.distributed.initialize from the cluster's "
         "environment (auto) or with the coordinator's address, the process count and this one's id",
     )
-    k = sub.add_parser("kascade", help="Kascade sparse attention tools", formatter_class=flags.Help)
+    k = sub.add_parser("kascade", help="Kascade sparse attention tools", formatter_class=flags.Help, allow_abbrev=False)
     ksub = k.add_subparsers(dest="kascade_command", required=True)
     c = flags.command(ksub, "calibrate", _calibrate, "choose a Kascade schedule for a checkpoint from calibration text")
     c.add_argument("--checkpoint", required=True, help="a model directory in FLA's format (kdax train's out_dir/model)")
@@ -183,7 +184,9 @@ def main(argv: list[str] | None = None) -> int:
         help="what ranks anchor heads and anchors: the error of each layer's output, or the attention mass kept",
     )
     c.add_argument("--out", default="kascade_schedule.json", help="where to write the schedule (JSON)")
-    ns = parser.parse_args(argv)
+    ns, unknown = parser.parse_known_args(argv)
+    if unknown:  # the subcommand's usage, not the top level's
+        ns.parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     ns.command_line = " ".join(["kdax", *argv])
     return ns.run(ns, ns.parser)
 

@@ -105,6 +105,24 @@ def test_bench_refuses_bad_flags_in_one_line(capsys):
         assert exit.value.code == 2 and f"kdax bench {says}" in err, err
 
 
+def test_unknown_and_abbreviated_flags_get_the_subcommands_usage(capsys):
+    """An unknown flag, or a prefix of a real one (--step for --steps), is the subcommand's one-line
+    error under its own usage (exit 2), before any work."""
+    import pytest
+
+    cases = [
+        ("train --step 5", "kdax train", "--step 5"),
+        ("train --bogus", "kdax train", "--bogus"),
+        ("bench kda --rep 3", "kdax bench kda", "--rep 3"),
+    ]
+    for args, prog, unknown in cases:
+        with pytest.raises(SystemExit) as exit:
+            main(args.split())
+        err = capsys.readouterr().err
+        assert exit.value.code == 2 and f"usage: {prog} " in err, err
+        assert f"{prog}: error: unrecognized arguments: {unknown}" in err, err
+
+
 def test_bench_float16(capsys):
     assert main(["bench", *TINY, "--dtype", "float16"]) == 0
     assert "B=1 T=40 H=1 K=8 V=8 float16" in capsys.readouterr().out

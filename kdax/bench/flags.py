@@ -79,7 +79,7 @@ class Help(argparse.ArgumentDefaultsHelpFormatter):
 
 def command(sub, name: str, run, help: str, description: str | None = None) -> argparse.ArgumentParser:
     """A subcommand of ``sub``: ``kdax.cli.main`` calls ``run(ns, parser)`` for its exit status."""
-    p = sub.add_parser(name, help=help, description=description or help, formatter_class=Help)
+    p = sub.add_parser(name, help=help, description=description or help, formatter_class=Help, allow_abbrev=False)
     p.set_defaults(run=run, parser=p)
     return p
 

@@ -188,7 +188,7 @@ def forward(
     """Run the model on one engine step.
 
     Args:
-        model: a Kimi Linear or Ling model (:mod:`kdax.models.hybrids`).
+        model: a Kimi Linear, Ling or GLM-5.3 model (:mod:`kdax.models.hybrids`).
         caches: per layer, the engine's cache (see :func:`init_caches`).
         batch: the :class:`StepBatch`; with ``mesh.groups`` of G devices, G groups' batches side
             by side (tokens and positions [G * T], ``query_start_loc`` [G * (R + 1)] with offsets

@@ -235,8 +235,10 @@ def explain_backend(
     op: str = "chunk_kda",
     head_dims: tuple[int, int] = (128, 128),
     cache_layout: str = "BLGD",
+    platform: str | None = None,
 ) -> tuple[str, str]:
-    """Which backend ``backend="auto"`` runs for an op's inputs of ``dtype`` here, and why.
+    """Which backend ``backend="auto"`` runs for an op's inputs of ``dtype`` here (or on
+    ``platform``), and why.
 
     "auto" takes the kernels a config names, else those :func:`kdax.use_backend` names,
     else the default device's, where the op has them and they take the inputs (a TPU's only
@@ -251,16 +253,21 @@ def explain_backend(
             "paged_latent_attention".
         head_dims: (K, V), KDA's key and value head dims (other ops ignore them).
         cache_layout: the Kascade decode ops' caches, "BLGD" or "BGLD" (other ops ignore it).
+        platform: "cpu", "gpu" or "tpu": answer for that device from this one (a TPU's answer
+            from the recorded costs); None: the default device (or :func:`kdax.lower`'s target).
 
     Returns:
         (backend, reason): e.g. ("xla", "no kernels for this device (cpu)").
 
     Raises:
-        ValueError: for an unknown op or a config of no backend.
+        ValueError: for an unknown op or platform, or a config of no backend.
     """
     if op not in REGISTRY:
         fail("op", f"one of {tuple(REGISTRY)}", repr(op))
     if cache_layout not in ("BLGD", "BGLD"):
         fail("cache_layout", "'BLGD' or 'BGLD'", repr(cache_layout))
+    if platform not in (None, "cpu", "gpu", "tpu"):
+        fail("platform", "None, 'cpu', 'gpu' or 'tpu'", repr(platform))
     layout = {"cache_layout": cache_layout} if op.endswith("_decode") else {}
-    return REGISTRY[op].explain(dtype, config, chunk_size=chunk_size, head_dims=head_dims, **layout)
+    with building_for(platform) if platform else contextlib.nullcontext():
+        return REGISTRY[op].explain(dtype, config, chunk_size=chunk_size, head_dims=head_dims, **layout)

@@ -52,8 +52,10 @@ def test_auto_on_a_tpu_runs_the_kernels_only_where_they_compiled_and_cost_less(o
             for e in entries
         )
         layouts = {"cache_layout": layout} if layout else {}
+        asked_from_here = kdax.explain_backend(dtype, op=op, platform="tpu", **layouts)
         with dispatch.building_for("tpu"):
             backend, why = kdax.explain_backend(dtype, op=op, **layouts)
+            assert (backend, why) == asked_from_here  # platform= answers for a TPU from this CPU
             assert (backend == "pallas_tpu") == pays, why
             if not pays:
                 assert "TPU kernels" in why
@@ -81,6 +83,8 @@ def test_the_rule_on_made_up_costs():
     assert "and BGLD caches" in tpu_costs.refuse("chunk_kda", jnp.float32, cheaper, layout="BGLD")
     with pytest.raises(ValueError, match="cache_layout"):
         kdax.explain_backend(op="kascade_reuse_decode", cache_layout="BTGD")
+    with pytest.raises(ValueError, match="platform: expected None, 'cpu', 'gpu' or 'tpu'"):
+        kdax.explain_backend(platform="cuda")
 
 
 def test_auto_follows_the_table(monkeypatch):
