@@ -2,7 +2,7 @@
 
 from kdax.ops.common.dispatch import explain_backend, use_backend
 from kdax.ops.common.lowering import lower
-from kdax.ops.common.validation import debug_checks
+from kdax.ops.common.validation import LayoutWarning, debug_checks
 from kdax.ops.kascade.api import (
     index_select,
     indexed_attention,
@@ -23,6 +23,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ContextParallel",
     "KascadeSchedule",
+    "LayoutWarning",
     "beta_activation",
     "chunk_kda",
     "debug_checks",

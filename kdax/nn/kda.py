@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from typing import NamedTuple
 
 import jax
@@ -14,6 +15,7 @@ from kdax.nn.conv import ShortConvolution, from_previous_device, short_conv
 from kdax.nn.norm import GatedRMSNorm
 from kdax.ops.common.dispatch import PORTABLE, scoped_backend
 from kdax.ops.common.sharding import Layout
+from kdax.ops.common.validation import LayoutWarning
 from kdax.ops.kda import slots as pool_slots
 from kdax.ops.kda.api import chunk_kda, fused_recurrent_kda
 from kdax.ops.kda.context_parallel import ContextParallel
@@ -284,7 +286,9 @@ class KimiDeltaAttention(nnx.Module):
             elif mode == "fused_recurrent" and takes:
                 o, final = fused_recurrent_kda(q, k, v, g, beta, backend=self.backend, **options)
             else:  # the chunked form; on a Pallas backend decoding inputs its decode kernels do not take
-                o, final = chunk_kda(q, k, v, g, beta, chunk_size=self.chunk_size, backend=self.backend, **options)
+                with warnings.catch_warnings():  # prompts shorter than the heads are meant
+                    warnings.simplefilter("ignore", LayoutWarning)
+                    o, final = chunk_kda(q, k, v, g, beta, chunk_size=self.chunk_size, backend=self.backend, **options)
         gate = self.g_proj(x).reshape(B, T, HV, self.head_v_dim)
         y = self.o_proj(self.o_norm(o, gate).reshape(B, T, HV * self.head_v_dim))
         return y, (KDACache(final, conv_out) if output_cache or slots is not None else None)
@@ -337,19 +341,22 @@ class KimiDeltaAttention(nnx.Module):
             Bl, Tl = q.shape[:2]
             q, k, v = (x.reshape(Bl, Tl, -1, d) for x, d in zip(xs, (K, K, self.head_v_dim)))
             cp = ContextParallel(L.context) if L.context else None
-            return chunk_kda(
-                q,
-                k,
-                v,
-                g.reshape(Bl, Tl, -1, K),
-                beta,
-                A_log=A_log,
-                dt_bias=dt_bias,
-                context_parallel=cp,
-                chunk_size=self.chunk_size,
-                backend=self.backend,
-                **options,
-            )[0]
+            with warnings.catch_warnings():  # a device's rows may be shorter than its heads
+                warnings.simplefilter("ignore", LayoutWarning)
+                out = chunk_kda(
+                    q,
+                    k,
+                    v,
+                    g.reshape(Bl, Tl, -1, K),
+                    beta,
+                    A_log=A_log,
+                    dt_bias=dt_bias,
+                    context_parallel=cp,
+                    chunk_size=self.chunk_size,
+                    backend=self.backend,
+                    **options,
+                )
+            return out[0]
 
         rows, heads = P(L.data, L.context, L.model), P(L.model)
         return jax.shard_map(

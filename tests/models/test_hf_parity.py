@@ -84,7 +84,7 @@ def test_indexers_select_what_transformers_selects(case, backend):
 @pytest.mark.slow  # 45 s: the kernel interpreted (tests/ops/kascade/test_dsa.py runs it in CI on small shapes)
 def test_indexed_attention_on_the_tpu_kernel_gives_transformers_logits():
     """GLM-5.3's indexed layers with kdax.use_backend("pallas_tpu"): the attention over the selected
-    latents on the TPU's sparse decode token kernel (Pallas interpreter), the logits within the bar."""
+    latents on the TPU kernel (kascade_indexed_attend, Pallas interpreter), the logits within the bar."""
     import kdax
 
     model = from_pretrained(os.path.join(FIXTURES, "glm5_b"), backend="xla")

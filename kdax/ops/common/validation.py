@@ -34,6 +34,12 @@ def debug_checks(enabled: bool = True):
         _TRACED_CHECKS.reset(token)
 
 
+class LayoutWarning(UserWarning):
+    """Inputs whose shapes suggest a layout mistake (FLA's warning: fewer tokens than heads, as
+    head-first [B, H, T, K] inputs have). Silence it with ``warnings.filterwarnings("ignore",
+    category=kdax.LayoutWarning)`` where short inputs are meant (kdax's layers do)."""
+
+
 def check_traced(x) -> bool:
     """Whether an op checks the traced array ``x`` with checkify (a tracer, under :func:`debug_checks`)."""
     return _TRACED_CHECKS.get() and isinstance(x, jax.core.Tracer)

@@ -77,7 +77,7 @@ class Config:
             decode keeps while it selects, so that its sparse pass reads only values from HBM;
             longer rows run two kernels and read the selected pools' keys again.
         index_rows: query rows (queries times the query heads of a KV head) a program of the
-            indexed attention takes; its queries share each key block's read (at least one query).
+            indexed attention takes; its queries share each key block's read (one to eight).
         interpret: run in the Pallas TPU interpreter; None: unless on a TPU (or lowering for one).
         detect_races: in the interpreter, check the kernels for data races.
 
@@ -1072,13 +1072,15 @@ def kascade_reuse_decode_tpu(q, k_cache, v_cache, lengths, indices, *, pool_size
 
 KEY_BLOCK = 16  # the keys one copy of the indexed attention reads: a packed bfloat16 tile's rows
 _INDEX_SMEM_WORDS = 16384  # the most ints a program's key block ids and bits take in SMEM (64 KiB)
+_INDEX_QUERIES = 8  # the most queries a program: its masks cost a select per query and score
 
 
 def indexed_blocks(indices, lengths, *, bq: int, cap: int):
     """The key blocks (keys 16 j .. 16 j + 15) that each block of ``bq`` queries lists, as
     ``kascade_indexed_attend`` reads them. indices [B, T, W] (-1, or past the row's length: none),
-    lengths [B]; ``cap`` at least min(the key blocks of a row, bq W). One sort per query block, no
-    compare of every key with every slot.
+    lengths [B]; ``cap`` at least min(the key blocks of a row, bq W). One sort of a query block's
+    listed keys (one int32 each: block, query, place), then running sums and a binary search; no
+    scatter (TPU scatters of millions of entries compile for seconds and run an entry at a time).
 
     Returns:
         ids [B, NQ, cap] int32: the blocks ascending, 0 past the count (in range);
@@ -1087,22 +1089,30 @@ def indexed_blocks(indices, lengths, *, bq: int, cap: int):
         lists key 16 ids[u] + r. NQ = ceil(T / bq).
     """
     B, T, W = indices.shape
-    NQ, n = -(-T // bq), bq * W
+    NQ, n, unit = -(-T // bq), bq * W, bq * KEY_BLOCK
     idx = jnp.pad(indices, ((0, 0), (0, NQ * bq - T), (0, 0)), constant_values=-1)
     ok = (idx >= 0) & (idx < lengths[:, None, None])
+    query = jnp.arange(NQ * bq, dtype=jnp.int32)[:, None] % bq
     none = jnp.iinfo(jnp.int32).max
-    block = jnp.where(ok, idx // KEY_BLOCK, none).reshape(B, NQ, n)
-    bit = jnp.where(ok, jnp.left_shift(1, jnp.maximum(idx, 0) % KEY_BLOCK), 0).reshape(B, NQ, n)
-    query = jnp.broadcast_to(jnp.repeat(jnp.arange(bq, dtype=jnp.int32), W), (B, NQ, n))
-    block, query, bit = lax.sort((block, query, bit), dimension=2, num_keys=1)
-    new = (block != jnp.pad(block[..., :-1], ((0, 0), (0, 0), (1, 0)), constant_values=-1)) & (block != none)
+    # one int32 sort key a listed key: its block, then its query in the block, then its place in the block
+    code = (idx // KEY_BLOCK) * unit + query * KEY_BLOCK + idx % KEY_BLOCK
+    code = jnp.sort(jnp.where(ok, code, none).reshape(B, NQ, n), axis=-1)
+    listed, block = code != none, code // unit
+    new = listed & (block != jnp.pad(block[..., :-1], ((0, 0), (0, 0), (1, 0)), constant_values=-1))
     slot = jnp.cumsum(new, axis=-1, dtype=jnp.int32) - 1  # each entry's block among the distinct ones
-    row = jnp.arange(B * NQ, dtype=jnp.int32).reshape(B, NQ, 1) * cap
-    drop = B * NQ * cap  # out of range: dropped
-    ids = jnp.zeros(drop, jnp.int32).at[jnp.where(new, row + slot, drop)].set(block, mode="drop")
-    at = jnp.where(block != none, (row + slot) * bq + query, drop * bq)
-    bits = jnp.zeros(drop * bq, jnp.int32).at[at].add(bit, mode="drop")  # distinct keys: the add is an or
-    return ids.reshape(B, NQ, cap), jnp.sum(new, axis=-1, dtype=jnp.int32), bits.reshape(B, NQ, cap * bq)
+    count = slot[..., -1] + 1
+    # (block, query) pairs ascending along the entries: each pair's bits a difference of running sums
+    pair = jnp.where(listed, slot * bq + code % unit // KEY_BLOCK, cap * bq)
+    sums = jnp.cumsum(jnp.where(listed, jnp.left_shift(1, code % KEY_BLOCK), 0), axis=-1, dtype=jnp.int32)
+    search = jax.vmap(functools.partial(jnp.searchsorted, side="right", method="scan"))
+    ends = search(pair.reshape(B * NQ, n), jnp.broadcast_to(jnp.arange(cap * bq, dtype=jnp.int32), (B * NQ, cap * bq)))
+    ends = ends.reshape(B, NQ, cap * bq)
+    total = jnp.take_along_axis(jnp.pad(sums, ((0, 0), (0, 0), (1, 0))), ends, axis=-1)  # sums up to each pair
+    bits = total - jnp.pad(total[..., :-1], ((0, 0), (0, 0), (1, 0)))
+    last = ends.reshape(B, NQ, cap, bq)[..., -1] - 1  # each distinct block's last entry
+    ids = jnp.take_along_axis(block, jnp.maximum(last, 0), axis=-1)
+    ids = jnp.where(jnp.arange(cap) < count[..., None], ids, 0)
+    return ids, count, bits
 
 
 def _indexed_kernel(cnt_ref, ids_ref, bits_ref, q_ref, k_hbm, *rest, R, bq, C, scale2, prec, shared):
@@ -1178,7 +1188,7 @@ def _indexed_kernel(cnt_ref, ids_ref, bits_ref, q_ref, k_hbm, *rest, R, bq, C, s
 
 def indexed_attention_tpu(q, k, v, indices, lengths, *, scale, cfg, shared=False):
     """See :func:`kdax.indexed_attention` (v of k's shape; ``shared``: v is k, read once): blocks of
-    queries (``cfg.index_rows`` rows of queries times the heads of a KV head, at least one query,
+    queries (``cfg.index_rows`` rows of queries times the heads of a KV head, one to eight queries,
     fewer where their lists' key blocks would take over 64 KiB of SMEM) read the key blocks of 16
     their queries list, each block one DMA shared by the block's queries and heads
     (``kascade_indexed_attend``): :func:`kdax.index_select`'s whole pools of 16 are a block each.
@@ -1187,7 +1197,7 @@ def indexed_attention_tpu(q, k, v, indices, lengths, *, scale, cfg, shared=False
     S, G, W = k.shape[1], k.shape[2], indices.shape[-1]
     R, C, NB = H // G, max(1, cfg.pool_keys // KEY_BLOCK), -(-S // KEY_BLOCK)
     slots = lambda bq: round_up(min(NB, bq * W), C)  # a block's distinct key blocks, at most
-    bq = max(1, min(T, cfg.index_rows // R))
+    bq = max(1, min(T, cfg.index_rows // R, _INDEX_QUERIES))
     while bq > 1 and slots(bq) * (bq + 1) > _INDEX_SMEM_WORDS:
         bq -= 1
     cap = slots(bq)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from collections.abc import Sequence
 
 import jax
@@ -13,7 +14,7 @@ from jax import lax
 
 from kdax.ops.common.dispatch import BACKENDS, OpBackends, register
 from kdax.ops.common.sharding import heads_axis, per_shard
-from kdax.ops.common.validation import check_array, check_traced, fail
+from kdax.ops.common.validation import LayoutWarning, check_array, check_traced, fail
 from kdax.ops.common.varlen import chunk_layout, valid_offsets
 from kdax.ops.kda import context_parallel, decode, pallas_gpu, pallas_tpu, slots, xla
 from kdax.ops.kda.checks import check_inputs, offsets
@@ -199,6 +200,9 @@ def chunk_kda(
     config: xla.Config | pallas_tpu.Config | pallas_gpu.Config | None = None,
     context_parallel: ContextParallel | None = None,
     ssm_state_indices: jax.Array | None = None,
+    cu_seqlens_cpu: Sequence[int] | np.ndarray | None = None,
+    cp_context: None = None,
+    transpose_state_layout: bool = False,
 ) -> tuple[jax.Array, jax.Array | None] | tuple[jax.Array, jax.Array | None, jax.Array]:
     """Chunked Kimi Delta Attention (training and prefill), with FLA's ``chunk_kda`` keywords.
 
@@ -250,6 +254,13 @@ def chunk_kda(
             every other slot unchanged; under ``jax.jit`` with the pool donated it is updated in
             place. Concrete slots must be < S and distinct (ValueError); traced ones out of range
             read zeros and write nothing.
+        cu_seqlens_cpu, cp_context, transpose_state_layout: FLA 0.6's names, so its calls port
+            as they are: the offsets' host copy (``cu_seqlens`` when that is None, else equal to
+            it), FLA's context-parallel context (None only: kdax's is ``context_parallel``), and
+            ``state_v_first``.
+
+    A q of fewer tokens than heads (T < H) warns, as FLA does: [B, H, T, K] head-first inputs
+    pass every shape check when T and H agree elsewhere (:class:`kdax.LayoutWarning`).
 
     Returns:
         ``(o, final_state)`` (``(o, pool)`` with ``ssm_state_indices``), and with
@@ -265,6 +276,16 @@ def chunk_kda(
         ValueError: a bad argument, named, with what was expected and what came.
         NotImplementedError: a backend this op lacks.
     """
+    cu_seqlens, state_v_first = _fla_names(
+        cu_seqlens, cu_seqlens_cpu, cp_context, state_v_first, transpose_state_layout
+    )
+    if len(getattr(q, "shape", ())) == 4 and q.shape[1] < q.shape[2]:
+        warnings.warn(
+            f"chunk_kda: q has fewer tokens ({q.shape[1]}) than heads ({q.shape[2]}); inputs are [B, T, H, K] "
+            "(head-first [B, H, T, K] ones pass the shape checks where T and H agree elsewhere)",
+            LayoutWarning,
+            stacklevel=2,
+        )
     cu_seqlens = offsets(cu_seqlens)
     if ssm_state_indices is not None:
         return _slotted("chunk", locals())
@@ -293,6 +314,33 @@ def chunk_kda(
     return out
 
 
+def _fla_names(cu_seqlens, cu_seqlens_cpu, cp_context, state_v_first, transpose_state_layout):
+    """FLA 0.6's keywords as kdax's: (cu_seqlens, state_v_first).
+
+    Raises:
+        ValueError: a cp_context, a non-bool transpose_state_layout, or host offsets that are not
+            the offsets' values.
+    """
+    if cp_context is not None:
+        fail(
+            "cp_context", "None (kdax splits the time axis with context_parallel=kdax.ContextParallel(...))", cp_context
+        )
+    if not isinstance(transpose_state_layout, (bool, np.bool_)):
+        fail("transpose_state_layout", "a bool", f"{type(transpose_state_layout).__name__} {transpose_state_layout!r}")
+    if cu_seqlens_cpu is not None:
+        if cu_seqlens is None:
+            cu_seqlens = cu_seqlens_cpu
+        elif not isinstance(cu_seqlens, jax.core.Tracer) and not np.array_equal(
+            np.asarray(cu_seqlens), np.asarray(cu_seqlens_cpu)
+        ):
+            fail(
+                "cu_seqlens_cpu",
+                f"cu_seqlens' values {np.asarray(cu_seqlens).tolist()}",
+                np.asarray(cu_seqlens_cpu).tolist(),
+            )
+    return cu_seqlens, state_v_first if transpose_state_layout is False else True
+
+
 def _context_parallel(cp, opts: Options, q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias):
     """chunk_kda with its time axis over ``cp.axis`` (see :mod:`kdax.ops.kda.context_parallel`)."""
     context_parallel.check(cp, q.shape[1], opts.chunk_size)
@@ -312,9 +360,11 @@ def _context_parallel(cp, opts: Options, q, k, v, g, beta, initial_state, cu_seq
     local_opts = dataclasses.replace(opts, output_final_state=True, state_v_first=False).keywords()
 
     def local(q, k, v, g, beta, params, h0, cu):
-        return chunk_kda(
-            q, k, v, g, beta, initial_state=h0, cu_seqlens=cu, A_log=params[0], dt_bias=params[1], **local_opts
-        )
+        with warnings.catch_warnings():  # a device's slice may be shorter than the heads
+            warnings.simplefilter("ignore", LayoutWarning)
+            return chunk_kda(
+                q, k, v, g, beta, initial_state=h0, cu_seqlens=cu, A_log=params[0], dt_bias=params[1], **local_opts
+            )
 
     if cp.mesh is None:
         out = context_parallel.on_device(
@@ -380,6 +430,8 @@ def fused_recurrent_kda(
     backend: str = "auto",
     ssm_state_indices: jax.Array | None = None,
     num_accepted_tokens: jax.Array | None = None,
+    cu_seqlens_cpu: Sequence[int] | np.ndarray | None = None,
+    transpose_state_layout: bool = False,
 ) -> tuple[jax.Array, jax.Array | None]:
     """Token-by-token Kimi Delta Attention (decoding, short T), with FLA's ``fused_recurrent_kda`` keywords.
 
@@ -407,6 +459,7 @@ def fused_recurrent_kda(
             before the op and scattered after it.
         num_accepted_tokens: [N] ints in [1, Tmax], with [N, Tmax] ``ssm_state_indices``
             (traced counts are clipped to that range).
+        cu_seqlens_cpu, transpose_state_layout: FLA 0.6's names, as :func:`chunk_kda` takes them.
 
     Returns:
         ``(o [B, T, HV, V] in q's dtype, final_state [N, HV, K, V] float32 or None)``, or
@@ -416,6 +469,7 @@ def fused_recurrent_kda(
         ValueError: a bad argument, named, with what was expected and what came.
         NotImplementedError: a backend this op lacks.
     """
+    cu_seqlens, state_v_first = _fla_names(cu_seqlens, cu_seqlens_cpu, None, state_v_first, transpose_state_layout)
     cu_seqlens = offsets(cu_seqlens)
     if ssm_state_indices is not None:
         return _slotted("recurrent", locals())
@@ -453,7 +507,9 @@ def _slotted(op: str, args: dict):
         skip = ("q", "k", "v", "g", "beta", "initial_state", "output_final_state", "ssm_state_indices")
         keywords = {n: x for n, x in args.items() if n not in (*skip, "num_accepted_tokens")}
         run = chunk_kda if op == "chunk" else fused_recurrent_kda
-        o, final, *h = run(q, k, v, g, beta, initial_state=h0, output_final_state=True, **keywords)
+        with warnings.catch_warnings():  # the caller's call warned already
+            warnings.simplefilter("ignore", LayoutWarning)
+            o, final, *h = run(q, k, v, g, beta, initial_state=h0, output_final_state=True, **keywords)
         return (o, slots.write(pool, idx, final), *h)
     backend, config = _recurrent_backend(opts.backend, q, cu)
     opts = dataclasses.replace(

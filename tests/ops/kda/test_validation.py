@@ -3,8 +3,10 @@
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import kdax
+from kdax.nn import KimiDeltaAttention
 from kdax.ops.kda import xla
 from tests.tolerances import F32
 
@@ -260,3 +262,37 @@ def test_explain_backend_says_what_auto_runs_and_why():
     with pytest.raises(ValueError, match="op: expected one of") as err:
         kdax.explain_backend(op="attention")
     assert "'chunk_kda'" in str(err.value) and "'kascade_reuse_decode'" in str(err.value)
+
+
+def test_fla_06_keywords_port_as_they_are():
+    """FLA 0.6.0's chunk_kda keywords: cu_seqlens_cpu (the offsets' host copy, or the offsets
+    themselves), cp_context=None and transpose_state_layout (state_v_first) give kdax's results;
+    a head-first q (fewer tokens than heads) warns, as FLA's does; kdax's own layers do not."""
+    import warnings
+
+    r = np.random.default_rng(0)
+    a = {n: jnp.asarray(r.standard_normal(x.shape) * 0.3, jnp.float32) for n, x in _args().items()}
+    a["g"] = -jnp.abs(a["g"])
+    h0 = jnp.asarray(r.standard_normal((2, HV, V, K)), jnp.float32)
+    cu = [0, 3, 8]
+    want = kdax.chunk_kda(**a, cu_seqlens=cu, initial_state=h0, output_final_state=True, state_v_first=True)
+    fla = {"cp_context": None, "transpose_state_layout": True, "initial_state": h0, "output_final_state": True}
+    for offsets in ({"cu_seqlens": jnp.asarray(cu), "cu_seqlens_cpu": np.asarray(cu)}, {"cu_seqlens_cpu": cu}):
+        got = kdax.chunk_kda(**a, **offsets, **fla)
+        for x, y in zip(got, want):
+            np.testing.assert_array_equal(x, y)
+    rec = kdax.fused_recurrent_kda(**a, cu_seqlens_cpu=cu, transpose_state_layout=True, initial_state=h0)
+    np.testing.assert_allclose(rec[0], want[0], atol=1e-5)
+    with pytest.raises(ValueError, match="cp_context: expected None"):
+        kdax.chunk_kda(**a, cp_context=object())
+    with pytest.raises(ValueError, match=r"cu_seqlens_cpu: expected cu_seqlens' values \[0, 3, 8\], got \[0, 4, 8\]"):
+        kdax.chunk_kda(**a, cu_seqlens=cu, cu_seqlens_cpu=[0, 4, 8])
+    with pytest.raises(ValueError, match="transpose_state_layout: expected a bool"):
+        kdax.chunk_kda(**a, transpose_state_layout="yes")
+    head_first = {n: jnp.swapaxes(x, 1, 2) if x.ndim == 4 else x for n, x in _args(beta=jnp.zeros((B, H, T))).items()}
+    with pytest.warns(kdax.LayoutWarning, match=r"fewer tokens \(2\) than heads \(8\)"):
+        kdax.chunk_kda(head_first["q"], head_first["k"], head_first["q"], head_first["q"], jnp.zeros((B, H, T)))
+    layer = KimiDeltaAttention(hidden_size=32, num_heads=4, head_dim=8, rngs=nnx.Rngs(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", kdax.LayoutWarning)
+        layer(jnp.ones((1, 2, 32)))  # two tokens, four heads: no warning
