@@ -101,13 +101,13 @@ def _train(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         cfg = TrainConfig(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(TrainConfig)})
         if cfg.mesh:
             make_mesh(cfg.mesh)
-        train.check_checkpoints(cfg, ns.resume)
+        train.check_checkpoints(cfg, ns.resume, ns.overwrite)
     except ValueError as e:
         parser.error(_flag(e))
     if ns.corpus is not None and not os.path.isfile(ns.corpus):
         parser.error(f"--corpus: expected a text file, {ns.corpus!r} is not one")
     try:
-        train.main(cfg, ns.corpus, ns.sample_tokens, ns.resume)
+        train.main(cfg, ns.corpus, ns.sample_tokens, ns.resume, ns.overwrite)
     except train.Interrupted as stop:
         print(f"\nkdax train: {stop.advice()}", file=sys.stderr)
         return 130
@@ -141,8 +141,11 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--corpus", default=None, help="a text file (None: the public-domain text shipped with kdax)")
     t.add_argument("--sample-tokens", type=flags.at_least(0), default=200, help="tokens to generate after training")
     t.add_argument(
-        "--resume", action="store_true", help="continue from the newest checkpoint in --out-dir (same settings)"
+        "--resume",
+        action="store_true",
+        help="continue from the newest checkpoint in --out-dir (same settings; --steps may grow)",
     )
+    t.add_argument("--overwrite", action="store_true", help="replace the training state in --out-dir with a new run")
     t.add_argument(
         "--distributed",
         metavar="auto|ADDRESS:PORT/PROCESSES/ID",

@@ -292,25 +292,50 @@ class Interrupted(KeyboardInterrupt):
         )
 
 
-def check_checkpoints(cfg: TrainConfig, resume: bool) -> None:
+def check_checkpoints(cfg: TrainConfig, resume: bool, overwrite: bool = False) -> dict | None:
     """Whether ``cfg.out_dir`` fits the run: with ``resume`` it must hold a complete training
-    state; without, none (a new run would overwrite it).
+    state written with ``cfg``'s settings (``steps`` aside: a resumed run may go on to more steps,
+    at least the state's); without, none, unless ``overwrite`` (the run replaces it).
+
+    Returns:
+        With ``resume``, the settings the newest state was written with; else None.
 
     Raises:
-        ValueError: naming ``resume`` or ``out_dir``.
+        ValueError: naming ``resume``, ``overwrite``, ``steps`` or ``out_dir``.
     """
+    if resume and overwrite:
+        raise ValueError("overwrite: expected it without resume (continue a run, or replace it)")
     state = None if cfg.out_dir is None else os.path.join(cfg.out_dir, "state")
-    latest = None
+    latest = saved = None
     if state is not None and os.path.isdir(state):
         with _checkpoints(cfg.out_dir, cfg.keep, create=False) as manager:
             latest = manager.latest_step()
+            if resume and latest is not None:
+                saved = manager.restore(latest, args=ocp.args.Composite(progress=ocp.args.JsonRestore())).progress
     if resume and latest is None:
         raise ValueError(f"resume: no training state in {state} to continue; train without resume to start one")
-    if not resume and latest is not None:
+    if not resume and latest is not None and not overwrite:
         raise ValueError(
-            f"out_dir: {cfg.out_dir!r} holds checkpoints up to step {latest}; "
-            "continue them with resume (--resume on the command line) or choose another out_dir"
+            f"out_dir: {cfg.out_dir!r} holds checkpoints up to step {latest}; continue them with resume "
+            "(--resume on the command line), replace them with overwrite (--overwrite) or choose another out_dir"
         )
+    if saved is None:
+        return None
+    if cfg.steps < latest:
+        raise ValueError(
+            f"steps: expected at least {latest}, the step of the training state to resume, got {cfg.steps}"
+        )
+    run = saved["run"]
+    differ = [
+        f"{k}={run.get(k)!r} (this run: {getattr(cfg, k)!r})"
+        for k in _RUN_FIELDS
+        if k != "steps" and run.get(k) != getattr(cfg, k)
+    ]
+    if differ:
+        raise ValueError(
+            f"resume: the checkpoint of step {latest} in {state} was written with {', '.join(differ)}; resume with its settings"
+        )
+    return run
 
 
 def train(
@@ -321,6 +346,7 @@ def train(
     resume: bool = False,
     batches: Callable[[np.random.Generator], np.ndarray] | None = None,
     settings: dict | None = None,
+    overwrite: bool = False,
 ) -> list[float]:
     """Train ``model`` in place on random windows of ``tokens`` (or on what ``batches`` draws).
 
@@ -338,12 +364,14 @@ def train(
         progress: show a progress bar.
         resume: continue from the newest complete checkpoint in ``out_dir/state``; the batches
             and updates after it are those of an uninterrupted run, on this run's mesh whatever
-            the checkpoint's was.
+            the checkpoint's was. ``cfg.steps`` may exceed the state's run: the learning rate
+            keeps the state's schedule, whose last value holds past its steps.
         batches: None (windows of ``tokens``), or the batch source: called with the batch
             generator (whose state the checkpoints keep), it returns the next step's token ids
             [batch_size, T + 1], T at most ``seq_len`` (one compilation per T).
         settings: further JSON settings of the run (those ``batches`` depends on), kept with each
             checkpoint and checked on resume like ``cfg``'s.
+        overwrite: remove the training state in ``out_dir`` first (a new run in its place).
 
     Returns:
         The loss of every step this call ran.
@@ -352,20 +380,24 @@ def train(
         ValueError: the corpus is not longer than ``seq_len + 1`` tokens; ``cfg.mesh`` is
             malformed, does not match the devices, or does not divide ``batch_size`` (data axis),
             ``seq_len`` (context axis x chunk size) or the KDA heads (model axis); ``out_dir`` holds
-            checkpoints and ``resume`` is off; ``resume`` is on and there is no checkpoint; the
-            checkpoint to resume from was written with other settings.
+            checkpoints and neither ``resume`` nor ``overwrite`` is on; ``resume`` is on and there is
+            no checkpoint; the checkpoint to resume from was written with other settings, or at a
+            step past ``cfg.steps``.
         Interrupted: on Ctrl-C, naming the newest saved training state.
     """
     if tokens.size <= cfg.seq_len + 1:
         raise ValueError(f"corpus: expected more than seq_len + 1 = {cfg.seq_len + 1} tokens, got {tokens.size}")
-    check_checkpoints(cfg, resume)
-    tx = _optimizer(cfg.steps, cfg.lr, cfg.warmup, cfg.weight_decay, cfg.clip)
+    saved = check_checkpoints(cfg, resume, overwrite)
+    if overwrite and cfg.out_dir is not None and jax.process_index() == 0:
+        shutil.rmtree(os.path.join(cfg.out_dir, "state"), ignore_errors=True)
+    schedule = cfg.steps if saved is None else saved["steps"]  # a resumed run keeps its state's schedule
+    tx = _optimizer(schedule, cfg.lr, cfg.warmup, cfg.weight_decay, cfg.clip)
     mesh = _on_mesh(model, cfg)
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)  # its state takes the parameters' shardings
     if mesh is not None:  # and its step counter goes onto the mesh (committed where a restore puts it)
         nnx.update(optimizer, sharding.place(nnx.state(optimizer), mesh))
     rng = np.random.default_rng(cfg.seed)
-    run = {**{f: getattr(cfg, f) for f in _RUN_FIELDS}, **(settings or {})}
+    run = {**{f: getattr(cfg, f) for f in _RUN_FIELDS}, "steps": schedule, **(settings or {})}
     saving = cfg.out_dir is not None and cfg.checkpoint_every > 0
     losses, start, first = [], None, 0
     with _checkpoints(cfg.out_dir, cfg.keep, saving) if saving or resume else contextlib.nullcontext() as manager:
@@ -394,7 +426,9 @@ def train(
     return losses
 
 
-def main(cfg: TrainConfig, corpus: str | None = None, sample_tokens: int = 200, resume: bool = False) -> KDAForCausalLM:
+def main(
+    cfg: TrainConfig, corpus: str | None = None, sample_tokens: int = 200, resume: bool = False, overwrite: bool = False
+) -> KDAForCausalLM:
     """Train the model of ``cfg.preset`` (or fine-tune ``cfg.checkpoint``'s), print the loss against the
     unigram entropy, then a sample.
 
@@ -403,6 +437,7 @@ def main(cfg: TrainConfig, corpus: str | None = None, sample_tokens: int = 200, 
         corpus: a text file (None: the text shipped with kdax).
         sample_tokens: tokens to generate after training (0: none).
         resume: continue from the newest checkpoint in ``cfg.out_dir`` (see :func:`train`).
+        overwrite: replace the training state in ``cfg.out_dir`` (see :func:`train`).
 
     Returns:
         The trained model.
@@ -417,7 +452,7 @@ def main(cfg: TrainConfig, corpus: str | None = None, sample_tokens: int = 200, 
     entropy = unigram_entropy(tokens)
     say = print if jax.process_index() == 0 else lambda *_: None  # every host runs this; one speaks
     say(f"corpus {tokens.size:,} bytes, unigram entropy {entropy:.3f} nats; model {model.num_parameters():,} params")
-    losses = train(model, tokens, cfg, resume=resume)
+    losses = train(model, tokens, cfg, resume=resume, overwrite=overwrite)
     if losses:  # the steps this run ran: cfg.steps - len(losses) + 1 .. cfg.steps
         first, last = cfg.steps - len(losses) + 1, losses[-20:]
         say(

@@ -133,6 +133,31 @@ def test_kdax_train_cli_writes_checkpoints(small_preset, tmp_path, capsys):
     assert main([*args, "--out-dir", out, "--sample-tokens", "0", "--resume"]) == 0  # at its last step already
 
 
+def test_kdax_train_cli_extends_a_finished_run_and_overwrites_one(small_preset, tmp_path, capsys):
+    """--resume with more --steps goes on from the state (its learning-rate schedule kept); fewer
+    steps than the state's, a changed setting, or --overwrite with --resume: one-line errors before
+    any work; --overwrite replaces the state with a new run."""
+    out = str(tmp_path / "ckpt")
+    args = ["train", "--batch-size", "2", "--seq-len", "16", "--checkpoint-every", "1", "--keep", "1", "--out-dir", out]
+    args += ["--sample-tokens", "0"]
+    assert main([*args, "--steps", "2"]) == 0
+    assert main([*args, "--steps", "3", "--resume"]) == 0
+    assert "loss: step 3 " in capsys.readouterr().out and os.listdir(f"{out}/state") == ["3"]
+    for extra, says in [
+        (["--steps", "2", "--resume"], "--steps: expected at least 3, the step of the training state to resume, got 2"),
+        (["--steps", "4", "--resume", "--lr", "0.5"], "--resume: the checkpoint of step 3 in"),
+        (["--steps", "4", "--resume", "--overwrite"], "--overwrite: expected it without resume"),
+        (["--steps", "4"], "replace them with overwrite (--overwrite)"),
+    ]:
+        with pytest.raises(SystemExit) as exit:
+            main([*args, *extra])
+        err = capsys.readouterr().err
+        last = err.strip().splitlines()[-1]  # the error is one line, after the usage
+        assert exit.value.code == 2 and last.startswith("kdax train: error: ") and says in last, err
+    assert main([*args, "--steps", "1", "--overwrite"]) == 0
+    assert "loss: step 1 " in capsys.readouterr().out and os.listdir(f"{out}/state") == ["1"]
+
+
 def test_kdax_train_cli_saves_the_final_weights_by_default_and_says_where(small_preset, tmp_path, capsys, monkeypatch):
     """No --checkpoint-every: the training state every 100 steps and at the last, the final weights
     always; the loss summary names the steps this run ran."""
