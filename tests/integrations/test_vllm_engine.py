@@ -4,7 +4,7 @@ with align-mode prefix caching, under tensor parallel 2, with two data-parallel 
 completions endpoint; and the cache specs the plugin gives the engine.
 
 They need vllm-tpu (Python 3.12) and take 3 to 4 minutes, so they carry the ``vllm`` marker and
-run by hand (README, "Serve with vLLM")::
+run by hand (docs/guide.md, "Serve with vLLM")::
 
     python -m pytest -m vllm tests/integrations/test_vllm_engine.py
 """
