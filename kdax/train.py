@@ -404,20 +404,26 @@ def train(
         if resume:
             first = _restore(manager, model, optimizer, rng, run)
         shown = progress and jax.process_index() == 0  # one bar for a run over several hosts
-        bar = tqdm(range(first + 1, cfg.steps + 1), initial=first, total=cfg.steps, disable=not shown, desc="train")
+        # the rate and ETA are the mean since the first step, whose compilation they leave out
+        bar = tqdm(initial=first, total=cfg.steps, disable=not shown, desc="train: compiling the step", smoothing=0)
         try:
-            for step in bar:
+            for step in range(first + 1, cfg.steps + 1):
                 batch = _windows(tokens, rng, cfg) if batches is None else batches(rng)
                 placed = jnp.asarray(batch) if mesh is None else sharding.global_batch(batch, mesh)
                 loss = float(train_step(model, optimizer, placed))
                 losses.append(loss)
                 if start is None:  # the first step includes compilation
                     start, done = time.perf_counter(), 0
+                    bar.reset(total=cfg.steps)
+                    bar.initial = bar.n = step
+                    bar.set_description("train")
                 else:
                     done += batch.shape[0] * (batch.shape[1] - 1)
+                    bar.update(1)
                     bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{done / (time.perf_counter() - start):,.0f}")
                 if saving and (step % cfg.checkpoint_every == 0 or step == cfg.steps):
                     _save(manager, step, model, optimizer, rng, run)
+            bar.close()
         except KeyboardInterrupt:
             bar.close()
             raise Interrupted(manager.latest_step() if saving else None, cfg.out_dir) from None

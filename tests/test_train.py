@@ -160,10 +160,11 @@ def test_kdax_train_cli_extends_a_finished_run_and_overwrites_one(small_preset, 
 
 def test_kdax_train_cli_saves_the_final_weights_by_default_and_says_where(small_preset, tmp_path, capsys, monkeypatch):
     """No --checkpoint-every: the training state every 100 steps and at the last, the final weights
-    always; the loss summary names the steps this run ran."""
+    always; the loss summary names the steps this run ran; the bar names the first step's compile."""
     monkeypatch.chdir(tmp_path)
     assert main(["train", "--steps", "3", "--batch-size", "2", "--seq-len", "16", "--sample-tokens", "0"]) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
+    assert "train: compiling the step:   0%" in err and "train: 100%" in err  # the first call's wait is named
     assert "loss: step 1 " in out and "mean of steps 1-3" in out
     assert "saved: the final weights in checkpoints/tiny/model" in out and "checkpoints/tiny/state (--resume)" in out
     assert os.listdir("checkpoints/tiny/state") == ["3"] and from_pretrained("checkpoints/tiny/model")
