@@ -1,6 +1,7 @@
 """The ``kdax`` command line: ``kdax bench [kda|memory|model|serving|kascade|cp|eager|gpu-compare|gpu-tune]``
 prints a benchmark's table (each subcommand's flags are its module's, :mod:`kdax.bench`);
-``kdax train`` trains the tiny hybrid; ``kdax kascade calibrate`` writes a Kascade schedule."""
+``kdax train`` trains the tiny hybrid; ``kdax generate`` continues a prompt with a checkpoint;
+``kdax kascade calibrate`` writes a Kascade schedule."""
 
 from __future__ import annotations
 
@@ -84,6 +85,59 @@ def _calibrate(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return 0
 
 
+def _generate(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """kdax generate: the checkpoint and its tokenizer loaded, the prompt continued on stdout as
+    it is generated; what waits (loading, compiling) and the rates on stderr."""
+    import time
+
+    import numpy as np
+
+    from kdax.models import checkpoint, generation
+    from kdax.models.tokenizer import Tokenizer
+
+    say = lambda text: print(f"kdax generate: {text}", file=sys.stderr, flush=True)
+    try:
+        directory = checkpoint._resolve(ns.checkpoint)
+        say(f"loading {directory}")
+        model = checkpoint.from_pretrained(directory, backend=ns.backend, dtype=ns.dtype)
+        tokenizer = Tokenizer(directory, model.config.vocab_size)
+        kascade = None if ns.kascade is None else kdax.KascadeSchedule.load(ns.kascade)
+        prompt = sys.stdin.read() if ns.prompt == "-" else ns.prompt
+        if ns.chat:
+            messages = [{"role": "system", "content": ns.system}] if ns.system else []
+            ids = tokenizer.chat([*messages, {"role": "user", "content": prompt}])
+        else:
+            ids = tokenizer.encode(prompt)
+        if not ids:
+            raise ValueError("prompt: expected text that gives at least one token")
+        rng = jax.random.key(ns.seed)
+        steps = generation.stream(model, np.asarray([ids], np.int32), ns.max_new_tokens, temperature=ns.temperature,
+                       top_k=ns.top_k, top_p=ns.top_p, rng=rng, kascade=kascade)  # fmt: skip
+    except ValueError as e:
+        parser.error(_flag(e))
+    prompt_bucket, cache = generation.buckets(len(ids), ns.max_new_tokens)
+    say(
+        f"{type(model).__name__}, {model.num_parameters():,} parameters, {tokenizer.name} tokenizer; "
+        f"{len(ids)} prompt tokens; compiling for prompts up to {prompt_bucket} tokens and {cache} cached"
+    )
+    new, shown, start = [], "", time.perf_counter()
+    for token in steps:
+        token = int(token[0])
+        if token in tokenizer.eos_token_ids:
+            break
+        if not new:
+            first = time.perf_counter()
+        new.append(token)
+        text = tokenizer.decode(new)
+        print(text[len(shown) :], end="", flush=True)
+        shown = text
+    print()
+    end = time.perf_counter()
+    rate = f", then {(len(new) - 1) / (end - first):.1f} tokens/s" if len(new) > 1 else ""
+    say(f"{len(new)} tokens: the first after {first - start if new else end - start:.1f} s (compile included){rate}")
+    return 0
+
+
 # kdax train's defaults where they are not TrainConfig's: the command line always saves the run.
 TRAIN_DEFAULTS = {"out_dir": "checkpoints/tiny"}
 
@@ -108,6 +162,8 @@ def _train(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(f"--corpus: expected a text file, {ns.corpus!r} is not one")
     try:
         train.main(cfg, ns.corpus, ns.sample_tokens, ns.resume, ns.overwrite)
+    except ValueError as e:  # found once the model is built: the step's memory, the corpus's length
+        parser.error(_flag(e))
     except train.Interrupted as stop:
         print(f"\nkdax train: {stop.advice()}", file=sys.stderr)
         return 130
@@ -152,6 +208,23 @@ def main(argv: list[str] | None = None) -> int:
         help="several hosts, each running this command: jax.distributed.initialize from the cluster's "
         "environment (auto) or with the coordinator's address, the process count and this one's id",
     )
+    g = flags.command(sub, "generate", _generate, "continue a prompt with a checkpoint, streaming the text")
+    g.add_argument("--checkpoint", required=True, help="a model directory (any family kdax loads) or a hub id")
+    g.add_argument("--prompt", required=True, help="the text to continue ('-': read it from stdin)")
+    g.add_argument("--max-new-tokens", type=flags.at_least(0), default=128, help="tokens to generate at most")
+    g.add_argument(
+        "--chat", action="store_true", help="wrap the prompt as a user turn in the checkpoint's chat template"
+    )
+    g.add_argument("--system", default=None, help="with --chat: a system message before the prompt")
+    g.add_argument("--temperature", type=flags.number(float, lambda x: x >= 0, "a float >= 0"), default=0.0,
+                   help="0: greedy; else the sampling temperature")  # fmt: skip
+    g.add_argument("--top-k", type=flags.at_least(1), default=None, help="sample among the k most likely tokens")
+    g.add_argument("--top-p", type=flags.number(float, lambda x: 0 < x <= 1, "a float in (0, 1]"), default=None,
+                   help="sample within the smallest set of tokens of this probability")  # fmt: skip
+    g.add_argument("--seed", type=int, default=0, help="the sampling seed")
+    g.add_argument("--backend", default="auto", help="the kernels' backend (auto, xla, pallas_tpu, pallas_gpu)")
+    g.add_argument("--dtype", default=None, choices=flags.DTYPES, help="cast the weights (default: as stored)")
+    g.add_argument("--kascade", default=None, help="a Kascade schedule (kdax kascade calibrate's JSON) to decode with")
     k = sub.add_parser("kascade", help="Kascade sparse attention tools", formatter_class=flags.Help, allow_abbrev=False)
     ksub = k.add_subparsers(dest="kascade_command", required=True)
     c = flags.command(ksub, "calibrate", _calibrate, "choose a Kascade schedule for a checkpoint from calibration text")

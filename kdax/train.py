@@ -174,6 +174,46 @@ def train_step(model: KDAForCausalLM, optimizer: nnx.Optimizer, batch: jax.Array
     return loss
 
 
+def device_memory() -> int:
+    """Bytes a step may use on one device: an accelerator's limit, or the host's available
+    memory (/proc/meminfo's MemAvailable, else all of it) on a CPU."""
+    stats = jax.local_devices()[0].memory_stats() or {}
+    if "bytes_limit" in stats:
+        return int(stats["bytes_limit"])
+    try:
+        with open("/proc/meminfo") as f:
+            return 1024 * next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def compiled_step(model: KDAForCausalLM, optimizer: nnx.Optimizer, batch: jax.Array):
+    """:func:`train_step` compiled for ``batch``'s shape, its memory checked before it runs.
+
+    Raises:
+        ValueError: naming ``seq_len``: XLA's estimate of the step (arguments, outputs and
+            temporaries on one device) exceeds :func:`device_memory`; says what seq_len would
+            fit were the temporaries to grow linearly or quadratically with it.
+    """
+    step = train_step.lower(model, optimizer, batch).compile()
+    use = step.memory_analysis()
+    if use is None:  # a backend without the analysis: nothing to check
+        return step
+    kept = use.argument_size_in_bytes + use.output_size_in_bytes - use.alias_size_in_bytes
+    need, have = kept + use.temp_size_in_bytes, device_memory()
+    if need > have:
+        B, T = batch.shape[0], batch.shape[1] - 1
+        share = max(have - kept, 0) / max(use.temp_size_in_bytes, 1)  # of the temporaries that would fit
+        gib = lambda n: f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+        raise ValueError(
+            f"seq_len: a step of batch_size {B} x seq_len {T} needs about {gib(need)} on a device "
+            f"({gib(use.temp_size_in_bytes)} of activations and temporaries, {gib(kept)} of weights, optimizer "
+            f"state and batch), {gib(have)} is free; at batch_size {B} about seq_len {int(T * share)} fits if "
+            f"the temporaries grow linearly with it, {int(T * share**0.5)} if quadratically (dense attention)"
+        )
+    return step
+
+
 @functools.cache
 def _optimizer(steps: int, lr: float, warmup: int, weight_decay: float, clip: float) -> optax.GradientTransformation:
     """AdamW with warm-up, cosine decay and clipping; one object per setting, so that runs with
@@ -382,7 +422,8 @@ def train(
             ``seq_len`` (context axis x chunk size) or the KDA heads (model axis); ``out_dir`` holds
             checkpoints and neither ``resume`` nor ``overwrite`` is on; ``resume`` is on and there is
             no checkpoint; the checkpoint to resume from was written with other settings, or at a
-            step past ``cfg.steps``.
+            step past ``cfg.steps``; the step would not fit in the device's memory (naming
+            ``seq_len``, with the tokens a step would fit; checked before the first step).
         Interrupted: on Ctrl-C, naming the newest saved training state.
     """
     if tokens.size <= cfg.seq_len + 1:
@@ -399,7 +440,7 @@ def train(
     rng = np.random.default_rng(cfg.seed)
     run = {**{f: getattr(cfg, f) for f in _RUN_FIELDS}, "steps": schedule, **(settings or {})}
     saving = cfg.out_dir is not None and cfg.checkpoint_every > 0
-    losses, start, first = [], None, 0
+    losses, start, first, steps = [], None, 0, {}
     with _checkpoints(cfg.out_dir, cfg.keep, saving) if saving or resume else contextlib.nullcontext() as manager:
         if resume:
             first = _restore(manager, model, optimizer, rng, run)
@@ -410,7 +451,9 @@ def train(
             for step in range(first + 1, cfg.steps + 1):
                 batch = _windows(tokens, rng, cfg) if batches is None else batches(rng)
                 placed = jnp.asarray(batch) if mesh is None else sharding.global_batch(batch, mesh)
-                loss = float(train_step(model, optimizer, placed))
+                if placed.shape not in steps:  # compiled once per batch shape, its memory checked first
+                    steps[placed.shape] = compiled_step(model, optimizer, placed)
+                loss = float(steps[placed.shape](model, optimizer, placed))
                 losses.append(loss)
                 if start is None:  # the first step includes compilation
                     start, done = time.perf_counter(), 0
@@ -423,10 +466,10 @@ def train(
                     bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{done / (time.perf_counter() - start):,.0f}")
                 if saving and (step % cfg.checkpoint_every == 0 or step == cfg.steps):
                     _save(manager, step, model, optimizer, rng, run)
-            bar.close()
         except KeyboardInterrupt:
-            bar.close()
             raise Interrupted(manager.latest_step() if saving else None, cfg.out_dir) from None
+        finally:
+            bar.close()
     if cfg.out_dir is not None:
         save_pretrained(model, os.path.join(cfg.out_dir, "model"))
     return losses

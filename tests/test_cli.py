@@ -31,6 +31,20 @@ def test_bench_json(capsys):
     assert result["meta"]["command"] == "kdax bench kda " + " ".join([*TINY, "--T", "33", "--json"])
 
 
+def test_the_version_follows_the_changelog():
+    """pyproject.toml, kdax.__version__ and CHANGELOG.md's newest section name one version."""
+    import pathlib
+    import re
+    import tomllib
+
+    import kdax
+
+    root = pathlib.Path(__file__).parent.parent
+    project = tomllib.loads((root / "pyproject.toml").read_text())["project"]["version"]
+    newest = re.search(r"^## (\S+)", (root / "CHANGELOG.md").read_text(), re.M).group(1)
+    assert project == kdax.__version__ == newest
+
+
 def test_version_and_every_train_option_states_its_default(capsys):
     import dataclasses
 
@@ -166,3 +180,70 @@ def test_bench_peer_needs_tokamax(capsys):
     with pytest.raises(SystemExit) as exit:
         main(["bench", *TINY, "--peers", "tokamax"])
     assert exit.value.code == 2 and "--peers: tokamax is not installed" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def kimi_with_tokenizer(tmp_path_factory):
+    """A tiny random Kimi Linear checkpoint with a BPE tokenizer.json trained by `tokenizers` on
+    kdax's text, its config and a chat template as the hub writes them."""
+    import tokenizers
+    from flax import nnx
+
+    from kdax import train
+    from kdax.models import KimiLinearForCausalLM, kimi_tiny_config, save_pretrained
+
+    out = tmp_path_factory.mktemp("kimi")
+    layers = {"layer_types": ["linear_attention", "full_attention"], "mlp_layer_types": ["dense", "sparse"]}
+    save_pretrained(KimiLinearForCausalLM(kimi_tiny_config(num_hidden_layers=2, **layers), rngs=nnx.Rngs(0)), str(out))
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>", "<|im_end|>"])
+    tok.train_from_iterator([bytes(train.load_corpus()[:20000]).decode("utf-8", "ignore")], trainer)
+    tok.save(str(out / "tokenizer.json"))
+    template = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{{ eos_token }}{% endfor %}<|assistant|>"
+    (out / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "chat_template": template}))
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "eos_token_id": None}))
+    return out
+
+
+def test_kdax_generate_streams_text_through_the_checkpoints_tokenizer(kimi_with_tokenizer, capsys):
+    import tokenizers
+
+    args = ["generate", "--checkpoint", str(kimi_with_tokenizer), "--max-new-tokens", "12"]
+    assert main([*args, "--prompt", "It was the best of times"]) == 0
+    out, err = capsys.readouterr()
+    tok = tokenizers.Tokenizer.from_file(str(kimi_with_tokenizer / "tokenizer.json"))
+    assert out.strip() and "tokenizer.json tokenizer" in err and "compiling for prompts up to 16 tokens" in err
+    assert len(tok.encode(out.rstrip("\n")).ids) <= 12  # text of the model's ids, decoded
+    assert main([*args, "--prompt", "Hello", "--chat", "--system", "Be brief.", "--temperature", "0.8"]) == 0
+    assert "prompt tokens" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--prompt", ""], "--prompt: expected text that gives at least one token"),
+        (["--prompt", "x", "--top-p", "2"], "argument --top-p: expected a float in (0, 1]"),
+        (["--prompt", "x", "--checkpoint", "/nonexistent"], "--directory: expected a checkpoint directory"),
+    ],
+)
+def test_kdax_generate_errors_are_one_line(kimi_with_tokenizer, capsys, extra, message):
+    with pytest.raises(SystemExit) as stop:
+        main(["generate", "--checkpoint", str(kimi_with_tokenizer), *extra])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and message in err and "Traceback" not in err
+
+
+def test_kdax_generate_without_a_chat_template_or_tokenizer(tmp_path, capsys):
+    from flax import nnx
+
+    from kdax.models import KDAForCausalLM, save_pretrained, tiny_config
+
+    save_pretrained(KDAForCausalLM(tiny_config(num_hidden_layers=1, attn=None), rngs=nnx.Rngs(0)), str(tmp_path))
+    args = ["generate", "--checkpoint", str(tmp_path), "--prompt", "abc", "--max-new-tokens", "3"]
+    assert main(args) == 0 and "bytes tokenizer" in capsys.readouterr().err  # kdax train's models: bytes
+    with pytest.raises(SystemExit):
+        main([*args, "--chat"])
+    assert "--chat: the checkpoint has no chat template" in capsys.readouterr().err

@@ -3,6 +3,7 @@ and ``kdax bench model`` run."""
 
 import json
 import os
+import re
 
 import numpy as np
 import orbax.checkpoint as ocp
@@ -73,22 +74,32 @@ def _assert_same_run(model, losses, straight_run, resumed_from):
         np.testing.assert_array_equal(value, params[name], err_msg=name)
 
 
+def _raising_at(n: int, error: BaseException):
+    """A kdax.train.compiled_step whose steps raise ``error`` at the n-th step (a crash, Ctrl-C)."""
+    real, calls = kdax.train.compiled_step, []
+
+    def compiled(*args):
+        step = real(*args)
+
+        def run(*a):
+            calls.append(1)
+            if len(calls) == n:
+                raise error
+            return step(*a)
+
+        return run
+
+    return compiled
+
+
 def test_resume_continues_a_run_exactly(tmp_path, monkeypatch, straight_run):
     """20 steps straight equal 10 steps, a crash, a resume from the step-10 checkpoint and 10 more."""
     cfg = _small_run(tmp_path, checkpoint_every=5, keep=2)
-    step, calls = kdax.train.train_step, []
-
-    def crash_at_step_11(*args):
-        calls.append(1)
-        if len(calls) == 11:
-            raise RuntimeError("killed")
-        return step(*args)
-
-    monkeypatch.setattr(kdax.train, "train_step", crash_at_step_11)
+    monkeypatch.setattr(kdax.train, "compiled_step", _raising_at(11, RuntimeError("killed")))
     with pytest.raises(RuntimeError, match="killed"):
         train(_small_model(), load_corpus(), cfg, progress=False)
     assert sorted(os.listdir(tmp_path / "state")) == ["10", "5"] and not (tmp_path / "model").exists()
-    monkeypatch.setattr(kdax.train, "train_step", step)
+    monkeypatch.undo()
     model = _small_model()  # fresh weights: the checkpoint's must replace them
     losses = train(model, load_corpus(), cfg, progress=False, resume=True)
     _assert_same_run(model, losses, straight_run, 10)
@@ -199,15 +210,7 @@ def test_kdax_train_cli_refuses_bad_flags_before_any_work(args, says, tmp_path, 
 
 
 def test_kdax_train_cli_ctrl_c_names_the_saved_step_and_resumes(small_preset, tmp_path, capsys, monkeypatch):
-    step, calls = kdax.train.train_step, []
-
-    def ctrl_c_at_step_4(*args):
-        calls.append(1)
-        if len(calls) == 4:
-            raise KeyboardInterrupt
-        return step(*args)
-
-    monkeypatch.setattr(kdax.train, "train_step", ctrl_c_at_step_4)
+    monkeypatch.setattr(kdax.train, "compiled_step", _raising_at(4, KeyboardInterrupt()))
     args = [
         "train",
         "--steps",
@@ -318,3 +321,19 @@ def test_bench_serving_cli(capsys):
     with pytest.raises(SystemExit):
         main(["bench", "serving", "--prompt-min", "30", "--prompt-max", "20"])
     assert "--prompt-max: expected >= --prompt-min=30" in capsys.readouterr().err
+
+
+def test_a_step_that_does_not_fit_is_a_one_line_error_before_it_runs(small_preset, tmp_path, capsys, monkeypatch):
+    """XLA's memory analysis of the compiled step against the device's memory (here 512 KiB, where
+    the small model's step takes 0.7 MiB: 0.4 MiB of arguments and outputs, 0.3 MiB of temporaries)."""
+    assert kdax.train.device_memory() > 2**28  # the real one: this machine's free memory
+    monkeypatch.setattr(kdax.train, "device_memory", lambda: 2**19)
+    args = ["train", "--steps", "2", "--batch-size", "2", "--seq-len", "16", "--sample-tokens", "0"]
+    with pytest.raises(SystemExit) as stop:
+        main([*args, "--out-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "Traceback" not in err
+    assert "kdax train: error: --seq-len: a step of batch_size 2 x seq_len 16 needs about " in err
+    fits = re.search(r"needs about 0\.\d MiB .* 0\.5 MiB is free; at batch_size 2 about seq_len (\d+) fits", err)
+    assert fits and 0 < int(fits.group(1)) < 16, err
+    assert not os.listdir(tmp_path / "run" / "state") and not (tmp_path / "run" / "model").exists()  # nothing ran

@@ -3,7 +3,7 @@ generation, checkpoints (FLA's and the hub's formats)."""
 
 from kdax.models.checkpoint import from_pretrained, save_pretrained
 from kdax.models.config import KDAConfig
-from kdax.models.generation import generate
+from kdax.models.generation import generate, stream
 from kdax.models.hf_config import BailingHybridConfig, Glm5NextConfig, KimiLinearConfig
 from kdax.models.hybrids import BailingHybridForCausalLM, Glm5NextForCausalLM, KimiLinearForCausalLM, model_class
 from kdax.models.kda import KDAForCausalLM, KDAModel, ModelCache
@@ -30,5 +30,6 @@ __all__ = [
     "ling_tiny_config",
     "save_pretrained",
     "shard",
+    "stream",
     "tiny_config",
 ]

@@ -189,7 +189,7 @@ class _Tensors(Mapping):
 
 
 def _resolve(directory: str) -> str:
-    """A checkpoint directory, or a Hugging Face hub id's local snapshot (config and safetensors)."""
+    """A checkpoint directory, or a Hugging Face hub id's local snapshot (configs, tokenizer, safetensors)."""
     if os.path.isdir(directory):
         return directory
     if os.path.exists(directory) or directory.count("/") != 1 or directory.startswith(("/", ".")):
@@ -202,7 +202,7 @@ def _resolve(directory: str) -> str:
             f"Hugging Face hub id (pip install huggingface_hub)"
         ) from None
     try:
-        return huggingface_hub.snapshot_download(directory, allow_patterns=["*.json", "*.safetensors"])
+        return huggingface_hub.snapshot_download(directory, allow_patterns=["*.json", "*.safetensors", "*.jinja"])
     except Exception as e:  # offline, not found, no access: every way the hub can say no
         raise ValueError(
             f"directory: {directory!r} is not a directory, and the Hugging Face hub did not give it "

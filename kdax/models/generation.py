@@ -1,16 +1,17 @@
 """Autoregressive generation: chunked prefill, then jit-compiled one-token decode steps with
-preallocated caches (one compilation per batch shape, none per step)."""
+preallocated caches (one compilation per batch size and bucket of lengths, none per step)."""
 
 from __future__ import annotations
 
 import functools
+import inspect
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from kdax.models.kda import KDAForCausalLM, _check_ids, align_rows
+from kdax.models.kda import KDAForCausalLM, _check_ids, _check_mask
 from kdax.ops.common import dispatch
 
 
@@ -100,6 +101,66 @@ def _check_args(model, max_new_tokens, temperature, top_k, top_p, eos_token_id, 
         raise ValueError("rng: expected a jax.random key when temperature > 0 (sampling)")
 
 
+def buckets(prompt_length: int, max_new_tokens: int) -> tuple[int, int]:
+    """The padded shapes :func:`generate` compiles for: (prompt bucket, cache length), powers of
+    two (at least 16 and 64), so prompts and ``max_new_tokens`` within a bucket reuse one
+    compiled prefill and decode step."""
+    prompt = max(16, 1 << (prompt_length - 1).bit_length())
+    total = max(prompt, prompt_length + max_new_tokens)
+    return prompt, max(64, 1 << (total - 1).bit_length())
+
+
+def stream(model: KDAForCausalLM, input_ids, max_new_tokens: int, **options):
+    """:func:`generate`, one step at a time: returns an iterator over each step's new tokens,
+    [B] int32 jax arrays (up to ``max_new_tokens`` of them, fewer when every row has emitted
+    ``eos_token_id``). ``options`` are generate()'s keywords, with its defaults; the arguments
+    and errors are generate()'s, checked at the call."""
+    keywords = {n: p.default for n, p in inspect.signature(generate).parameters.items() if p.kind is p.KEYWORD_ONLY}
+    if set(options) - set(keywords):
+        raise ValueError(f"options: expected generate()'s keywords {sorted(keywords)}, got {sorted(options)}")
+    return _start(model, input_ids, max_new_tokens, **{**keywords, **options})
+
+
+def _start(model, input_ids, max_new_tokens, temperature, top_k, top_p, eos_token_id, attention_mask, rng, kascade):
+    """:func:`stream` with every option given."""
+    _check_args(model, max_new_tokens, temperature, top_k, top_p, eos_token_id, rng)
+    model._check_kascade(kascade)
+    B, T = _check_ids(input_ids, model.config.vocab_size)
+    ids = np.asarray(input_ids).astype(np.int32)  # prepared on the host: nothing here compiles per shape
+    if attention_mask is None:
+        lengths = np.full((B,), T, np.int32)
+    else:
+        mask = _check_mask(attention_mask, (B, T))
+        ids = np.take_along_axis(ids, np.argsort(~mask, axis=1, kind="stable"), axis=1)
+        lengths = mask.sum(axis=1).astype(np.int32)
+    prompt, max_length = buckets(T, max_new_tokens)
+    ids = np.pad(ids, ((0, 0), (0, prompt - T)))  # each row's tokens first, then padding: lengths say where
+    options = (float(temperature), top_k, None if top_p is None else float(top_p))
+    rng = jax.random.key(0) if rng is None else rng
+    return _steps(model, ids, lengths, max_length, max_new_tokens, options, eos_token_id, rng, kascade)
+
+
+def _steps(model, ids, lengths, max_length, max_new_tokens, options, eos_token_id, rng, kascade):
+    """:func:`stream`'s iterator, on checked and padded inputs."""
+    if max_new_tokens == 0:
+        return
+    graphdef, state = nnx.split(model)
+    ctx = dispatch.context()
+    token, cache = prefill_sample(
+        graphdef, state, ids, lengths, max_length, *options, jax.random.fold_in(rng, 0), ctx=ctx, kascade=kascade
+    )
+    done = jnp.zeros((ids.shape[0],), bool)
+    for i in range(1, max_new_tokens + 1):
+        if eos_token_id is not None:
+            token = jnp.where(done, eos_token_id, token)
+            done = done | (token == eos_token_id)
+        yield token
+        if i == max_new_tokens or (eos_token_id is not None and bool(done.all())):
+            return
+        key = jax.random.fold_in(rng, i)
+        token, cache = decode_sample(graphdef, state, token, cache, *options, key, ctx=ctx, kascade=kascade)
+
+
 def generate(
     model: KDAForCausalLM,
     input_ids,
@@ -114,7 +175,12 @@ def generate(
     kascade=None,
 ):
     """Extend each prompt by up to ``max_new_tokens`` tokens: a chunked prefill, then one
-    compiled decode step per token (compiled once per batch shape and option, none per step).
+    compiled decode step per token.
+
+    Compiled once per bucket (:func:`buckets`): prompts are padded to a power of two and the
+    caches hold a power of two of tokens, so another prompt length or ``max_new_tokens`` in the
+    same bucket (and batch size and options) compiles nothing. :func:`stream` yields the tokens
+    as they come.
 
     Once a row emits ``eos_token_id`` it emits only eos_token_id; the loop stops when every
     row has (the remaining columns are eos_token_id).
@@ -132,7 +198,8 @@ def generate(
             (``model.config.eos_token_id`` is not used).
         attention_mask: [B, T], 1 on tokens and 0 on padding (left or right; each row's
             tokens may sit anywhere), or None.
-        rng: a jax.random key, required when temperature > 0.
+        rng: a jax.random key, required when temperature > 0 (step i samples with
+            ``fold_in(rng, i)``).
         kascade: a :class:`kdax.KascadeSchedule` of the model's full-attention layers: its
             anchors select keys in the prefill and in every decode step, the layers between
             reuse them; None: dense attention.
@@ -147,35 +214,21 @@ def generate(
             T >= 1 and ids in [0, vocab_size); ``attention_mask`` is not [B, T] or has a row
             without a token; ``kascade`` is not a schedule of the model's full-attention layers.
     """
-    _check_args(model, max_new_tokens, temperature, top_k, top_p, eos_token_id, rng)
-    model._check_kascade(kascade)
-    B, T = _check_ids(input_ids, model.config.vocab_size)
-    input_ids = jnp.asarray(input_ids, jnp.int32)
-    if max_new_tokens == 0:
-        return input_ids
-    if attention_mask is None:
-        ids, lengths = input_ids, jnp.full((B,), T, jnp.int32)
-    else:
-        _, order, lengths = align_rows(attention_mask, (B, T))
-        ids = jnp.take_along_axis(input_ids, order, axis=1)
-    rngs = jax.random.split(jax.random.key(0) if rng is None else rng, max_new_tokens)
-    graphdef, state = nnx.split(model)
-    options = (float(temperature), top_k, None if top_p is None else float(top_p))
-    ctx = dispatch.context()
-    token, cache = prefill_sample(
-        graphdef, state, ids, lengths, T + max_new_tokens, *options, rngs[0], ctx=ctx, kascade=kascade
+    steps = stream(
+        model,
+        input_ids,
+        max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        eos_token_id=eos_token_id,
+        attention_mask=attention_mask,
+        rng=rng,
+        kascade=kascade,
     )
-    done = jnp.zeros((B,), bool)
-    out = []
-    for i in range(max_new_tokens):
-        if eos_token_id is not None:
-            token = jnp.where(done, eos_token_id, token)
-            done = done | (token == eos_token_id)
-        out.append(token)
-        if i + 1 == max_new_tokens or (eos_token_id is not None and bool(done.all())):
-            break
-        token, cache = decode_sample(graphdef, state, token, cache, *options, rngs[i + 1], ctx=ctx, kascade=kascade)
-    new = jnp.stack(out, axis=1)
+    new = [np.asarray(t) for t in list(steps)]  # stacked on the host: no compile per length
+    ids = np.asarray(input_ids).astype(np.int32)
+    new = np.stack(new, axis=1) if new else np.zeros((ids.shape[0], 0), np.int32)
     if new.shape[1] < max_new_tokens:
-        new = jnp.pad(new, ((0, 0), (0, max_new_tokens - new.shape[1])), constant_values=eos_token_id)
-    return jnp.concatenate([input_ids, new], axis=1)
+        new = np.pad(new, ((0, 0), (0, max_new_tokens - new.shape[1])), constant_values=eos_token_id)
+    return jax.device_put(np.concatenate([ids, new], axis=1))

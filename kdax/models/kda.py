@@ -504,13 +504,15 @@ def _forward(graphdef, state, input_ids, attention_mask, cu_seqlens, ctx, kascad
         return nnx.merge(graphdef, state)._forward(input_ids, attention_mask, cu_seqlens, kascade)
 
 
-def _check_mask(attention_mask, shape) -> jax.Array:
-    """A [B, T] 0/1 mask as bool, checked (every row has a token, where concrete)."""
+def _check_mask(attention_mask, shape):
+    """A [B, T] 0/1 mask as bool (a NumPy array where concrete, checked: every row has a token)."""
     if not hasattr(attention_mask, "shape") or tuple(attention_mask.shape) != tuple(shape):
         got = tuple(attention_mask.shape) if hasattr(attention_mask, "shape") else type(attention_mask).__name__
         raise ValueError(f"attention_mask: expected shape {tuple(shape)}, got {got}")
-    mask = jnp.asarray(attention_mask).astype(bool)
-    if not isinstance(mask, jax.core.Tracer) and not bool(np.all(np.asarray(mask).any(axis=1))):
+    if isinstance(attention_mask, jax.core.Tracer):
+        return attention_mask.astype(bool)
+    mask = np.asarray(attention_mask).astype(bool)  # on the host: no compile per shape
+    if not mask.any(axis=1).all():
         raise ValueError("attention_mask: expected at least one token (a 1) in every row")
     return mask
 

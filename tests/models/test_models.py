@@ -155,16 +155,38 @@ def test_generate_greedy_equals_rerunning_full_forward(model):
     assert bool(jnp.all(jnp.argmax(logits[:, 6:-1], axis=-1) == out[:, 7:]))
 
 
-def test_generate_decode_steps_compile_once(model):
-    """A call compiles its decode step at most once, however many steps it takes (none when
-    an earlier call had the same batch and cache shapes: with only windowed attention
-    layers the caches do not depend on the length)."""
-    before = generation.decode_sample._cache_size()
-    generate(model, _ids(2, 6), 9)
-    after = generation.decode_sample._cache_size()
-    assert after <= before + 1
-    generate(model, _ids(2, 6, seed=3), 9)
-    assert generation.decode_sample._cache_size() == after
+def _compiles(fn) -> int:
+    """The XLA compilations (jitted functions and eager ops alike) that running fn() triggers."""
+    seen = []
+    listener = lambda event, _secs, **_: (
+        seen.append(event) if event == "/jax/core/compile/backend_compile_duration" else None
+    )
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        jax.block_until_ready(fn())
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    return len(seen)
+
+
+def test_generate_compiles_once_per_bucket():
+    """A prompt of another length and another max_new_tokens in the same bucket compile
+    nothing: not the prefill, not the decode step, not an eager op; the padded prompt
+    continues as the unpadded one does."""
+    model = KDAForCausalLM(
+        _config(attn={"layers": [1], "num_heads": 4, "num_kv_heads": 2}), backend="xla", rngs=nnx.Rngs(0)
+    )
+    assert generation.buckets(5, 9) == generation.buckets(13, 20) == (16, 64)
+    ids = np.random.default_rng(0).integers(0, VOCAB, (2, 13), np.int32)  # NumPy: no compile in the test itself
+    assert _compiles(lambda: generate(model, ids[:, :5], 9)) > 0
+    assert _compiles(lambda: generate(model, ids, 20)) == 0
+    assert _compiles(lambda: generate(model, ids[:, :11], 7, attention_mask=np.ones((2, 11), np.int32))) == 0
+    out = generate(model, ids, 6)
+    assert np.array_equal(np.stack(list(generation.stream(model, ids, 6)), axis=1), out[:, 13:])
+    with pytest.raises(ValueError, match=r"options: expected generate\(\)'s keywords"):
+        generation.stream(model, ids, 6, temp=0.5)
+    logits = model(out[:, :-1])
+    assert bool(jnp.all(jnp.argmax(logits[:, 12:], axis=-1) == out[:, 13:]))
 
 
 def test_generate_eos_and_sampling(model):
