@@ -8,6 +8,7 @@ call after the first against the same call under ``jax.jit``; for generate(), it
 
 from __future__ import annotations
 
+import sys
 import time
 
 import jax
@@ -70,5 +71,7 @@ def register(sub) -> None:
 
 
 def _command(ns, parser) -> int:
+    if not ns.json:
+        print("kdax bench eager: compiling each call, then timing it eager and jitted...", file=sys.stderr, flush=True)
     rows = run(ns.repeats)
     return flags.emit(ns, flags.meta(ns), "eager", rows, format_table(rows))
