@@ -135,7 +135,8 @@ def save_pretrained(model: KDAForCausalLM, directory: str) -> None:
         return
     os.makedirs(directory, exist_ok=True)
     name = model.architecture() if isinstance(model, hybrids.HubCausalLM) else type(model).__name__
-    config = {**model.config.to_dict(), "architectures": [name]}
+    fields = model.config.config_json() if hasattr(model.config, "config_json") else model.config.to_dict()
+    config = {**fields, "architectures": [name]}
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
     safetensors.numpy.save_file(tensors, os.path.join(directory, "model.safetensors"))

@@ -72,6 +72,9 @@ class _MLAMoEConfig:
     LAYER_TYPES: ClassVar[tuple[str, ...]] = LAYER_TYPES  # (softmax attention, KDA)
     LEGACY_LAYER_TYPES: ClassVar[dict[str, str]] = _LEGACY_LAYER_TYPES
     MIN_ROPE_HEAD_DIM: ClassVar[int] = 1
+    # fields its hub config.json writes under their alias (what readers without transformers'
+    # attribute_map, such as vLLM's own config classes, expect)
+    HUB_ALIASED: ClassVar[tuple[str, ...]] = ()
 
     @property
     def qk_head_dim(self) -> int:
@@ -187,6 +190,11 @@ class _MLAMoEConfig:
         """
         return {"model_type": self.MODEL_TYPE, **dataclasses.asdict(self)}
 
+    def config_json(self) -> dict[str, Any]:
+        """:meth:`to_dict` under the names the family's hub config.json uses (``HUB_ALIASED``
+        fields as their aliases)."""
+        return {self.ALIASES[k] if k in self.HUB_ALIASED else k: v for k, v in self.to_dict().items()}
+
     @classmethod
     def _prepare(cls, d: dict[str, Any]) -> dict[str, Any]:
         """Turn the keys transformers handles in its ``__post_init__`` into fields (in place)."""
@@ -290,6 +298,7 @@ class KimiLinearConfig(_MLAMoEConfig):
     """
 
     MODEL_TYPE: ClassVar[str] = "kimi_linear"
+    HUB_ALIASED: ClassVar[tuple[str, ...]] = tuple(_ALIASES)  # moonshotai's config.json: num_experts, ...
 
     vocab_size: int = 163840
     hidden_size: int = 2304

@@ -113,6 +113,21 @@ def test_tensor_parallel_2_gives_the_tokens_of_generate(model):
     assert out["tokens"] == [_greedy(model, p, 6) for p in PROMPTS]
 
 
+def test_tensor_parallel_2_with_an_odd_vocabulary_gives_the_tokens_of_generate(tmp_path):
+    """A vocabulary of 127, which two devices do not divide: the plugin pads the embedding and the
+    LM head to a multiple of the tensor-parallel size and masks the padding's logits."""
+    from flax import nnx
+
+    from kdax.models import KimiLinearForCausalLM, kimi_tiny_config, save_pretrained
+
+    layers = {"layer_types": ["linear_attention", "full_attention"], "mlp_layer_types": ["dense", "sparse"]}
+    odd = KimiLinearForCausalLM(kimi_tiny_config(num_hidden_layers=2, vocab_size=127, **layers), rngs=nnx.Rngs(3))
+    save_pretrained(odd, str(tmp_path))
+    prompts = [[5, 9, 17, 33, 3, 40], [126] * 5]
+    out = _engine("tp2", prompts, 6, str(tmp_path))
+    assert out["tokens"] == [_greedy(odd, p, 6) for p in prompts]
+
+
 def _drafted_prompts(model):
     """Greedy continuations cut where vLLM's n-gram drafter's first proposal is right in its first
     token and wrong after (found by running its matcher over them)."""

@@ -54,6 +54,9 @@ class KdaxForCausalLM(nnx.Module):
         cls, config = _family(mc.hf_config)
         self.model = cls(config, rngs=nnx.Rngs(0) if rng_key is None else nnx.Rngs(rng_key))
         self.model.astype(jnp.dtype(mc.dtype))
+        # the engine's logits are the vocabulary padded to the tensor-parallel size (its runner's rule)
+        tp = vllm_config.parallel_config.tensor_parallel_size if vllm_config.parallel_config is not None else 1
+        self.vocab_width = -(-config.vocab_size // tp) * tp
         cache = vllm_config.cache_config
         spec = vllm_config.speculative_config
         self.num_spec = int(spec.num_speculative_tokens) if spec is not None else 0
@@ -145,8 +148,12 @@ class KdaxForCausalLM(nnx.Module):
         return ()
 
     def compute_logits(self, hidden):
-        """Logits [T, vocab] float32 of hidden states [T, hidden_size]."""
-        return self.model._logits(hidden)
+        """Logits [T, vocab_width] float32 of hidden states [T, hidden_size]: the vocabulary's,
+        then -inf up to the engine's width (the vocabulary padded to the tensor-parallel size),
+        which no sampling picks."""
+        logits = self.model._logits(hidden)
+        pad = self.vocab_width - logits.shape[-1]
+        return jnp.pad(logits, ((0, 0), (0, pad)), constant_values=-jnp.inf) if pad else logits
 
     # vLLM's hybrid-model interface, read from the Hugging Face config before a model exists
     @classmethod
