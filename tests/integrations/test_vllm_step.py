@@ -282,7 +282,10 @@ def test_verify_steps_run_the_recurrent_form_on_the_short_requests_alone(model, 
     assert len(paged) == len(model.model.layers) - kda_layers
 
 
-@pytest.mark.parametrize("checkpoint, heads_maps", [("kimi_a", 7), pytest.param("glm5_b", 6, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(  # slow: 170 s and more on the 2-core CI; the vllm-marked engine tests split the same way
+    "checkpoint, heads_maps",
+    [pytest.param("kimi_a", 7, marks=pytest.mark.slow), pytest.param("glm5_b", 6, marks=pytest.mark.slow)],
+)
 def test_step_split_as_the_engine_splits_it_equals_one_device(checkpoint, heads_maps):
     """Fake CPU devices, the weights placed as the plugin places them on the engine's mesh:
     - tensor parallel 2: the KDA and paged MLA ops run per shard of the heads (what the TPU

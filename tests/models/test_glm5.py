@@ -27,6 +27,7 @@ def _ids(B, T, seed=0):
     return jnp.asarray(np.random.default_rng(seed).integers(3, 128, (B, T)), jnp.int32)
 
 
+@pytest.mark.slow  # 140 s on the 2-core CI; test_hf_parity's greedy continuation keeps GLM's caches in CI
 def test_a_prompt_prefilled_in_parts_then_decoded_is_the_forward(model):
     """Parts of 29 and 12 tokens (not multiples of the pools) into one cache, then a decode step: the
     logits of the whole 42 tokens' forward, the later queries selecting among the cached pools."""

@@ -40,7 +40,7 @@ def _ids(B=2, T=70, seed=0):
     return jax.random.randint(jax.random.key(seed), (B, T), 0, 64, jnp.int32)
 
 
-@pytest.mark.parametrize("pool_size", [1, 32])
+@pytest.mark.parametrize("pool_size", [pytest.param(1, marks=pytest.mark.slow), 32])  # 1: 75 s on the CI
 def test_a_schedule_that_selects_every_key_is_dense(model, pool_size):
     """Every key selected (tokens, or whole pools and each tile's own block from its pool boundary)
     is dense attention, in the forward, with padded rows, and in generation."""

@@ -44,6 +44,7 @@ def test_documents_too_short_for_their_records_raise():
         document(held, 400, np.random.default_rng(0))
 
 
+@pytest.mark.slow  # 120 s on the 2-core CI; tests/test_train.py keeps exact resumption in CI
 def test_training_resumes_exactly(tmp_path):
     """4 steps straight equal 2 steps, a stop, a resume from the step-2 state and 2 more: the
     documents drawn after the checkpoint are the same (the batch generator's state is kept)."""
