@@ -54,3 +54,21 @@ def pytest_runtest_logreport(report):
     if path and report.failed and "PYTEST_XDIST_WORKER" not in os.environ:
         with open(path, "a") as f:
             f.write(f"\n==== {report.nodeid} ({report.when})\n{report.longreprtext}\n")
+
+
+# The modules of the longest tests (tests/multidevice's single test takes minutes), run first: with
+# --dist loadscope a module is one unit of work, and the longest units first leave no long one for
+# the end, when the other worker has nothing left to do.
+LONGEST_FIRST = (
+    "tests/multidevice/test_mesh.py",
+    "tests/ops/kda/test_chunk.py",
+    "tests/ops/kascade/test_pallas.py",
+    "tests/models/test_hf_parity.py",
+    "tests/integrations/test_vllm_step.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Order the collected tests: :data:`LONGEST_FIRST`'s modules first, the rest as collected."""
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
