@@ -111,8 +111,16 @@ def _generate(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         if not ids:
             raise ValueError("prompt: expected text that gives at least one token")
         rng = jax.random.key(ns.seed)
-        steps = generation.stream(model, np.asarray([ids], np.int32), ns.max_new_tokens, temperature=ns.temperature,
-                       top_k=ns.top_k, top_p=ns.top_p, rng=rng, kascade=kascade)  # fmt: skip
+        steps = generation.stream(
+            model,
+            np.asarray([ids], np.int32),
+            ns.max_new_tokens,
+            temperature=ns.temperature,
+            top_k=ns.top_k,
+            top_p=ns.top_p,
+            rng=rng,
+            kascade=kascade,
+        )
     except ValueError as e:
         parser.error(_flag(e))
     prompt_bucket, cache = generation.buckets(len(ids), ns.max_new_tokens)
@@ -216,11 +224,19 @@ def main(argv: list[str] | None = None) -> int:
         "--chat", action="store_true", help="wrap the prompt as a user turn in the checkpoint's chat template"
     )
     g.add_argument("--system", default=None, help="with --chat: a system message before the prompt")
-    g.add_argument("--temperature", type=flags.number(float, lambda x: x >= 0, "a float >= 0"), default=0.0,
-                   help="0: greedy; else the sampling temperature")  # fmt: skip
+    g.add_argument(
+        "--temperature",
+        type=flags.number(float, lambda x: x >= 0, "a float >= 0"),
+        default=0.0,
+        help="0: greedy; else the sampling temperature",
+    )
     g.add_argument("--top-k", type=flags.at_least(1), default=None, help="sample among the k most likely tokens")
-    g.add_argument("--top-p", type=flags.number(float, lambda x: 0 < x <= 1, "a float in (0, 1]"), default=None,
-                   help="sample within the smallest set of tokens of this probability")  # fmt: skip
+    g.add_argument(
+        "--top-p",
+        type=flags.number(float, lambda x: 0 < x <= 1, "a float in (0, 1]"),
+        default=None,
+        help="sample within the smallest set of tokens of this probability",
+    )
     g.add_argument("--seed", type=int, default=0, help="the sampling seed")
     g.add_argument("--backend", default="auto", help="the kernels' backend (auto, xla, pallas_tpu, pallas_gpu)")
     g.add_argument("--dtype", default=None, choices=flags.DTYPES, help="cast the weights (default: as stored)")
