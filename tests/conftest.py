@@ -1,16 +1,19 @@
 """Test configuration: float64 on, so the references can run as the gold standard; XLA's CPU
-backend without LLVM's optimisation passes (the suite compiles hundreds of small programs and runs
-each a few times: that cuts its time by about a third; subprocesses inherit it)."""
+backend tuned to compile fast (the suite compiles thousands of small programs and runs each a few
+times; subprocesses inherit the flags): without LLVM's optimisation passes (a third off the suite's
+time) and with the loop emitters instead of the newer fusion emitters (measured: 40% less compile
+time on the Pallas interpreter's programs, 37% on a hybrid model's)."""
 
 import os
 
-if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+for name, value in (("xla_backend_optimization_level", "0"), ("xla_cpu_use_fusion_emitters", "false")):
+    if name not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --{name}={value}".strip()
 
 import jax  # noqa: E402
-import pytest
+import pytest  # noqa: E402
 
-from kdax.ops.kda import api
+from kdax.ops.kda import api  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
 
