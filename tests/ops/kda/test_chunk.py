@@ -151,18 +151,20 @@ def test_intermediate_states_with_traced_cu_seqlens(backend):
 )
 def test_disable_recompute_changes_no_result(backend, config):
     """Outputs, states entering the chunks and every gradient (through those states as well) are
-    the same whether the backward recomputes the forward's intermediates or reads them. On xla
-    (one XLA program) and naive (nothing recomputed) bit for bit; the Pallas kernels' forward and
-    backward compile apart, and the GPU backward otherwise rebuilds v_new over blocks of key
-    columns from q and k normalised by XLA instead of in the intra kernel: equal to float32
-    rounding there (a few units of 2^-23 = 1.2e-7)."""
+    the same whether the backward recomputes the forward's intermediates or reads them. On naive
+    (nothing recomputed) bit for bit. Elsewhere equal to float32 rounding (a few units of 2^-23 =
+    1.2e-7): the Pallas kernels' forward and backward compile apart, and the GPU backward otherwise
+    rebuilds v_new over blocks of key columns from q and k normalised by XLA instead of in the
+    intra kernel; on xla the two are one program each, which XLA fuses differently (bit for bit
+    under its CPU fusion emitters, 3.4e-8 apart in dk under the loop emitters the suite compiles
+    with, tests/conftest.py)."""
     case = CASE["gate_l2_varlen_K60"]
     args, kwargs = make_inputs(case)
     kwargs["return_intermediate_states"] = True
     fn = functools.partial(kdax.chunk_kda, backend=backend, config=config)
     *outs, grads = run_with_grads(fn, args, kwargs)
     *outs_kept, grads_kept = run_with_grads(fn, args, {**kwargs, "disable_recompute": True})
-    bound = 0.0 if backend in ("xla", "naive") else 1e-6
+    bound = 0.0 if backend == "naive" else 1e-6
     for name, x, y in [
         *zip(("o", "final_state", "states"), outs, outs_kept),
         *((n, grads[n], grads_kept[n]) for n in grads),
