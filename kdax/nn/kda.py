@@ -13,11 +13,11 @@ from jax.sharding import PartitionSpec as P
 
 from kdax.nn.conv import ShortConvolution, from_previous_device, short_conv
 from kdax.nn.norm import GatedRMSNorm
-from kdax.ops.common.dispatch import PORTABLE, scoped_backend
+from kdax.ops.common.dispatch import scoped_backend
 from kdax.ops.common.sharding import Layout
 from kdax.ops.common.validation import LayoutWarning
 from kdax.ops.kda import slots as pool_slots
-from kdax.ops.kda.api import chunk_kda, fused_recurrent_kda
+from kdax.ops.kda.api import capabilities, chunk_kda, fused_recurrent_kda
 from kdax.ops.kda.context_parallel import ContextParallel
 from kdax.ops.kda.decode import MAX_TOKENS as MAX_DECODE_TOKENS
 
@@ -277,7 +277,8 @@ class KimiDeltaAttention(nnx.Module):
             backend = scoped_backend() if self.backend == "auto" else self.backend
             g = g.reshape(B, T, HV, K)
             # the recurrent op runs where its backend takes the inputs (the decode kernels: rows of few tokens)
-            takes = backend in ("auto", *PORTABLE) or (cu_seqlens is None and T <= MAX_DECODE_TOKENS)
+            caps = capabilities(backend)  # None: "auto"
+            takes = not (caps and caps.decode) or (cu_seqlens is None and T <= MAX_DECODE_TOKENS)
             if per_token:  # the recurrent form alone writes a state per token
                 backend = self.backend if takes else "xla"
                 o, final = fused_recurrent_kda(

@@ -15,6 +15,7 @@ from kdax.ops.common.dispatch import BACKENDS, OpBackends, register
 from kdax.ops.common.sharding import per_shard
 from kdax.ops.common.validation import fail
 from kdax.ops.kascade import pallas_gpu, pallas_tpu, reference, xla
+from kdax.ops.kascade.capabilities import Capabilities
 from kdax.ops.kascade.checks import (
     POOL_SIZE,
     TILE_SIZE,
@@ -26,36 +27,29 @@ from kdax.ops.kascade.checks import (
     row_lengths,
 )
 
-CONFIGS = {"xla": xla.Config, "pallas_tpu": pallas_tpu.Config, "pallas_gpu": pallas_gpu.Config}  # per-call configs
+RECORDS: dict[str, Capabilities] = {
+    c.name: c for c in (xla.CAPABILITIES, pallas_tpu.CAPABILITIES, pallas_gpu.CAPABILITIES, reference.CAPABILITIES)
+}  # every backend's capabilities, by name
+CONFIGS = {name: c.config for name, c in RECORDS.items() if c.config}  # per-call configs
 Config = xla.Config | pallas_tpu.Config | pallas_gpu.Config
-# name: (xla's core, pallas_tpu's, pallas_gpu's), each taking the same arguments
-_CORES = {
-    "anchor": (xla.kascade_anchor_xla, pallas_tpu.kascade_anchor_tpu, pallas_gpu.kascade_anchor_gpu),
-    "reuse": (xla.kascade_reuse_xla, pallas_tpu.kascade_reuse_tpu, pallas_gpu.kascade_reuse_gpu),
-    "anchor_decode": (
-        xla.kascade_anchor_decode_xla,
-        pallas_tpu.kascade_anchor_decode_tpu,
-        pallas_gpu.kascade_anchor_decode_gpu,
-    ),
-    "reuse_decode": (
-        xla.kascade_reuse_decode_xla,
-        pallas_tpu.kascade_reuse_decode_tpu,
-        pallas_gpu.kascade_reuse_decode_gpu,
-    ),
-}
 
 
 def _refuse(kernels, dtype, config, asked, **_) -> str | None:
     """Why these kernels do not take the inputs (None: they do); see OpBackends.refuse."""
-    if kernels == "pallas_gpu" and not asked and not pallas_gpu.VERIFIED_ON_GPU:
-        return "the GPU kernels are not yet verified on a GPU (kascade pallas_gpu.VERIFIED_ON_GPU)"
-    return None
+    refuse = RECORDS[kernels].refuse
+    return refuse(asked) if refuse else None
 
 
-_OPS = {
-    name: register(OpBackends(name, tuple(CONFIGS), CONFIGS, _refuse))
-    for name in ("kascade_anchor", "kascade_reuse", "kascade_anchor_decode", "kascade_reuse_decode")
-}
+def _backends(op: str) -> OpBackends:
+    """``op``'s backends: those whose record has its core."""
+    cores = tuple(name for name, c in RECORDS.items() if op in c.cores)
+    return register(
+        OpBackends(f"kascade_{op}" if op in _KASCADE else op, cores, {n: CONFIGS[n] for n in cores}, _refuse)
+    )
+
+
+_KASCADE = ("anchor", "reuse", "anchor_decode", "reuse_decode")
+_OPS = {f"kascade_{op}": _backends(op) for op in _KASCADE}
 
 
 _BTHD, _BHD, _BG = ("batch", None, "heads", None), ("batch", "heads", None), ("batch", "heads", None, None)
@@ -73,9 +67,11 @@ def _core(op: str, backend: str, auto: bool = False, cache_layout: str = "BLGD")
     shard them): ``core(q, k, v, lengths[, indices], **options)``. ``auto``: the backend is "auto"'s
     choice, so a derivative of forward-only kernels is taken through xla's core rather than refused.
     ``cache_layout``: the decode caches' ("BGLD": heads before keys)."""
-    core = _CORES[op][("xla", "pallas_tpu", "pallas_gpu").index(backend)]
-    if backend != "xla":
-        core = functools.partial(_forward_only, core, f"kascade_{op} ({backend})", _CORES[op][0] if auto else None)
+    caps = RECORDS[backend]
+    core = caps.cores[op]
+    if caps.forward_only:
+        fallback = xla.CAPABILITIES.cores[op] if auto else None
+        core = functools.partial(_forward_only, core, f"kascade_{op} ({backend})", fallback)
     roles, outs = _ROLES[op]
     if cache_layout == "BGLD":
         roles = (roles[0], _BG, _BG, *roles[3:])
@@ -99,7 +95,7 @@ def _forward_only(core, name, xla_core, *args, **static):
 def _check_common(backend, dense_output=False, dtype=None):
     if backend not in BACKENDS:
         fail("backend", f"one of {BACKENDS}", repr(backend))
-    if backend.startswith("pallas") and dtype == jnp.float64:
+    if (caps := RECORDS.get(backend)) and not caps.portable and dtype == jnp.float64:
         fail("q", f"float32 or bfloat16 inputs with backend={backend!r} (the kernels have no float64)", "float64")
     if not isinstance(dense_output, (bool, np.bool_)):
         fail("dense_output", "a bool", f"{type(dense_output).__name__} {dense_output!r}")
@@ -132,7 +128,7 @@ def _compiled(op: str, o: Options, q, k, v, lengths, indices=None, head_map=None
     """Kascade ``op`` ("anchor", "reuse", "anchor_decode", "reuse_decode") on ``o.backend``."""
     decode, anchor = op.endswith("decode"), op.startswith("anchor")
     pools = {"pool_size": o.pool_size}
-    if o.backend == "naive":
+    if RECORDS[o.backend].reference:
         if o.cache_layout == "BGLD":  # the references read the default layout
             k, v = k.swapaxes(1, 2), v.swapaxes(1, 2)
         budget = {"topk_percent": o.tenths / 10, "min_k": o.min_k, "dense_output": o.dense_output} | pools
@@ -365,16 +361,8 @@ def kascade_reuse_decode(
     return _compiled("reuse_decode", o, q, k_cache, v_cache, lengths, jnp.asarray(indices, jnp.int32), head_map)
 
 
-# DSA (GLM-5.3's indexed attention): the indexer's selection (xla's core) and the attention over it
-# (xla's, and the TPU's sparse decode token kernel over each query)
-_DSA = {
-    "index_select": register(
-        OpBackends("index_select", ("xla", "pallas_tpu"), {"xla": xla.Config, "pallas_tpu": pallas_tpu.Config})
-    ),
-    "indexed_attention": register(
-        OpBackends("indexed_attention", ("xla", "pallas_tpu"), {"xla": xla.Config, "pallas_tpu": pallas_tpu.Config})
-    ),
-}
+# DSA (GLM-5.3's indexed attention): the indexer's selection and the attention over it
+_DSA = {op: _backends(op) for op in ("index_select", "indexed_attention")}
 
 
 def index_select(
@@ -449,12 +437,12 @@ def _index_select(o, q, weights, keys, gates, ape, q_positions, lengths, key_row
     backend, config, topk, kpool, tail, scale = o
     args = (q, weights, keys, gates, ape)
     options = {"topk": topk, "kpool": kpool, "tail": tail, "scale": scale}
-    if backend == "naive":
+    caps = RECORDS[backend]
+    if caps.reference:
         return reference.naive_index_select(
             *args, **options, q_positions=q_positions, lengths=lengths, key_rows=key_rows
         )
-    core = pallas_tpu.index_select_tpu if backend == "pallas_tpu" else xla.index_select_xla
-    return core(*args, q_positions, lengths, key_rows, **options, cfg=config)
+    return caps.cores["index_select"](*args, q_positions, lengths, key_rows, **options, cfg=config)
 
 
 def indexed_attention(
@@ -493,8 +481,8 @@ def indexed_attention(
     _check_common(backend, dtype=q.dtype)
     lengths = check_indexed_call(q, k, v, indices, lengths)
     backend, config = _DSA["indexed_attention"].resolve(backend, q.dtype, config)
-    if backend == "pallas_tpu" and v.shape != k.shape:
-        fail("v", f"k's shape {tuple(k.shape)} with backend='pallas_tpu' (the decode kernel's caches)", v.shape)
+    if RECORDS[backend].kv_as_one and v.shape != k.shape:
+        fail("v", f"k's shape {tuple(k.shape)} with backend={backend!r} (the decode kernel's caches)", v.shape)
     o = (backend, config, q.shape[-1] ** -0.5 if scale is None else float(scale), v is k)
     return _indexed_attention(o, q, k, v, jnp.asarray(indices, jnp.int32), lengths)
 
@@ -502,14 +490,17 @@ def indexed_attention(
 @functools.partial(jax.jit, static_argnums=0)
 def _indexed_attention(o, q, k, v, indices, lengths):
     backend, config, scale, shared = o
-    if backend == "naive":
+    caps = RECORDS[backend]
+    if caps.reference:
         return reference.naive_indexed_attention(q, k, v, indices, scale=scale, lengths=lengths)
     args, static = (q, k, v, indices, lengths), {"scale": scale, "cfg": config}
-    if backend == "pallas_tpu":  # derivatives through xla's core (the same op)
-        kernel = functools.partial(pallas_tpu.indexed_attention_tpu, shared=shared)
-        name, xla_core = "indexed_attention (pallas_tpu)", xla.indexed_attention_xla
-        return _forward_only(kernel, name, xla_core, *args, **static)
-    return xla.indexed_attention_xla(*args, **static)
+    core = caps.cores["indexed_attention"]
+    if caps.kv_as_one:
+        core = functools.partial(core, shared=shared)
+    if caps.forward_only:  # derivatives through xla's core (the same op)
+        name, xla_core = f"indexed_attention ({backend})", xla.CAPABILITIES.cores["indexed_attention"]
+        return _forward_only(core, name, xla_core, *args, **static)
+    return core(*args, **static)
 
 
 CACHE_LAYOUTS = ("BLGD", "BGLD")

@@ -34,6 +34,7 @@ from jax.experimental.pallas import triton as pltriton
 from kdax.ops.common import dispatch
 from kdax.ops.common.arrays import LOG2E, round_up
 from kdax.ops.kascade import blocks as bl
+from kdax.ops.kascade.capabilities import Capabilities
 from kdax.ops.kascade.xla import with_decode_tail
 
 # Whether the compiled kernels have passed the shared cases' error bars on a GPU
@@ -427,3 +428,23 @@ def kascade_reuse_decode_gpu(q, k_cache, v_cache, lengths, indices, *, pool_size
         bl.pad_selection(indices, S * Ks),
     )
     return bl.decode_output(*parts, q)
+
+
+def _refuse(asked) -> str | None:
+    if not asked and not VERIFIED_ON_GPU:
+        return "the GPU kernels are not yet verified on a GPU (kascade pallas_gpu.VERIFIED_ON_GPU)"
+    return None
+
+
+CAPABILITIES = Capabilities(
+    "pallas_gpu",
+    config=Config,
+    cores={
+        "anchor": kascade_anchor_gpu,
+        "reuse": kascade_reuse_gpu,
+        "anchor_decode": kascade_anchor_decode_gpu,
+        "reuse_decode": kascade_reuse_decode_gpu,
+    },
+    forward_only=True,
+    refuse=_refuse,
+)

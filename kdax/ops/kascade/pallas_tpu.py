@@ -37,6 +37,7 @@ from jax.experimental.pallas import tpu as pltpu
 from kdax.ops.common import dispatch
 from kdax.ops.common.arrays import LOG2E, round_up
 from kdax.ops.kascade import blocks as bl
+from kdax.ops.kascade.capabilities import Capabilities
 from kdax.ops.kascade.checks import index_tail, pool_count, pool_keys, pooled_index_keys
 from kdax.ops.kascade.xla import (
     compact,
@@ -1748,3 +1749,19 @@ def _pool_decode_anchor(q, k_cache, v_cache, lengths, G, pool_size, scale, layou
         ),
     )(lengths, keep, bl.pack_decode_queries(q, G, Rq, D), kc, vc)
     return ids[:, :, 0, :NPo], parts
+
+
+CAPABILITIES = Capabilities(
+    "pallas_tpu",
+    config=Config,
+    cores={
+        "anchor": kascade_anchor_tpu,
+        "reuse": kascade_reuse_tpu,
+        "anchor_decode": kascade_anchor_decode_tpu,
+        "reuse_decode": kascade_reuse_decode_tpu,
+        "index_select": index_select_tpu,
+        "indexed_attention": indexed_attention_tpu,
+    },
+    forward_only=True,
+    kv_as_one=True,
+)

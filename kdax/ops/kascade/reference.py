@@ -19,6 +19,7 @@ import numpy as np
 from jax import lax
 
 from kdax.ops.common.arrays import masked_softmax
+from kdax.ops.kascade.capabilities import Capabilities
 from kdax.ops.kascade.checks import (
     POOL_SIZE,
     TILE_SIZE,
@@ -374,3 +375,6 @@ def naive_indexed_attention(q, k, v, indices, *, scale=None, lengths=None) -> ja
     qg, kc, vc = _cast(q, k, v, scale)
     allowed = _members(jnp.asarray(indices), S) & (jnp.arange(S) < lengths[:, None, None])
     return _attend(qg, kc, vc, allowed[:, None, None]).astype(q.dtype)
+
+
+CAPABILITIES = Capabilities("naive", portable=True, reference=True)

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from kdax.ops.common.arrays import masked_softmax
+from kdax.ops.kascade.capabilities import Capabilities
 from kdax.ops.kascade.checks import index_tail, pool_count, pool_keys, pool_scores, pooled_index_keys
 
 
@@ -389,3 +390,18 @@ def indexed_attention_xla(q, k, v, indices, lengths, *, scale, cfg):
 
     nb, NB = _query_blocks(T, 4 * B * W * (G * (D + Dv) + H), cfg)
     return _by_query_blocks(block, T, nb, NB, q, indices)
+
+
+CAPABILITIES = Capabilities(
+    "xla",
+    config=Config,
+    cores={
+        "anchor": kascade_anchor_xla,
+        "reuse": kascade_reuse_xla,
+        "anchor_decode": kascade_anchor_decode_xla,
+        "reuse_decode": kascade_reuse_decode_xla,
+        "index_select": index_select_xla,
+        "indexed_attention": indexed_attention_xla,
+    },
+    portable=True,
+)

@@ -16,18 +16,22 @@ from kdax.ops.common.dispatch import BACKENDS, OpBackends, register
 from kdax.ops.common.sharding import heads_axis, per_shard
 from kdax.ops.common.validation import LayoutWarning, check_array, check_traced, fail
 from kdax.ops.common.varlen import chunk_layout, valid_offsets
-from kdax.ops.kda import context_parallel, decode, pallas_gpu, pallas_tpu, slots, xla
+from kdax.ops.kda import context_parallel, decode, pallas_gpu, pallas_tpu, reference, slots, xla
+from kdax.ops.kda.capabilities import Capabilities
 from kdax.ops.kda.checks import check_inputs, offsets
 from kdax.ops.kda.context_parallel import ContextParallel
 from kdax.ops.kda.gate import in_op
-from kdax.ops.kda.recurrent import fused_recurrent_kda_xla
 from kdax.ops.kda.reference import naive_recurrent_kda, naive_token_states
 
-CONFIGS = {
-    "xla": xla.Config,
-    "pallas_tpu": pallas_tpu.Config,
-    "pallas_gpu": pallas_gpu.Config,
-}  # per-call kernel configs
+RECORDS: dict[str, Capabilities] = {
+    c.name: c for c in (xla.CAPABILITIES, pallas_tpu.CAPABILITIES, pallas_gpu.CAPABILITIES, reference.CAPABILITIES)
+}  # every backend's capabilities, by name
+CONFIGS = {name: c.config for name, c in RECORDS.items() if c.config}  # per-call kernel configs
+
+
+def capabilities(backend: str) -> Capabilities | None:
+    """The capability record of a KDA backend (None for "auto" or an unknown name)."""
+    return RECORDS.get(backend)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +89,7 @@ def _validate(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, o: Op
         chunk_size=o.chunk_size,
         state_v_first=o.state_v_first,
     )
-    if o.backend.startswith("pallas") and q.dtype == jnp.float64:
+    if (caps := capabilities(o.backend)) and not caps.portable and q.dtype == jnp.float64:
         fail("q", f"float32 or bfloat16 inputs with backend={o.backend!r} (the kernels have no float64)", "float64")
     HV, K = g.shape[2:]
     lower_bound = o.lower_bound
@@ -120,13 +124,8 @@ def _preprocess(q, k, g, beta, A_log, dt_bias, o: Options):
 
 def _refuse(kernels, dtype, config, asked, chunk_size=None, head_dims=(128, 128)) -> str | None:
     """Why these kernels do not take the inputs (None: they do); see OpBackends.refuse."""
-    if kernels == "pallas_gpu" and not asked and not pallas_gpu.VERIFIED_ON_GPU:
-        return "the GPU kernels are not yet verified on a GPU (pallas_gpu.VERIFIED_ON_GPU)"
-    if kernels == "pallas_gpu" and (
-        why := pallas_gpu.chunk_fits(dtype, chunk_size, config or pallas_gpu.Config(), *head_dims)
-    ):
-        return f"chunk_size={chunk_size} with {jnp.dtype(dtype)} inputs does not fit the GPU kernels: {why}"
-    return None
+    refuse = RECORDS[kernels].refuse
+    return refuse(dtype, config, asked, chunk_size, head_dims) if refuse else None
 
 
 def _refuse_recurrent(kernels, dtype, config, asked, tokens=1, packed=False, **_) -> str | None:
@@ -136,9 +135,8 @@ def _refuse_recurrent(kernels, dtype, config, asked, tokens=1, packed=False, **_
         return "packed sequences (cu_seqlens): the decode kernels take rows"
     if tokens > decode.MAX_TOKENS:
         return f"{tokens} tokens a row: the decode kernels take at most {decode.MAX_TOKENS} (use chunk_kda)"
-    if kernels == "pallas_gpu" and not asked and not pallas_gpu.DECODE_VERIFIED_ON_GPU:
-        return "the GPU decode kernel is not yet verified on a GPU (pallas_gpu.DECODE_VERIFIED_ON_GPU)"
-    return None
+    refuse = RECORDS[kernels].refuse_decode
+    return refuse(asked) if refuse else None
 
 
 _OPS = {
@@ -529,9 +527,9 @@ def _in_kernel_slots(opts: Options, q, pool, idx):
     (:func:`kdax.ops.kda.decode.in_place`), else None (the states gathered and scattered around
     the op)."""
     backend, config = _recurrent_backend(opts.backend, q, None)
-    if backend not in _DECODE_KERNELS:
+    if RECORDS[backend].decode_slots is None:
         return None
-    fits = q.shape[1] and decode.in_place(pool, _DECODE_SLOTS[backend][0], opts.state_v_first)
+    fits = q.shape[1] and decode.in_place(pool, RECORDS[backend].decode_slots[0], opts.state_v_first)
     return (backend, config) if fits else None
 
 
@@ -540,7 +538,7 @@ def _recurrent_backend(backend: str, q, cu_seqlens):
     Pallas backend asked for by name must take the inputs (ValueError otherwise)."""
     options = {"tokens": q.shape[1], "packed": cu_seqlens is not None}
     backend, config = _OPS["fused_recurrent_kda"].resolve(backend, q.dtype, **options)
-    if backend.startswith("pallas") and (why := _refuse_recurrent(backend, q.dtype, None, True, **options)):
+    if RECORDS[backend].decode and (why := _refuse_recurrent(backend, q.dtype, None, True, **options)):
         fail("backend", f"inputs the {backend} decode kernel takes, not {why}", repr(backend))
     return backend, config
 
@@ -549,7 +547,7 @@ def _call(o: Options, N, q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seq
     """Run a validated call: the naive reference as it is (it loops over concrete sequences),
     every other backend compiled once per shape and static option."""
     o = dataclasses.replace(o, scale=q.shape[-1] ** -0.5 if o.scale is None else float(o.scale))
-    if o.backend == "naive":
+    if RECORDS[o.backend].reference:
         return _apply(o, N, q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens)
     return _compiled(o, N, heads_axis(), q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens)
 
@@ -557,43 +555,30 @@ def _call(o: Options, N, q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seq
 def _core(o: Options):
     """(q, k, v, g, beta, h0, cu_seqlens, **in-core options) -> (o, final[, states entering each chunk]) of a
     backend."""
-    if o.op == "recurrent" and o.backend in _DECODE_KERNELS:
-        return functools.partial(_DECODE_KERNELS[o.backend], cfg=o.config)
+    caps = RECORDS[o.backend]
+    if o.op == "recurrent" and caps.decode:
+        return functools.partial(caps.decode, cfg=o.config)
     if o.op == "recurrent":
-        return _repeated_qk(functools.partial(fused_recurrent_kda_xla, token_states=o.token_states))
-    kernels = {
-        "xla": xla.chunk_kda_xla,
-        "pallas_tpu": pallas_tpu.chunk_kda_pallas_tpu,
-        "pallas_gpu": pallas_gpu.chunk_kda_pallas_gpu,
-    }
+        core = functools.partial(caps.cores["recurrent"], token_states=o.token_states)
+    else:
 
-    def run(q, k, v, g, beta, h0, cu, **options):
-        layout = chunk_layout(q.shape[1], o.chunk_size, cu)
-        return kernels[o.backend](
-            q,
-            k,
-            v,
-            g,
-            beta,
-            h0,
-            layout,
-            cfg=o.config,
-            disable_recompute=o.disable_recompute,
-            intermediate_states=o.return_intermediate_states,
-            **options,
-        )
+        def core(q, k, v, g, beta, h0, cu, **options):
+            layout = chunk_layout(q.shape[1], o.chunk_size, cu)
+            return caps.cores["chunk"](
+                q,
+                k,
+                v,
+                g,
+                beta,
+                h0,
+                layout,
+                cfg=o.config,
+                disable_recompute=o.disable_recompute,
+                intermediate_states=o.return_intermediate_states,
+                **options,
+            )
 
-    return _repeated_qk(run) if o.backend == "xla" else run
-
-
-_DECODE_KERNELS = {
-    "pallas_tpu": pallas_tpu.fused_recurrent_pallas_tpu,
-    "pallas_gpu": pallas_gpu.fused_recurrent_pallas_gpu,
-}
-_DECODE_SLOTS = {  # (padded K and V, the kernel on a pool in place)
-    "pallas_tpu": (pallas_tpu.decode_pads, pallas_tpu.fused_recurrent_slots_pallas_tpu),
-    "pallas_gpu": (pallas_gpu.decode_pads, pallas_gpu.fused_recurrent_slots_pallas_gpu),
-}
+    return _repeated_qk(core) if caps.repeats_qk else core
 
 
 def _decode_options(o: Options) -> decode.Options:
@@ -616,24 +601,23 @@ def _apply(o: Options, N, q, k, v, g, beta, initial_state, A_log, dt_bias, cu_se
     with ``state_v_first``; so are the states entering each chunk (``return_intermediate_states``)."""
     if o.state_v_first and initial_state is not None:
         initial_state = jnp.swapaxes(initial_state, -1, -2)
-    core = None if o.backend == "naive" else _core(o)
-    if o.op == "recurrent" and o.backend in _DECODE_KERNELS:  # the gate, norm, beta and scale in the kernel
+    caps = RECORDS[o.backend]
+    core = None if caps.reference else _core(o)
+    if o.op == "recurrent" and caps.decode:  # the gate, norm, beta and scale in the kernel
         core = functools.partial(core, opt=_decode_options(o), gate_params=(A_log, dt_bias))
         o = dataclasses.replace(
             o, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False, scale=None
         )
-    elif o.backend == "pallas_tpu":
-        core = functools.partial(core, input_dtype=q.dtype)
-    elif o.backend == "pallas_gpu":
+    elif caps.raw_inputs:
         gate = (A_log, dt_bias, o.lower_bound) if o.use_gate_in_kernel else None
-        core = functools.partial(
-            core, input_dtype=q.dtype, g_dtype=g.dtype, gate=gate, l2norm_qk=o.use_qk_l2norm_in_kernel, scale=o.scale
-        )
+        core = functools.partial(core, g_dtype=g.dtype, gate=gate, l2norm_qk=o.use_qk_l2norm_in_kernel, scale=o.scale)
         o = dataclasses.replace(o, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, scale=None)
+    if caps.input_dtype and o.op == "chunk":
+        core = functools.partial(core, input_dtype=q.dtype)
     q, k, g, beta = _preprocess(q, k, g, beta, A_log, dt_bias, o)
-    if o.backend == "naive" and o.token_states:
+    if caps.reference and o.token_states:
         out = naive_token_states(q, k, v, g, beta, scale=o.scale, initial_state=initial_state, cu_seqlens=cu_seqlens)
-    elif o.backend == "naive":
+    elif caps.reference:
         out = naive_recurrent_kda(
             q,
             k,
@@ -677,7 +661,7 @@ def _apply_slots(o: Options, heads, q, k, v, g, beta, pool, read, write, A_log, 
     types shard it. Returns (o in q's dtype, the pool)."""
     dt = jnp.promote_types(q.dtype, jnp.float32)
     kernel = functools.partial(
-        _DECODE_SLOTS[o.backend][1], opt=_decode_options(o), cfg=o.config, v_first=o.state_v_first
+        RECORDS[o.backend].decode_slots[1], opt=_decode_options(o), cfg=o.config, v_first=o.state_v_first
     )
 
     def local(q, k, v, g, beta, pool, read, write, A_log, dt_bias):

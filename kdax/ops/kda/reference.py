@@ -20,6 +20,7 @@ import numpy as np
 from jax import lax
 
 from kdax.ops.common.validation import fail
+from kdax.ops.kda.capabilities import Capabilities
 from kdax.ops.kda.checks import check_inputs, offsets
 
 _HI = lax.Precision.HIGHEST
@@ -238,3 +239,6 @@ def naive_chunk_kda(
         return _chunk_one(q, k, v, g, beta, S, chunk_size)
 
     return _run(one, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size)[:2]
+
+
+CAPABILITIES = Capabilities("naive", portable=True, reference=True)

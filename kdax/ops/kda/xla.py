@@ -25,6 +25,8 @@ from kdax.ops.common import dispatch
 from kdax.ops.common.arrays import LOG2E
 from kdax.ops.common.triangular import dyadic_levels, unit_lower_inverse
 from kdax.ops.common.varlen import ChunkLayout
+from kdax.ops.kda.capabilities import Capabilities
+from kdax.ops.kda.recurrent import fused_recurrent_kda_xla
 
 
 def _mm(eq: str, *xs: jax.Array) -> jax.Array:
@@ -403,3 +405,12 @@ def chunk_kda_xla(
     if not intermediate_states:
         return o, final
     return o, final, layout.zero_unused(jnp.moveaxis(S_in, 0, 1))
+
+
+CAPABILITIES = Capabilities(
+    "xla",
+    config=Config,
+    cores={"chunk": chunk_kda_xla, "recurrent": fused_recurrent_kda_xla},
+    repeats_qk=True,
+    portable=True,
+)

@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
 
 from kdax.ops.common.dispatch import BACKENDS, OpBackends, register
 from kdax.ops.common.sharding import heads_axis, per_shard
 from kdax.ops.common.validation import fail
-from kdax.ops.mla import pallas_tpu
-from kdax.ops.mla.items import query_block
-from kdax.ops.mla.reference import naive_paged_latent_attention
-from kdax.ops.mla.xla import paged_latent_attention_xla
+from kdax.ops.mla import pallas_tpu, reference, xla
 
-_OP = register(OpBackends("paged_latent_attention", ("pallas_tpu",), {"pallas_tpu": pallas_tpu.Config}))
+RECORDS = {c.name: c for c in (xla.CAPABILITIES, pallas_tpu.CAPABILITIES, reference.CAPABILITIES)}
+_KERNELS = tuple(n for n, c in RECORDS.items() if not c.portable)
+_OP = register(OpBackends("paged_latent_attention", _KERNELS, {n: RECORDS[n].config for n in _KERNELS}))
 _ROLES = ((None, "heads", None), None, None, None, None)
 
 
@@ -64,15 +65,8 @@ def paged_latent_attention(
         fail("seq_lens", f"ints [R = {R}]", f"{jnp.shape(seq_lens)}")
     q = jnp.pad(q, ((0, 0), (0, 0), (0, W - D)))
     backend, cfg = _OP.resolve(backend, q.dtype, config)
-    page = pages.shape[1]
-    if backend == "naive":
-        run = lambda q, *rest: naive_paged_latent_attention(q, *rest, scale=scale)
-    elif backend == "xla":
-        block_k = max(1, 512 // page) * page
-        run = lambda q, *rest: paged_latent_attention_xla(
-            q, *rest, scale=scale, block_q=query_block(T, R, q.shape[1]), block_k=block_k
-        )
-    else:
-        run = lambda q, *rest: pallas_tpu.paged_latent_attention_tpu(q, *rest, scale=scale, cfg=cfg)
+    caps = RECORDS[backend]
+    static = {"scale": scale} | ({"cfg": cfg} if caps.config else {})
+    run = functools.partial(caps.cores["paged_latent_attention"], **static)
     args = (q, pages, page_table.astype(jnp.int32), query_start_loc.astype(jnp.int32), seq_lens.astype(jnp.int32))
     return per_shard(run, args, _ROLES, (None, "heads", None), heads_axis())

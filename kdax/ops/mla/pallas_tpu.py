@@ -23,6 +23,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from kdax.ops.common import dispatch
 from kdax.ops.common.arrays import LOG2E
+from kdax.ops.common.capabilities import Capabilities
 from kdax.ops.kascade import blocks as bl
 from kdax.ops.mla.items import from_blocks, query_block, to_blocks, work_items
 
@@ -128,3 +129,6 @@ def paged_latent_attention_tpu(q, pages, page_table, query_start_loc, seq_lens, 
             interpret=pltpu.InterpretParams() if cfg.interpret else False,
         )(*it, page_table.reshape(-1).astype(jnp.int32), qb, pages)
     return from_blocks(o.reshape(nb, rows, Wd), T, H)
+
+
+CAPABILITIES = Capabilities("pallas_tpu", config=Config, cores={"paged_latent_attention": paged_latent_attention_tpu})

@@ -5,6 +5,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from kdax.ops.common.capabilities import Capabilities
+
 
 def naive_paged_latent_attention(q, pages, page_table, query_start_loc, seq_lens, *, scale):
     """Each token over its request's entries up to its position, keys and values the entries.
@@ -35,3 +37,8 @@ def naive_paged_latent_attention(q, pages, page_table, query_start_loc, seq_lens
     p = jax.nn.softmax(jnp.where(ok[:, None], s, -jnp.inf), axis=-1)
     p = jnp.where(live[:, None, None], p, 0)
     return jnp.einsum("ths,tsw->thw", p, view.astype(f))
+
+
+CAPABILITIES = Capabilities(
+    "naive", cores={"paged_latent_attention": naive_paged_latent_attention}, portable=True, reference=True
+)

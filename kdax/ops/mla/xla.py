@@ -7,14 +7,18 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from kdax.ops.mla.items import from_blocks, to_blocks, work_items
+from kdax.ops.common.capabilities import Capabilities
+from kdax.ops.mla.items import from_blocks, query_block, to_blocks, work_items
 
 
-def paged_latent_attention_xla(q, pages, page_table, query_start_loc, seq_lens, *, scale, block_q, block_k):
-    """:func:`kdax.ops.mla.api.paged_latent_attention` in XLA ops; ``block_k`` a multiple of the page."""
+def paged_latent_attention_xla(q, pages, page_table, query_start_loc, seq_lens, *, scale, block_q=None, block_k=None):
+    """:func:`kdax.ops.mla.api.paged_latent_attention` in XLA ops; ``block_k`` a multiple of the page
+    (None: the most whole pages in 512 keys, at least one), ``block_q`` None: :func:`query_block`'s."""
     T, H, Wd = q.shape
     R, M = page_table.shape
     page = pages.shape[1]
+    block_q = query_block(T, R, H) if block_q is None else block_q
+    block_k = max(1, 512 // page) * page if block_k is None else block_k
     per = block_k // page
     it = work_items(query_start_loc, seq_lens, T, block_q, block_k)
     f = jnp.promote_types(q.dtype, jnp.float32)
@@ -45,3 +49,6 @@ def paged_latent_attention_xla(q, pages, page_table, query_start_loc, seq_lens, 
     o = jnp.where((member & (l > 0))[..., None], acc / jnp.where(l > 0, l, 1)[..., None], 0)
     blocks = jnp.zeros((-(-T // block_q), rows, Wd), f).at[it.block].add(o)  # a row belongs to one item
     return from_blocks(blocks, T, H)
+
+
+CAPABILITIES = Capabilities("xla", cores={"paged_latent_attention": paged_latent_attention_xla}, portable=True)

@@ -124,7 +124,7 @@ def test_heads_per_step_with_grouped_value_heads(H, heads, monkeypatch):
 def test_backward_takes_a_steps_heads_in_lockstep_groups(monkeypatch):
     """Eight value heads a step over two q/k heads; in float32 the backward takes them four at a time
     (two groups, each with its own slice of q and k, state cotangents and token-major columns)."""
-    assert pallas_tpu._scaled(pallas_tpu.LOCKSTEP["highest"], 16, 128, 128) == 4
+    assert pallas_tpu.scaled(pallas_tpu.LOCKSTEP["highest"], 16, 128, 128) == 4
     case = Case("lockstep", T=40, B=1, H=2, HV=8, initial_state=True, lengths=None, chunk_size=16)
     fn = functools.partial(kdax.chunk_kda, backend="pallas_tpu", config=pallas_tpu.Config(heads=8))
     assert_close_to_reference(fn, case, jnp.float32)

@@ -32,6 +32,7 @@ from jax.experimental.pallas import triton as pltriton
 from kdax.ops.common.arrays import pad_last
 from kdax.ops.common.varlen import ChunkLayout
 from kdax.ops.kda import decode
+from kdax.ops.kda.capabilities import Capabilities
 from kdax.ops.kda.pallas_gpu import launch
 from kdax.ops.kda.pallas_gpu.calls import Static
 from kdax.ops.kda.pallas_gpu.kernels import QK, SUB, Gate
@@ -203,3 +204,31 @@ def fused_recurrent_slots_pallas_gpu(*args, opt: decode.Options, gate_params, cf
     (:func:`kdax.ops.kda.decode.fused_recurrent_slots`, its arguments and outputs)."""
     launch = _decode_launch(args[0], pow2(args[2].shape[-1]), cfg)
     return decode.fused_recurrent_slots(*args, opt=opt, gate_params=gate_params, v_first=v_first, dma=False, **launch)
+
+
+def _refuse(dtype, config, asked, chunk_size=None, head_dims=(128, 128)) -> str | None:
+    """Why "auto" (``asked`` False) or a call does not take these kernels (None: it does)."""
+    if not asked and not VERIFIED_ON_GPU:
+        return "the GPU kernels are not yet verified on a GPU (pallas_gpu.VERIFIED_ON_GPU)"
+    if why := chunk_fits(dtype, chunk_size, config or Config(), *head_dims):
+        return f"chunk_size={chunk_size} with {jnp.dtype(dtype)} inputs does not fit the GPU kernels: {why}"
+    return None
+
+
+def _refuse_decode(asked) -> str | None:
+    if not asked and not DECODE_VERIFIED_ON_GPU:
+        return "the GPU decode kernel is not yet verified on a GPU (pallas_gpu.DECODE_VERIFIED_ON_GPU)"
+    return None
+
+
+CAPABILITIES = Capabilities(
+    "pallas_gpu",
+    config=Config,
+    cores={"chunk": chunk_kda_pallas_gpu},
+    input_dtype=True,
+    raw_inputs=True,
+    decode=fused_recurrent_pallas_gpu,
+    decode_slots=(decode_pads, fused_recurrent_slots_pallas_gpu),
+    refuse=_refuse,
+    refuse_decode=_refuse_decode,
+)
