@@ -22,6 +22,7 @@ from kdax.models.kda import KDAForCausalLM, Segments, is_kda, row_segments
 from kdax.nn.kda import KDACache
 from kdax.ops.common import dispatch
 from kdax.ops.kda import slots as pool_slots
+from kdax.serving.pages import flat_rows, page_view, write_rows
 
 
 class Pool(NamedTuple):
@@ -129,39 +130,14 @@ def _check(model, pool: Pool, batch: Batch) -> None:
         raise ValueError(f"batch.pages: expected [N={N}, M] ints, got shape {jnp.shape(batch.pages)}")
 
 
-def page_view(pages, table):
-    """Each row's cache as a layer takes it: [N, M * page_size, ...] from pages [P, page_size, ...]
-    and the rows' page tables [N, M] (-1: no page; its entries read as zeros)."""
-    P, size = pages.shape[:2]
-    rows = jnp.take(pages, jnp.where(table < 0, P, table), axis=0, mode="fill", fill_value=0)
-    return rows.reshape(table.shape[0], table.shape[1] * size, *pages.shape[2:])
-
-
-def write_pages(pages, table, positions, keep, entries):
-    """``pages`` with each row's new entries stored at their positions.
-
-    Args:
-        pages: [P, page_size, ...].
-        table: [N, M] the rows' page tables (-1: no page).
-        positions: [N, C] the entries' positions; keep: [N, C] bool, which to store.
-        entries: [N, C, ...] in the pages' trailing shape.
-
-    Returns:
-        The pages; entries not kept, or whose page is missing, are dropped.
-    """
-    P, size = pages.shape[:2]
-    page = jnp.take_along_axis(table, jnp.clip(positions // size, 0, table.shape[1] - 1), axis=1)
-    page = jnp.where(keep & (page >= 0), page, P)  # P: dropped
-    return pages.at[page, positions % size].set(entries.astype(pages.dtype), mode="drop")
-
-
 def _store(pages, view, batch: Batch):
     """pages with each row's new entries (positions starts + t, t < counts) taken from its view."""
     N, C = batch.tokens.shape
     pos = batch.starts[:, None] + jnp.arange(C, dtype=jnp.int32)  # [N, C]
     keep = (jnp.arange(C) < batch.counts[:, None]) & (batch.slots >= 0)[:, None]
     new = jnp.take_along_axis(view, jnp.clip(pos, 0, view.shape[1] - 1).reshape(N, C, *(1,) * (view.ndim - 2)), 1)
-    return write_pages(pages, batch.pages, pos, keep, new)
+    flat = flat_rows(batch.pages, jnp.arange(N)[:, None], jnp.where(keep, pos, -1), pages.shape[1])
+    return write_rows(pages, flat, new)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4, 5), donate_argnums=(2,))

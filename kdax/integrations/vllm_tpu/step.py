@@ -47,6 +47,7 @@ from kdax.nn.hyper import HyperConnection
 from kdax.nn.kda import KDACache, KimiDeltaAttention
 from kdax.ops.common.sharding import axis_names, heads_over
 from kdax.ops.kda import slots as pool_slots
+from kdax.serving.pages import flat_rows, page_view, write_rows
 
 
 class StateSlots(NamedTuple):
@@ -288,26 +289,20 @@ def _dsa_mix(b, x, pages, table, step: _Step, shared):
     r = attn.kv_lora_rank
     if attn.indexer is not None:
         d = attn.indexer.head_dim
-        R, M = table.shape
         at = r + attn.qk_rope_head_dim
-        cols = jnp.take(pages[:, :, at : at + 2 * d], jnp.maximum(table, 0), axis=0).reshape(R, M * size, 2 * d)
+        cols = page_view(pages[:, :, at : at + 2 * d], table)  # [R, M * size, 2d]
         query_at = jnp.where(step.live, positions, -1)[None]  # padding selects nothing
         shared = attn.select(h, q_resid, cols[..., :d], cols[..., d:], query_at, step.seq_lens, step.request[None])
-    flat = table[step.request[:, None], jnp.clip(shared[0] // size, 0, table.shape[1] - 1)] * size + shared[0] % size
-    flat = jnp.where(shared[0] >= 0, flat, -1)[None]  # each selected key's row in the pages, [1, T, W]
+    flat = flat_rows(table, step.request[:, None], shared[0], size)[None]  # each selected key's row, [1, T, W]
     latent = pages[:, :, :r].reshape(1, N * size, 1, r)
     return attn.attend(h, q_nope, latent, flat), pages, shared
 
 
 def _store_entries(pages, table, entry, step: _Step):
-    """The pages [N, page, width] with the step's tokens' entries [T, <= width] (zero-padded to the
-    page's width) at their positions in their requests' pages (padding tokens dropped)."""
-    N, size, width = pages.shape
-    entry = jnp.pad(entry, ((0, 0), (0, width - entry.shape[1])))
-    column = jnp.clip(step.positions // size, 0, table.shape[1] - 1)
-    page = table[step.request, column]
-    page = jnp.where(step.live & (page >= 0), page, N)  # N: dropped
-    return pages.at[page, step.positions % size].set(entry.astype(pages.dtype), mode="drop")
+    """The pages [N, page, width] with the step's tokens' entries [T, <= width] at their positions in
+    their requests' pages (padding tokens dropped)."""
+    positions = jnp.where(step.live, step.positions, -1)
+    return write_rows(pages, flat_rows(table, step.request, positions, pages.shape[1]), entry)
 
 
 def _mix(graph, weights, x, cache, layer, step: _Step, *, num_spec: int, backend: str):
