@@ -168,9 +168,7 @@ def main(argv=None) -> int:
     import numpy as np
     from jax.experimental import topologies
 
-    sys.path.insert(0, os.path.dirname(__file__))
-    from tpu_compile_report import read_dump
-
+    from kdax.bench.llo import read_dump
     from kdax.ops.common.dispatch import building_for
 
     cls, config = _config(a)
