@@ -76,6 +76,7 @@ from kdax.ops.kascade import pallas_gpu as kascade_gpu
 from kdax.ops.kascade.checks import budget, decode_k_max, prefill_k_max
 from kdax.ops.kda import api, pallas_gpu
 from kdax.ops.kda.api import chunk_kda
+from kdax.ops.kda.shapes import BENCHMARK
 
 SMEM_LIMIT = 227 * 1024  # bytes of shared memory one H100 block may use
 ISSUE_PER_S = 132 * 4 * 1.75e9  # warp-instructions an H100 issues a second at most: 132 SMs, 4 a cycle each
@@ -145,7 +146,7 @@ def triton_modules(
     T: int, dtype, cfg: pallas_gpu.Config, fla_options: bool = False, K: int = 128, V: int = 128, chunk_size: int = 64
 ) -> list[tuple[str, str, tuple[int, int], int, int]]:
     """:func:`lowered_kernels` of the forward and backward of ``chunk_kda``, in order."""
-    B, H = 1, 16
+    B, H = BENCHMARK.B, BENCHMARK.H
     options = (
         {
             "use_gate_in_kernel": True,
@@ -374,10 +375,10 @@ COLUMNS = [
 # Per --op: its options (absent from the other op's command line) with their defaults.
 OP_OPTIONS = {
     "kda": {
-        "T": 8192,
-        "K": 128,
-        "V": 128,
-        "chunk_size": 64,
+        "T": BENCHMARK.T,
+        "K": BENCHMARK.K,
+        "V": BENCHMARK.V,
+        "chunk_size": BENCHMARK.chunk_size,
         "precision": pallas_gpu.Config.precision,
         "block_v": pallas_gpu.Config.block_v,
         "block_k": pallas_gpu.Config.block_k,
@@ -570,7 +571,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as workdir:
         if a.op == "kda":
             print(
-                f"{versions}, B=1 T={a.T} H=16 K={a.K} V={a.V} C={a.chunk_size} {a.dtype}, "
+                f"{versions}, B={BENCHMARK.B} T={a.T} H={BENCHMARK.H} K={a.K} V={a.V} C={a.chunk_size} {a.dtype}, "
                 f"precision={a.precision} block_v={cfg.block_v} block_k={cfg.block_k or 'per kernel'} "
                 f"fla_options={a.fla_options}"
             )

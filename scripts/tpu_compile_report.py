@@ -47,6 +47,7 @@ import tempfile
 import time
 
 from kdax.bench.llo import is_kernel, read_dump
+from kdax.ops.kda.shapes import BENCHMARK, DECODE_STEP
 
 CHIPS = {"v5e": "v5e:1x1", "v6e": "v6e:1x1", "tpu7x": "tpu7x:1x1x1"}
 
@@ -448,12 +449,12 @@ def peer_calls(chip: str, make) -> list[Peer]:
     import kdax
 
     out, f32 = [], jnp.float32
-    H = 32 if chip == "tpu7x" else 16
-    B, T, K = 1, 8192, 128
+    bench = dataclasses.replace(BENCHMARK, H=32) if chip == "tpu7x" else BENCHMARK  # TPU7x: two cores' worth
+    B, T, H, K = bench.B, bench.T, bench.H, bench.K
     for dtype in ("bfloat16", "float32"):
         dt = jnp.dtype(dtype)
         args = [make((B, T, H, K), dt)] * 3 + [make((B, T, H, K), f32), make((B, T, H), dt)]
-        shape = f"B=1 T={T} H={H} K=V=128"
+        shape = bench.label()
         for backend in ("pallas_tpu", "xla"):
             fwd = lambda q, k, v, g, b, backend=backend: kdax.chunk_kda(q, k, v, g, b, backend=backend)[0]
             loss = lambda *xs, fwd=fwd: jnp.sum(fwd(*xs).astype(f32) ** 2)
@@ -462,7 +463,7 @@ def peer_calls(chip: str, make) -> list[Peer]:
             out += [Peer("chunk_kda", dtype, shape, "fwd+bwd", backend, grad, args)]
         if dtype == "bfloat16":
             out += _tokamax(shape, make, H, B, T, K)
-        Bd, Hd = 64, 32  # a decode step of 64 rows, one token each
+        Bd, Hd = DECODE_STEP.B, DECODE_STEP.H  # a decode step of 64 rows, one token each
         dargs = [make((Bd, 1, Hd, K), dt)] * 3 + [make((Bd, 1, Hd, K), f32), make((Bd, 1, Hd), dt)]
         dargs.append(make((Bd, Hd, K, K), f32))
         for backend in ("pallas_tpu", "xla"):

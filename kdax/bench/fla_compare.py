@@ -38,9 +38,10 @@ import numpy as np
 
 from kdax.bench import flags
 from kdax.bench.measure import jax_batch, rel_rms, time_batches
+from kdax.ops.kda.shapes import BENCHMARK, FLA_SWEEP
 
-SHAPES = [(1, 2048), (1, 8192), (1, 32768), (8, 2048), (8, 8192), (8, 32768)]  # (B, T)
-H, K, V, CHUNK = 16, 128, 128, 64
+SHAPES = [(s.B, s.T) for s in FLA_SWEEP]  # (B, T)
+H, K, V, CHUNK = BENCHMARK.H, BENCHMARK.K, BENCHMARK.V, BENCHMARK.chunk_size
 SMALL = (1, 512, 4)  # (B, T, H) of the error check
 PROFILE_CALLS = 5  # calls traced per pass for the per-kernel profile of the first shape
 

@@ -1,6 +1,6 @@
 """``kdax bench gpu-tune``: measure the launch table of the GPU kernels (pallas_gpu.LAUNCH).
 
-At one shape (default B=1, T=8192, H=16, K=V=128 bf16, the in-op options of
+At one shape (default :data:`kdax.ops.kda.shapes.BENCHMARK`, bf16, the in-op options of
 :mod:`kdax.bench.fla_compare`), first ``block_v`` and ``block_k``, then each kernel's
 (num_warps, num_stages) in turn with the others at their best so far (coordinate
 descent), timing forward+backward (:func:`~kdax.bench.measure.time_batches`). Logs each
@@ -16,6 +16,7 @@ import json
 import sys
 
 from kdax.bench import flags
+from kdax.ops.kda.shapes import BENCHMARK
 
 BLOCK_V, BLOCK_K = (16, 32, 64), (16, 32, 64)
 WARPS, STAGES = (1, 2, 4, 8), (1, 2, 3)
@@ -24,7 +25,17 @@ WARPS, STAGES = (1, 2, 4, 8), (1, 2, 3)
 _stderr = functools.partial(print, file=sys.stderr, flush=True)
 
 
-def tune(B=1, T=8192, H=16, K=128, V=128, repeats=10, kernels=None, blocks=None, log=_stderr) -> dict:
+def tune(
+    B=BENCHMARK.B,
+    T=BENCHMARK.T,
+    H=BENCHMARK.H,
+    K=BENCHMARK.K,
+    V=BENCHMARK.V,
+    repeats=10,
+    kernels=None,
+    blocks=None,
+    log=_stderr,
+) -> dict:
     """kernels: those whose launch to sweep (default all of LAUNCH); blocks: (block_v, block_k) to
     keep instead of sweeping them. Each trial compiles forward+backward anew, so on a GPU with a
     10-minute limit per call split the sweep: blocks with kernels=(), then a few kernels at a time."""
@@ -94,7 +105,7 @@ def register(sub) -> None:
     from kdax.ops.kda import pallas_gpu
 
     p = flags.command(sub, "gpu-tune", _command, "on a CUDA GPU: measure the pallas_gpu launch table (JSON)")
-    flags.shape(p, B=1, T=8192, H=16, K=128, V=128)
+    flags.shape(p, **BENCHMARK.dims())
     p.add_argument(
         "--kernels",
         type=flags.names(("all", "none", *pallas_gpu.LAUNCH)),
