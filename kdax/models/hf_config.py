@@ -63,9 +63,49 @@ def _default_mlp_layer_types(num_hidden_layers: int, first_k_dense_replace: int)
     return ["dense" if i < first_k_dense_replace else "sparse" for i in range(num_hidden_layers)]
 
 
-class _MLAMoEConfig:
-    """What the two configs share: validation of the MLA, MoE, token and layer-type fields,
-    ``to_dict``/``from_dict`` and a hash. Subclasses are dataclasses declaring the fields."""
+@dataclasses.dataclass
+class MLAMoEConfig:
+    """The fields, checks and conversions the MLA + MoE hybrids share (Kimi Linear, Bailing, GLM-5.3):
+    each family's config is a dataclass that gives the first fields below its defaults and adds its
+    own. Names are transformers'; ``to_dict``/``from_dict`` round-trip them, aliases included.
+
+    Attributes:
+        vocab_size: the tokens.
+        hidden_size: the model width.
+        intermediate_size: the dense MLP's hidden size.
+        moe_intermediate_size: each expert's hidden size (the shared experts': this times
+            ``n_shared_experts``).
+        num_hidden_layers: the decoder layers.
+        num_attention_heads: the MLA heads.
+        num_key_value_heads: the MLA key/value heads, equal to ``num_attention_heads`` (None:
+            ``num_attention_heads``).
+        routed_scaling_factor: the routed experts' output scale.
+        q_lora_rank: None (a full query projection) or the MLA compressed query width.
+        qk_rope_head_dim: the MLA per-head width of the shared (rotary slot) key part.
+        v_head_dim: the MLA value head dim.
+        qk_nope_head_dim: the MLA per-head width of the query/key part from kv_b_proj.
+        n_group: the expert groups of the router (alias ``num_expert_group``).
+        topk_group: the groups each token routes into.
+        max_position_embeddings: the trained context (alias ``model_max_length``).
+        rms_norm_eps: the RMSNorms' epsilon.
+        pad_token_id: None or a token id.
+        bos_token_id: None or a token id.
+        eos_token_id: None, a token id or a list of token ids.
+        n_shared_experts: the always-on shared experts (alias ``num_shared_experts``).
+        output_router_logits: transformers returns the router logits, unused.
+        kv_lora_rank: the MLA compressed key/value width.
+        num_experts_per_tok: the routed experts per token (alias ``num_experts_per_token``).
+        norm_topk_prob: renormalise the top-k router weights (alias ``moe_renormalize``).
+        hidden_act: the MLPs' activation, "silu" only.
+        initializer_range: the standard deviation of the initial weights.
+        use_cache: transformers' field, unused.
+        tie_word_embeddings: the output head reuses the embeddings.
+        attention_bias: a bias on the MLA q_a/kv_a and output projections.
+        attention_dropout: transformers' attention dropout, unused.
+        mlp_layer_types: per layer "dense" or "sparse" (None: the family's default).
+        layer_types: per layer, the family's softmax-attention type or "linear_attention" (KDA)
+            (None: the family's default).
+    """
 
     MODEL_TYPE: ClassVar[str] = ""
     ALIASES: ClassVar[dict[str, str]] = _ALIASES
@@ -75,6 +115,41 @@ class _MLAMoEConfig:
     # fields its hub config.json writes under their alias (what readers without transformers'
     # attribute_map, such as vLLM's own config classes, expect)
     HUB_ALIASED: ClassVar[tuple[str, ...]] = ()
+
+    # the family gives these their defaults
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int | None
+    routed_scaling_factor: float
+    q_lora_rank: int | None
+    qk_rope_head_dim: int
+    v_head_dim: int
+    qk_nope_head_dim: int
+    n_group: int
+    topk_group: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    pad_token_id: int | None
+    bos_token_id: int | None
+    eos_token_id: int | list[int] | None
+    # the same in every family
+    n_shared_experts: int = 1
+    output_router_logits: bool = False
+    kv_lora_rank: int = 512
+    num_experts_per_tok: int = 8
+    norm_topk_prob: bool = True
+    hidden_act: str = "silu"
+    initializer_range: float = 0.02
+    use_cache: bool = True
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    attention_dropout: float = 0.0
+    mlp_layer_types: list[str] | None = None
+    layer_types: list[str] | None = None
 
     @property
     def qk_head_dim(self) -> int:
@@ -232,7 +307,7 @@ class _MLAMoEConfig:
 
 
 @dataclasses.dataclass
-class KimiLinearConfig(_MLAMoEConfig):
+class KimiLinearConfig(MLAMoEConfig):
     """Kimi Linear (moonshotai/Kimi-Linear-48B-A3B): KDA layers and NoPE MLA layers, with a dense
     MLP on the first layer and a mixture of experts on the rest.
 
@@ -244,43 +319,11 @@ class KimiLinearConfig(_MLAMoEConfig):
     ``output_router_logits``, ``pretraining_tp``, ``use_cache``, ``attention_dropout`` and
     ``max_position_embeddings`` are kept for round trips.
 
-    Attributes:
-        vocab_size: the tokens.
-        hidden_size: the model width.
-        intermediate_size: the dense MLP's hidden size.
-        moe_intermediate_size: each expert's hidden size (the shared experts': this times
-            ``n_shared_experts``).
-        num_hidden_layers: the decoder layers.
-        num_attention_heads: the MLA heads.
-        num_key_value_heads: the MLA key/value heads, equal to ``num_attention_heads`` (None:
-            ``num_attention_heads``).
-        n_shared_experts: the always-on shared experts (alias ``num_shared_experts``).
-        output_router_logits: transformers returns the router logits, unused.
-        routed_scaling_factor: the routed experts' output scale.
-        kv_lora_rank: the MLA compressed key/value width.
-        q_lora_rank: None (a full query projection) or the MLA compressed query width.
-        qk_rope_head_dim: the MLA per-head width of the shared (rotary slot) key part.
-        v_head_dim: the MLA value head dim.
-        qk_nope_head_dim: the MLA per-head width of the query/key part from kv_b_proj.
-        n_group: the expert groups of the router (alias ``num_expert_group``).
-        topk_group: the groups each token routes into.
-        num_experts_per_tok: the routed experts per token (alias ``num_experts_per_token``).
-        norm_topk_prob: renormalise the top-k router weights (alias ``moe_renormalize``).
-        hidden_act: the MLPs' activation, "silu" only.
-        max_position_embeddings: the trained context (alias ``model_max_length``), unused.
-        initializer_range: the standard deviation of the initial weights.
-        rms_norm_eps: the RMSNorms' epsilon.
-        use_cache: transformers' field, unused.
-        pad_token_id: None or a token id.
-        bos_token_id: None or a token id.
-        eos_token_id: None, a token id or a list of token ids.
-        pretraining_tp: transformers' field, unused.
-        tie_word_embeddings: the output head reuses the embeddings.
-        attention_bias: a bias on the MLA q_a/kv_a and output projections.
-        attention_dropout: transformers' attention dropout, unused.
+    Attributes (beyond :class:`MLAMoEConfig`'s MLA, MoE and token fields):
         num_local_experts: the routed experts (alias ``num_experts``).
-        mlp_layer_types: per layer "dense" or "sparse" (None: "dense" on the first layer).
-        layer_types: per layer "full_attention" (MLA) or "linear_attention" (KDA) (None: MLA on
+        pretraining_tp: transformers' field, unused.
+        mlp_layer_types: None means "dense" on the first layer.
+        layer_types: "full_attention" (MLA) or "linear_attention" (KDA) per layer (None: MLA on
             the 0-indexed layers 4, 8, 12, ...).
         linear_head_dim: the KDA head dim, at most 256.
         linear_num_heads: the KDA heads.
@@ -307,33 +350,20 @@ class KimiLinearConfig(_MLAMoEConfig):
     num_hidden_layers: int = 27
     num_attention_heads: int = 32
     num_key_value_heads: int | None = 32
-    n_shared_experts: int = 1
-    output_router_logits: bool = False
     routed_scaling_factor: float = 2.446
-    kv_lora_rank: int = 512
     q_lora_rank: int | None = None
     qk_rope_head_dim: int = 64
     v_head_dim: int = 128
     qk_nope_head_dim: int = 128
     n_group: int = 1
     topk_group: int = 1
-    num_experts_per_tok: int = 8
-    norm_topk_prob: bool = True
-    hidden_act: str = "silu"
     max_position_embeddings: int = 1048576
-    initializer_range: float = 0.02
     rms_norm_eps: float = 1e-5
-    use_cache: bool = True
     pad_token_id: int | None = 163839
     bos_token_id: int | None = 163584
     eos_token_id: int | list[int] | None = 163586
     pretraining_tp: int | None = 1
-    tie_word_embeddings: bool = False
-    attention_bias: bool = False
-    attention_dropout: float = 0.0
     num_local_experts: int = 256
-    mlp_layer_types: list[str] | None = None
-    layer_types: list[str] | None = None
     linear_head_dim: int = 128
     linear_num_heads: int = 32
     linear_conv_kernel_dim: int = 4
@@ -352,7 +382,7 @@ class KimiLinearConfig(_MLAMoEConfig):
         _int("linear_conv_kernel_dim", self.linear_conv_kernel_dim)
 
     def __hash__(self):
-        return _MLAMoEConfig.__hash__(self)
+        return MLAMoEConfig.__hash__(self)
 
     @property
     def rope_theta(self) -> None:
@@ -404,7 +434,7 @@ class KimiLinearConfig(_MLAMoEConfig):
 
 
 @dataclasses.dataclass
-class BailingHybridConfig(_MLAMoEConfig):
+class BailingHybridConfig(MLAMoEConfig):
     """Bailing hybrid (inclusionAI Ling): KDA layers with a bounded forget gate and RoPE MLA layers
     (the last layer of every ``layer_group_size``), with dense MLPs on the first
     ``first_k_dense_replace`` layers, a mixture of experts on the rest, and ``num_mtp_layers``
@@ -421,45 +451,16 @@ class BailingHybridConfig(_MLAMoEConfig):
     ``pretraining_tp``, ``use_cache``, ``attention_dropout`` and ``mtp_loss_scaling_factor`` are
     kept for round trips.
 
-    Attributes:
-        vocab_size: the tokens.
-        hidden_size: the model width.
-        intermediate_size: the dense MLP's hidden size.
-        moe_intermediate_size: each expert's hidden size (the shared experts': this times
-            ``n_shared_experts``).
+    Attributes (beyond :class:`MLAMoEConfig`'s MLA, MoE and token fields):
         num_hidden_layers: the decoder layers (the MTP layers not counted).
         num_attention_heads: the MLA heads, and the KDA heads.
-        num_key_value_heads: the MLA key/value heads, equal to ``num_attention_heads`` (None:
-            ``num_attention_heads``).
-        n_shared_experts: the always-on shared experts (alias ``num_shared_experts``).
-        output_router_logits: transformers returns the router logits, unused.
-        routed_scaling_factor: the routed experts' output scale.
-        kv_lora_rank: the MLA compressed key/value width.
-        q_lora_rank: None (a full query projection) or the MLA compressed query width.
         qk_rope_head_dim: the MLA per-head rotary width (transformers' ``head_dim`` after init).
-        v_head_dim: the MLA value head dim.
-        qk_nope_head_dim: the MLA per-head width of the query/key part without RoPE.
-        n_group: the expert groups of the router (alias ``num_expert_group``).
-        topk_group: the groups each token routes into.
-        num_experts_per_tok: the routed experts per token (alias ``num_experts_per_token``).
+        max_position_embeddings: transformers' rotary cache starts at this length.
         first_k_dense_replace: the leading layers with a dense MLP (gives ``mlp_layer_types``
             when that is None).
-        norm_topk_prob: renormalise the top-k router weights (alias ``moe_renormalize``).
-        hidden_act: the MLPs' activation, "silu" only.
-        max_position_embeddings: the trained context (alias ``model_max_length``); transformers'
-            rotary cache starts at this length.
-        initializer_range: the standard deviation of the initial weights.
-        rms_norm_eps: the RMSNorms' epsilon.
-        use_cache: transformers' field, unused.
-        pad_token_id: None or a token id.
-        bos_token_id: None or a token id.
-        eos_token_id: None, a token id or a list of token ids.
         pretraining_tp: transformers' field, unused.
-        tie_word_embeddings: the output head reuses the embeddings.
         rope_parameters: the MLA RoPE, {"rope_type": "default", "rope_theta": ...} only (None:
             built from ``rope_theta``; a missing "rope_theta" is filled from ``rope_theta``).
-        attention_bias: a bias on the MLA q_a/kv_a and output projections.
-        attention_dropout: transformers' attention dropout, unused.
         num_mtp_layers: the multi-token-prediction layers after the decoder (alias
             ``num_nextn_predict_layers``).
         num_local_experts: the routed experts (alias ``num_experts``).
@@ -470,8 +471,6 @@ class BailingHybridConfig(_MLAMoEConfig):
             ``layer_types`` when that is None).
         kda_safe_gate: the KDA forget gate is bounded below by ``kda_lower_bound``.
         kda_lower_bound: the (negative) lower bound of the KDA log forget gate.
-        layer_types: per layer "full_attention" (MLA) or "linear_attention" (KDA).
-        mlp_layer_types: per layer "dense" or "sparse".
         mtp_loss_scaling_factor: the weight of the MTP loss in pretraining, unused.
 
     Raises:
@@ -493,32 +492,21 @@ class BailingHybridConfig(_MLAMoEConfig):
     num_hidden_layers: int = 42
     num_attention_heads: int = 32
     num_key_value_heads: int | None = 32
-    n_shared_experts: int = 1
-    output_router_logits: bool = False
     routed_scaling_factor: float = 2.5
-    kv_lora_rank: int = 512
     q_lora_rank: int | None = None
     qk_rope_head_dim: int = 64
     v_head_dim: int = 128
     qk_nope_head_dim: int = 128
     n_group: int = 8
     topk_group: int = 4
-    num_experts_per_tok: int = 8
     first_k_dense_replace: int = 2
-    norm_topk_prob: bool = True
-    hidden_act: str = "silu"
     max_position_embeddings: int = 262144
-    initializer_range: float = 0.02
     rms_norm_eps: float = 1e-6
-    use_cache: bool = True
     pad_token_id: int | None = 156892
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = 156895
     pretraining_tp: int | None = 1
-    tie_word_embeddings: bool = False
     rope_parameters: dict | None = None
-    attention_bias: bool = False
-    attention_dropout: float = 0.0
     num_mtp_layers: int = 1
     num_local_experts: int = 512
     rope_theta: float = 6_000_000.0
@@ -527,8 +515,6 @@ class BailingHybridConfig(_MLAMoEConfig):
     layer_group_size: int = 6
     kda_safe_gate: bool = True
     kda_lower_bound: float = -5.0
-    layer_types: list[str] | None = None
-    mlp_layer_types: list[str] | None = None
     mtp_loss_scaling_factor: float = 0.0
 
     def __post_init__(self):
@@ -579,7 +565,7 @@ class BailingHybridConfig(_MLAMoEConfig):
         self.rope_theta = rope["rope_theta"]  # the one transformers' rotary embedding reads
 
     def __hash__(self):
-        return _MLAMoEConfig.__hash__(self)
+        return MLAMoEConfig.__hash__(self)
 
     @property
     def linear_head_dim(self) -> int:
@@ -616,7 +602,7 @@ class BailingHybridConfig(_MLAMoEConfig):
 
 
 @dataclasses.dataclass
-class Glm5NextConfig(_MLAMoEConfig):
+class Glm5NextConfig(MLAMoEConfig):
     """GLM-5.3-Flash (transformers' ``glm5_next``): KDA layers with the bounded gate and NoPE MLA
     layers with a DSA indexer ("indexed_attention"), hyper-connections of ``hc_mult`` residual
     streams around every sublayer, dense MLPs and a mixture of experts with a SwiGLU clamp.
@@ -632,7 +618,7 @@ class Glm5NextConfig(_MLAMoEConfig):
     tower's config and the multimodal token ids are kept for round trips (kdax runs the text
     model); :meth:`to_dict` writes the multimodal form transformers' ``Glm5NextConfig`` reads.
 
-    Attributes (beyond :class:`KimiLinearConfig`'s MLA, MoE and token fields):
+    Attributes (beyond :class:`MLAMoEConfig`'s MLA, MoE and token fields):
         n_routed_experts: the routed experts (:attr:`num_local_experts`).
         layer_types: per layer "indexed_attention" (MLA with the DSA indexer) or
             "linear_attention" (KDA) (None: MLA on the 0-indexed layers 3, 7, 11, ...).
@@ -692,30 +678,19 @@ class Glm5NextConfig(_MLAMoEConfig):
     num_hidden_layers: int = 45
     num_attention_heads: int = 64
     num_key_value_heads: int | None = 64
-    n_shared_experts: int = 1
     n_routed_experts: int = 288
-    num_experts_per_tok: int = 8
     routed_scaling_factor: float = 2.5
     n_group: int = 1
     topk_group: int = 1
-    norm_topk_prob: bool = True
-    kv_lora_rank: int = 512
     q_lora_rank: int | None = 1536
     qk_rope_head_dim: int = 0
     qk_nope_head_dim: int = 256
     v_head_dim: int = 256
-    hidden_act: str = "silu"
     max_position_embeddings: int = 1048576
-    initializer_range: float = 0.02
     rms_norm_eps: float = 1e-5
-    use_cache: bool = True
     pad_token_id: int | None = 154820
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
-    attention_bias: bool = False
-    attention_dropout: float = 0.0
-    mlp_layer_types: list[str] | None = None
-    layer_types: list[str] | None = None
     indexer_types: list[str] | None = None
     index_topk: int = 2048
     index_head_dim: int = 128
@@ -731,8 +706,6 @@ class Glm5NextConfig(_MLAMoEConfig):
     hc_eps: float = 1e-6
     hc_sinkhorn_iters: int = 20
     router_aux_loss_coef: float = 0.001
-    output_router_logits: bool = False
-    tie_word_embeddings: bool = False
     vision_config: dict | None = None
     image_token_id: int = 154854
     video_token_id: int = 154855
@@ -804,7 +777,7 @@ class Glm5NextConfig(_MLAMoEConfig):
                     )
 
     def __hash__(self):
-        return _MLAMoEConfig.__hash__(self)
+        return MLAMoEConfig.__hash__(self)
 
     @property
     def num_local_experts(self) -> int:
