@@ -57,14 +57,10 @@ class Options:
     check_offsets: bool = False  # traced cu_seqlens under kdax.debug_checks(): checkify.check them
     token_states: bool = False  # a third output: the state after each token (per-token slots)
 
-    @classmethod
-    def of(cls, op: str, args: dict) -> Options:
-        """The options among a public op's arguments (its ``locals()``; one it lacks is None)."""
-        names = [f.name for f in dataclasses.fields(cls) if f.name not in _INTERNAL]
-        return cls(op=op, **{n: args.get(n) for n in names}, check_offsets=check_traced(args["cu_seqlens"]))
-
-    def keywords(self) -> dict:  # as chunk_kda takes them
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in _INTERNAL}
+    def keywords(self) -> dict:
+        """The options as the public op (``op``'s: chunk_kda or fused_recurrent_kda) takes them."""
+        skip = _INTERNAL + (("chunk_size", "config") if self.op == "recurrent" else ())
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in skip}
 
 
 _INTERNAL = ("op", "check_offsets", "token_states")  # Options that are no public op's arguments
@@ -285,9 +281,27 @@ def chunk_kda(
             stacklevel=2,
         )
     cu_seqlens = offsets(cu_seqlens)
+    opts = Options(
+        op="chunk",
+        backend=backend,
+        config=config,
+        scale=scale,
+        output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        use_gate_in_kernel=use_gate_in_kernel,
+        lower_bound=lower_bound,
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+        allow_neg_eigval=allow_neg_eigval,
+        safe_gate=safe_gate,
+        disable_recompute=disable_recompute,
+        return_intermediate_states=return_intermediate_states,
+        state_v_first=state_v_first,
+        chunk_size=chunk_size,
+        check_offsets=check_traced(cu_seqlens),
+    )
     if ssm_state_indices is not None:
-        return _slotted("chunk", locals())
-    opts = Options.of("chunk", locals())
+        arrays = (q, k, v, g, beta, initial_state, ssm_state_indices, None, cu_seqlens, A_log, dt_bias)
+        return _slotted(opts, *arrays, context_parallel=context_parallel)
     if context_parallel is not None:
         return _context_parallel(context_parallel, opts, q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias)
     N = _validate(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, opts)
@@ -469,9 +483,26 @@ def fused_recurrent_kda(
     """
     cu_seqlens, state_v_first = _fla_names(cu_seqlens, cu_seqlens_cpu, None, state_v_first, transpose_state_layout)
     cu_seqlens = offsets(cu_seqlens)
+    opts = Options(
+        op="recurrent",
+        backend=backend,
+        scale=scale,
+        output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        use_gate_in_kernel=use_gate_in_kernel,
+        lower_bound=lower_bound,
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+        allow_neg_eigval=allow_neg_eigval,
+        safe_gate=safe_gate,
+        disable_recompute=disable_recompute,
+        return_intermediate_states=return_intermediate_states,
+        state_v_first=state_v_first,
+        chunk_size=None,
+        check_offsets=check_traced(cu_seqlens),
+    )
     if ssm_state_indices is not None:
-        return _slotted("recurrent", locals())
-    opts = Options.of("recurrent", locals())
+        arrays = (q, k, v, g, beta, initial_state, ssm_state_indices, num_accepted_tokens, cu_seqlens, A_log, dt_bias)
+        return _slotted(opts, *arrays)
     N = _validate(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, opts)
     backend, config = _recurrent_backend(backend, q, cu_seqlens)
     opts = dataclasses.replace(
@@ -480,16 +511,14 @@ def fused_recurrent_kda(
     return _call(opts, N, q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens)
 
 
-def _slotted(op: str, args: dict):
-    """A public op's call with ``ssm_state_indices`` (``args``: its ``locals()``): a decode kernel
-    on the pool in place where it takes it, else each sequence's state read from the pool, the op
-    run as without slots, the states written back (:mod:`kdax.ops.kda.slots`). Returns the op's
-    outputs with the updated pool second."""
-    q, k, v, g, beta = (args[n] for n in ("q", "k", "v", "g", "beta"))
-    pool, idx, cu = args["initial_state"], args["ssm_state_indices"], args["cu_seqlens"]
-    accepted = args.get("num_accepted_tokens")
-    opts = dataclasses.replace(Options.of(op, args), output_final_state=True)
-    N = _validate(q, k, v, g, beta, None, args["A_log"], args["dt_bias"], cu, opts)
+def _slotted(opts: Options, q, k, v, g, beta, pool, idx, accepted, cu, A_log, dt_bias, context_parallel=None):
+    """A public op's call (``opts.op``) with state slots ``idx`` of ``pool`` (``accepted``: the
+    recurrent op's num_accepted_tokens): a decode kernel on the pool in place where it takes it,
+    else each sequence's state read from the pool, the op run as without slots, the states written
+    back (:mod:`kdax.ops.kda.slots`). Returns the op's outputs with the updated pool second."""
+    op = opts.op
+    opts = dataclasses.replace(opts, output_final_state=True)
+    N = _validate(q, k, v, g, beta, None, A_log, dt_bias, cu, opts)
     HV, V, K = *v.shape[2:], q.shape[-1]
     lengths = None if isinstance(cu, jax.core.Tracer) else np.full(N, q.shape[1]) if cu is None else np.diff(cu)
     state = (HV, V, K) if opts.state_v_first else (HV, K, V)
@@ -499,11 +528,13 @@ def _slotted(op: str, args: dict):
             opts, backend=fast[0], config=fast[1], scale=K**-0.5 if opts.scale is None else opts.scale
         )
         read, write = slots.kernel_tables(pool.shape[0], idx, accepted, q.shape[1])
-        return _compiled_slots(o, heads_axis(), q, k, v, g, beta, pool, read, write, args["A_log"], args["dt_bias"])
+        return _compiled_slots(o, heads_axis(), q, k, v, g, beta, pool, read, write, A_log, dt_bias)
     h0 = slots.read(pool, idx, accepted)
     if idx.ndim == 1:
-        skip = ("q", "k", "v", "g", "beta", "initial_state", "output_final_state", "ssm_state_indices")
-        keywords = {n: x for n, x in args.items() if n not in (*skip, "num_accepted_tokens")}
+        keywords = {n: x for n, x in opts.keywords().items() if n != "output_final_state"}
+        keywords.update(cu_seqlens=cu, A_log=A_log, dt_bias=dt_bias)
+        if op == "chunk":
+            keywords["context_parallel"] = context_parallel
         run = chunk_kda if op == "chunk" else fused_recurrent_kda
         with warnings.catch_warnings():  # the caller's call warned already
             warnings.simplefilter("ignore", LayoutWarning)
@@ -518,7 +549,7 @@ def _slotted(op: str, args: dict):
         return_intermediate_states=False,
         token_states=True,
     )
-    o, _, states = _call(opts, N, q, k, v, g, beta, h0, args["A_log"], args["dt_bias"], cu)
+    o, _, states = _call(opts, N, q, k, v, g, beta, h0, A_log, dt_bias, cu)
     return o, slots.write_tokens(pool, idx, states, cu)
 
 
