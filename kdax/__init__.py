@@ -18,7 +18,7 @@ from kdax.ops.kda.gate import beta_activation, kda_gate, l2norm
 from kdax.ops.kda.reference import naive_chunk_kda, naive_recurrent_kda
 from kdax.ops.mla.api import paged_latent_attention
 
-__version__ = "0.6.0"
+__version__ = "0.7.0"
 
 __all__ = [
     "ContextParallel",
