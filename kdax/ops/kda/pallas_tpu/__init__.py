@@ -17,6 +17,11 @@ GPU kernels). Two kernel pipelines compute the forward (docs/kda_tpu.md):
   on chip (default);
 - ``staged``: intra-chunk kernel -> state kernel -> output kernel, through HBM.
 
+Precision (``Config.precision``, docs/kda_tpu.md, Precision): "auto" runs "bf16" for bfloat16
+inputs (bulk matmuls on bfloat16 operands with float32 accumulation, the triangular inverse's on
+two bfloat16 parts of each operand) and "highest" otherwise (float32 as six bfloat16 passes); the
+0/1 sums (exponents, cumsums) take three bfloat16 parts, exact, in every mode.
+
 Off TPU the kernels run in the Pallas TPU interpreter (for tests; slow). The recurrent form's
 decode kernel (``fused_recurrent_kda``) is :mod:`kdax.ops.kda.decode`'s, launched here.
 
