@@ -224,7 +224,7 @@ def chunk_kda(
         disable_recompute: the backward reads the forward's intermediates instead of recomputing
             them: more memory, for speed where recomputing costs more than reading (what each
             backend keeps, and the xla backend's measured trade: docs/kda_xla.md). Changes no
-            result (xla: bit for bit; the Pallas kernels: to float32 rounding).
+            result beyond float32 rounding (xla: bit for bit under XLA's default CPU emitters).
         return_intermediate_states: return a third output, FLA's ``h``: the state entering each
             chunk. Differentiable (gradients flow through it), unlike FLA's inference-only ``h``.
         state_v_first: initial, final and intermediate states as [.., V, K] instead of [.., K, V].
